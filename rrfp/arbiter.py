@@ -1,0 +1,354 @@
+"""The ready-set arbiter: which action one pipeline rank runs next.
+
+Pure Python and free of torch.distributed, so the runtime (``rrfp.schedule``) and the
+simulator (``rrfp.sim``) drive this very class. It knows the rank's streams, what is done,
+which messages have arrived and the backpressure state, and answers "what runs next?"
+in O(streams).
+
+Correctness rests on one rule: an action may run only at the head of each of its streams
+(per stage: forwards; input-gradient backwards B/I; weight-gradient accumulations B/W).
+So every channel carries messages in an order both ends know, and gradients accumulate
+in the hint's order: RRFP's results are bitwise those of the fixed schedule. Only the
+interleaving of streams is decided at run time, by a policy (``rrfp.policy``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+
+from rrfp.hints import (
+    _Action,
+    Edge,
+    F,
+    Hint,
+    I,
+    INPUT_GRAD_KINDS,
+    REDUCE_GRAD,
+    W,
+    WEIGHT_GRAD_KINDS,
+)
+from rrfp.policy import FixedOrder, make_policy, Policy
+
+Kind = str  # "F", "BI" (B or I), "W", "R" (REDUCE_GRAD)
+
+
+@dataclass(eq=False)
+class Node:
+    """One action of the rank's hint, with what it waits for."""
+
+    index: int
+    """Position in the rank's hint order (its rank: lower runs first when both ready)."""
+    action: _Action
+    kind: Kind
+    streams: tuple[int, ...]
+    message: tuple[Edge, int] | None
+    """The remote message (edge, microbatch) it consumes, if any."""
+    deps: tuple[int, ...]
+    """Indices of this rank's actions that must be done first."""
+
+    @property
+    def stage(self) -> int:
+        return self.action.stage_index
+
+    @property
+    def microbatch(self) -> int | None:
+        return self.action.microbatch_index
+
+
+@dataclass(frozen=True)
+class Wait:
+    """Why a stream head cannot run yet."""
+
+    action: _Action
+    reason: str
+    peer_stage: int | None = None
+    peer_rank: int | None = None
+    """Pipeline rank (index in the PP group) the message comes from."""
+
+    def __str__(self) -> str:
+        return f"{describe(self.action)} waits for {self.reason}"
+
+
+def describe(action: _Action) -> str:
+    """``stage 1 F microbatch 0``: how errors and logs name an action."""
+    text = f"stage {action.stage_index} {action.computation_type.value}"
+    if action.microbatch_index is not None:
+        text += f" microbatch {action.microbatch_index}"
+    return text
+
+
+def _kind_of(action: _Action) -> Kind:
+    ctype = action.computation_type
+    if ctype == F:
+        return "F"
+    if ctype in INPUT_GRAD_KINDS:
+        return "BI"
+    if ctype == W:
+        return "W"
+    if ctype == REDUCE_GRAD:
+        return "R"
+    raise ValueError(f"the arbiter does not run {action}")
+
+
+class Arbiter:
+    """Ready-set bookkeeping and choice for one rank during one step.
+
+    ``limits``: per-stage cap on forwards done minus backwards (B/I) done, i.e. on
+    activations held; ``None`` for no cap (forward-only steps).
+    """
+
+    def __init__(
+        self,
+        hint: Hint,
+        rank: int,
+        *,
+        limits: Mapping[int, int] | None = None,
+        policy: Policy | None = None,
+    ):
+        self.hint = hint
+        self.rank = rank
+        self.limits = dict(limits) if limits is not None else None
+        self.policy = policy if policy is not None else make_policy(hint.policy)
+        actions = hint.orders[rank]
+        position = {(a.stage_index, a.computation_type, a.microbatch_index): i
+                    for i, a in enumerate(actions)}
+        local = set(hint.stages_on(rank))
+
+        def find(stage: int, kinds, mb: int | None) -> int:
+            for kind in kinds:
+                if (stage, kind, mb) in position:
+                    return position[(stage, kind, mb)]
+            raise ValueError(f"hint has no {'/'.join(k.value for k in kinds)} for stage {stage} mb {mb}")
+
+        stream_ids: dict[tuple, int] = {}
+        members: list[list[int]] = []
+
+        def stream(key: tuple) -> int:
+            if key not in stream_ids:
+                stream_ids[key] = len(members)
+                members.append([])
+            return stream_ids[key]
+
+        last_weight_grad: dict[int, int] = {}
+        self.nodes: list[Node] = []
+        for i, a in enumerate(actions):
+            kind = _kind_of(a)
+            s, m, ctype = a.stage_index, a.microbatch_index, a.computation_type
+            streams: list[int] = []
+            deps: list[int] = []
+            message = None
+            if kind == "F":
+                streams.append(stream((s, "F")))
+                if s > 0:
+                    if s - 1 in local:
+                        deps.append(find(s - 1, (F,), m))
+                    else:
+                        message = (Edge(s - 1, s), m)
+            elif kind == "BI":
+                streams.append(stream((s, "BI")))
+                deps.append(find(s, (F,), m))
+                if s < hint.num_stages - 1:
+                    if s + 1 in local:
+                        deps.append(find(s + 1, tuple(INPUT_GRAD_KINDS), m))
+                    else:
+                        message = (Edge(s + 1, s), m)
+            elif kind == "W":
+                deps.append(find(s, (I,), m))
+            else:  # REDUCE_GRAD: after the stage's last weight-gradient action
+                streams.append(stream(("R",)))
+                if s in last_weight_grad:
+                    deps.append(last_weight_grad[s])
+            if ctype in WEIGHT_GRAD_KINDS:
+                streams.append(stream((s, "GRAD")))
+                last_weight_grad[s] = i
+            for sid in streams:
+                members[sid].append(i)
+            self.nodes.append(Node(i, a, kind, tuple(streams), message, tuple(deps)))
+
+        self._streams = members
+        self._index_of = {n.action: n.index for n in self.nodes}
+        self._heads = [0] * len(members)
+        self._done = [False] * len(self.nodes)
+        self._arrived: set[tuple[Edge, int]] = set()
+        self._remaining = len(self.nodes)
+        self.first_undone = 0
+        self.in_flight = {s: 0 for s in local}
+        self.peak_in_flight = {s: 0 for s in local}
+        self._forwards_left = {s: sum(1 for n in self.nodes if n.kind == "F" and n.stage == s)
+                               for s in local}
+        self.backpressure_entries = {s: 0 for s in local}
+        self.out_of_order = 0
+        self.realized: list[_Action] = []
+
+    # ----------------------------------------------------------------- queries
+    @property
+    def finished(self) -> bool:
+        return self._remaining == 0
+
+    def is_done(self, index: int) -> bool:
+        return self._done[index]
+
+    def stream_heads(self) -> list[Node]:
+        return [
+            self.nodes[members[head]]
+            for members, head in zip(self._streams, self._heads)
+            if head < len(members)
+        ]
+
+    def _blocked_by(self, node: Node) -> Wait | None:
+        """The first thing ``node`` waits for, or None if it may run now."""
+        for sid in node.streams:
+            head = self._streams[sid][self._heads[sid]]
+            if head != node.index:
+                return Wait(node.action, f"{describe(self.nodes[head].action)} to run first (stream order)")
+        for dep in node.deps:
+            if not self._done[dep]:
+                return Wait(node.action, f"{describe(self.nodes[dep].action)} on this rank")
+        if node.message is not None and node.message not in self._arrived:
+            edge, _ = node.message
+            what = "input activation" if edge.is_forward else "output gradient"
+            peer = self.hint.stage_to_rank[edge.src]
+            return Wait(node.action, f"its {what} from stage {edge.src} on pipeline rank {peer}",
+                        peer_stage=edge.src, peer_rank=peer)
+        if node.kind == "F" and self.limits is not None:
+            limit = self.limits[node.stage]
+            if self.in_flight[node.stage] >= limit:
+                return Wait(node.action, f"a backward of stage {node.stage} (backpressure: "
+                            f"{self.in_flight[node.stage]} forwards in flight, limit {limit})")
+        return None
+
+    def ready(self) -> list[Node]:
+        """Actions that may run now, in hint order."""
+        return sorted(
+            (n for n in self.stream_heads() if self._blocked_by(n) is None),
+            key=lambda n: n.index,
+        )
+
+    def waits(self) -> list[Wait]:
+        """What every blocked stream head waits for (for stall reports)."""
+        return [w for n in sorted(self.stream_heads(), key=lambda n: n.index)
+                if (w := self._blocked_by(n)) is not None]
+
+    # ----------------------------------------------------------------- updates
+    def choose(self) -> _Action | None:
+        """The action to run next, or None when nothing may run now."""
+        ready = self.ready()
+        if not ready:
+            return None
+        reduce = [n for n in ready if n.kind == "R"]
+        # Gradient reduction first: it is cheap to issue and its fixed stage order is
+        # what keeps data-parallel collectives matched across replicas.
+        chosen = reduce[0] if reduce else self.policy.choose(ready, self)
+        return chosen.action if chosen is not None else None
+
+    def deliver(self, edge: Edge, microbatch: int) -> None:
+        """A message on ``edge`` for ``microbatch`` has arrived."""
+        self._arrived.add((edge, microbatch))
+
+    def complete(self, action: _Action) -> None:
+        """``action`` (returned by ``choose``) has run."""
+        node = self._node_of(action)
+        if self._done[node.index] or self._blocked_by(node) is not None:
+            raise RuntimeError(f"{action} completed out of turn on rank {self.rank}")
+        self._done[node.index] = True
+        self._remaining -= 1
+        for sid in node.streams:
+            self._heads[sid] += 1
+        if node.index != self.first_undone and node.kind != "R":
+            self.out_of_order += 1
+        while self.first_undone < len(self.nodes) and self._done[self.first_undone]:
+            self.first_undone += 1
+        self.realized.append(action)
+        if node.kind == "F":
+            s = node.stage
+            self.in_flight[s] += 1
+            self._forwards_left[s] -= 1
+            self.peak_in_flight[s] = max(self.peak_in_flight[s], self.in_flight[s])
+            if (self.limits is not None and self._forwards_left[s] > 0
+                    and self.in_flight[s] == self.limits[s]):
+                self.backpressure_entries[s] += 1
+        elif node.kind == "BI":
+            self.in_flight[node.stage] -= 1
+
+    def messages_sent_by(self, action: _Action) -> list[Edge]:
+        """Remote edges ``action`` sends a message on once it has run."""
+        s, ctype = action.stage_index, action.computation_type
+        if ctype == F:
+            edge = Edge(s, s + 1)
+        elif ctype in INPUT_GRAD_KINDS:
+            edge = Edge(s, s - 1)
+        else:
+            return []
+        in_range = 0 <= edge.dst < self.hint.num_stages
+        if in_range and self.hint.stage_to_rank[edge.dst] != self.rank:
+            return [edge]
+        return []
+
+    def _node_of(self, action: _Action) -> Node:
+        try:
+            return self.nodes[self._index_of[action]]
+        except KeyError:
+            raise KeyError(f"{action} is not in rank {self.rank}'s hint") from None
+
+
+def resolve_buffer_limits(spec: str | int, hint: Hint) -> dict[int, int]:
+    """Per-stage forward-in-flight limits from ``"hint"``, ``"hint+k"`` or an int.
+
+    Raises ``ValueError`` for a malformed spec, a limit below 1, or a limit below what the
+    hint's stream orders can run with.
+    """
+    peaks = hint.peak_in_flight()
+    if isinstance(spec, bool) or not isinstance(spec, (int, str)):
+        raise ValueError(f"buffer_limit must be 'hint', 'hint+k' or an int >= 1, got {spec!r}")
+    if isinstance(spec, int):
+        if spec < 1:
+            raise ValueError(
+                f"buffer_limit={spec} is below 1: at least one forward per stage must be "
+                "allowed in flight; use an int >= 1, 'hint' or 'hint+k'"
+            )
+        limits = {s: spec for s in peaks}
+    else:
+        text = spec.replace(" ", "").lower()
+        extra = 0
+        if text.startswith("hint+") and text[5:].isdigit():
+            extra = int(text[5:])
+        elif text != "hint":
+            raise ValueError(
+                f"buffer_limit={spec!r} is not understood: use 'hint' (the fixed schedule's "
+                "own peak per stage), 'hint+k' with k >= 0, or an int >= 1"
+            )
+        limits = {s: peak + extra for s, peak in peaks.items()}
+    if not hint.streams_share_one_order():
+        short = {s: (limits[s], peaks[s]) for s in peaks if limits[s] < peaks[s]}
+        if short:
+            s, (got, need) = next(iter(short.items()))
+            raise ValueError(
+                f"buffer_limit={spec!r} allows {got} forwards in flight on stage {s}, but "
+                f"hint {hint.name!r} runs its backwards in a different microbatch order "
+                f"than its forwards, which needs its own peak ({need}) to be deadlock-free: "
+                "use 'hint', 'hint+k' or a larger int"
+            )
+    return limits
+
+
+def check_deadlock_free(hint: Hint, policy_factory: Callable[[], Policy] = FixedOrder) -> None:
+    """Run every rank's arbiter with instant compute and communication.
+
+    Raises ``ValueError`` naming what each rank waits for if the hint cannot complete
+    (e.g. a hand-written CSV whose ranks wait on each other).
+    """
+    arbiters = {r: Arbiter(hint, r, policy=policy_factory()) for r in range(hint.num_ranks)}
+    progress = True
+    while progress:
+        progress = False
+        for arbiter in arbiters.values():
+            while (action := arbiter.choose()) is not None:
+                arbiter.complete(action)
+                for edge in arbiter.messages_sent_by(action):
+                    arbiters[hint.stage_to_rank[edge.dst]].deliver(edge, action.microbatch_index)
+                progress = True
+    stuck = {r: a.waits() for r, a in arbiters.items() if not a.finished}
+    if stuck:
+        detail = "; ".join(f"rank {r}: {', '.join(map(str, ws[:2]))}" for r, ws in stuck.items())
+        raise ValueError(f"hint {hint.name!r} deadlocks when run in its own order: {detail}")

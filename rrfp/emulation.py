@@ -1,0 +1,63 @@
+"""Emulated device time: make a stage's forward and backward take a chosen wall time.
+
+For studying schedules on a CPU machine: the wrapped module still computes (so results
+are real and comparable), and each microbatch additionally sleeps as if a kernel ran for
+the given time. Sleeping releases the CPU, so several ranks on few cores measure the
+schedule rather than core contention. Any figure obtained this way is *emulated*.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+import torch
+
+
+class _SleepInBackward(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, tensor: torch.Tensor, seconds: float) -> torch.Tensor:
+        ctx.seconds = seconds
+        return tensor.clone()  # a view would trip torch's in-place detach of stage outputs
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        time.sleep(ctx.seconds)
+        return grad, None
+
+
+class EmulatedDeviceTime(torch.nn.Module):
+    """Wraps a stage module whose output is one tensor.
+
+    ``forward_time(mb)`` / ``backward_time(mb)`` give the seconds microbatch ``mb`` takes.
+    Forward calls are numbered ``0, 1, ...`` modulo ``n_microbatches`` from construction or
+    ``reset()``, so each step must run its forwards in microbatch order (every torch
+    schedule does). A pipeline's first step also runs one shape-inference forward per
+    stage: call ``reset()`` after a warm-up step.
+    """
+
+    def __init__(
+        self,
+        inner: torch.nn.Module,
+        n_microbatches: int,
+        forward_time: Callable[[int], float],
+        backward_time: Callable[[int], float],
+    ):
+        super().__init__()
+        self.inner = inner
+        self.n_microbatches = n_microbatches
+        self.forward_time = forward_time
+        self.backward_time = backward_time
+        self._calls = 0
+
+    def reset(self) -> None:
+        self._calls = 0
+
+    def forward(self, *args, **kwargs) -> torch.Tensor:
+        out = self.inner(*args, **kwargs)
+        mb = self._calls % self.n_microbatches
+        self._calls += 1
+        time.sleep(self.forward_time(mb))
+        if not out.requires_grad:
+            return out
+        return _SleepInBackward.apply(out, self.backward_time(mb))

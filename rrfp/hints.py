@@ -1,0 +1,463 @@
+"""Hints: turn any pipeline-schedule source into validated per-rank action orders.
+
+A hint is what each pipeline rank would run under a fixed schedule: an ordered list of
+torch ``_Action`` s per rank. RRFP treats it as a ranking, not a contract, but two things
+in it are binding because both ends of every channel must agree on them in advance:
+
+* the order of each *stream*: per stage, its forwards (F), its input-gradient backwards
+  (B or I: they send gradients upstream), and its weight-gradient accumulations (B or W);
+* the stage-to-rank placement.
+
+Sources: a torch schedule name or class, a CSV in torch's compute-only format, a
+``{rank: [_Action | None, ...]}`` dict, or the paper's rules ``"BF"`` / ``"BFW"`` (whose
+streams and memory reference come from the fixed schedule they are compared against).
+"""
+
+from __future__ import annotations
+
+import csv
+import os
+from collections import defaultdict
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from functools import cached_property
+from types import SimpleNamespace
+from typing import Literal, NamedTuple, Union
+
+from torch.distributed.pipelining._utils import generate_stage_to_rank_mapping
+from torch.distributed.pipelining.schedules import (
+    _Action,
+    _add_reduce_grad,
+    _ComputationType,
+    _PipelineSchedule,
+    _validate_schedule,
+    get_schedule_class,
+    PipelineScheduleMulti,
+    PipelineScheduleSingle,
+    Schedule1F1B,
+    ScheduleInterleaved1F1B,
+    ScheduleInterleavedZeroBubble,
+    ScheduleZBVZeroBubble,
+)
+
+F = _ComputationType.FORWARD
+B = _ComputationType.FULL_BACKWARD
+I = _ComputationType.BACKWARD_INPUT  # noqa: E741 (torch's own name for it)
+W = _ComputationType.BACKWARD_WEIGHT
+REDUCE_GRAD = _ComputationType.REDUCE_GRAD
+OVERLAP_F_B = _ComputationType.OVERLAP_F_B
+
+#: Kinds that send an input gradient upstream; they share one stream per stage.
+INPUT_GRAD_KINDS = frozenset({B, I})
+#: Kinds that accumulate into parameter ``.grad``; they share one stream per stage so the
+#: accumulation order (and so every gradient bit) matches the fixed schedule.
+WEIGHT_GRAD_KINDS = frozenset({B, W})
+
+Policy = Literal["hint", "BF", "BFW"]
+Layout = Literal["loop", "v", "custom"]
+HintSource = Union[str, os.PathLike, type, Mapping[int, Sequence[Union[_Action, str, None]]]]
+
+TORCH_SCHEDULE_NAMES = (
+    "1F1B",
+    "GPipe",
+    "Interleaved1F1B",
+    "LoopedBFS",
+    "InterleavedZeroBubble",
+    "ZBVZeroBubble",
+    "DualPipeV",
+)
+RULE_NAMES = ("BF", "BFW")
+HINT_NAMES = TORCH_SCHEDULE_NAMES + RULE_NAMES
+
+
+class Edge(NamedTuple):
+    """A directed stage-to-stage link: activations go up (src < dst), gradients down."""
+
+    src: int
+    dst: int
+
+    @property
+    def is_forward(self) -> bool:
+        return self.dst > self.src
+
+    def __str__(self) -> str:
+        kind = "activation" if self.is_forward else "gradient"
+        return f"{kind} {self.src}->{self.dst}"
+
+
+@dataclass(frozen=True)
+class Hint:
+    """A validated hint: the fixed per-rank order RRFP ranks ready actions by."""
+
+    name: str
+    """Where the hint came from, for logs and errors (e.g. ``"Interleaved1F1B"``)."""
+    policy: Policy
+    """``"hint"``: rank ready actions by position in ``orders``; ``"BF"``/``"BFW"``: the
+    paper's rules (``orders`` then only fixes the streams and the memory reference)."""
+    num_ranks: int
+    num_stages: int
+    n_microbatches: int
+    stage_to_rank: Mapping[int, int]
+    orders: Mapping[int, tuple[_Action, ...]]
+    """Per rank: compute actions (F, B, I, W) and REDUCE_GRAD, in hint order, no idles."""
+
+    def stages_on(self, rank: int) -> tuple[int, ...]:
+        return tuple(sorted(s for s, r in self.stage_to_rank.items() if r == rank))
+
+    @property
+    def layout(self) -> Layout:
+        for style in ("loop", "v"):
+            try:
+                expected = generate_stage_to_rank_mapping(
+                    self.num_ranks, self.num_stages, style=style
+                )
+            except ValueError:
+                continue
+            if expected == dict(self.stage_to_rank):
+                return style  # type: ignore[return-value]
+        return "custom"
+
+    @cached_property
+    def has_split_backward(self) -> bool:
+        return any(a.computation_type == W for acts in self.orders.values() for a in acts)
+
+    def forward_only(self) -> Hint:
+        """The same hint for a step without backward (``eval``): forwards only."""
+        return Hint(
+            name=self.name,
+            policy=self.policy,
+            num_ranks=self.num_ranks,
+            num_stages=self.num_stages,
+            n_microbatches=self.n_microbatches,
+            stage_to_rank=self.stage_to_rank,
+            orders={
+                r: tuple(a for a in acts if a.computation_type == F)
+                for r, acts in self.orders.items()
+            },
+        )
+
+    def stream(self, stage: int, kinds: frozenset[_ComputationType]) -> list[int]:
+        """Microbatches of ``stage``'s actions of ``kinds``, in hint order."""
+        rank = self.stage_to_rank[stage]
+        return [
+            a.microbatch_index  # type: ignore[misc]
+            for a in self.orders[rank]
+            if a.stage_index == stage and a.computation_type in kinds
+        ]
+
+    def remote_edges(self) -> list[Edge]:
+        """Edges whose two stages live on different ranks, in a canonical order."""
+        edges = []
+        for s in range(self.num_stages - 1):
+            if self.stage_to_rank[s] != self.stage_to_rank[s + 1]:
+                edges.append(Edge(s, s + 1))
+                edges.append(Edge(s + 1, s))
+        return edges
+
+    def message_order(self, edge: Edge) -> list[int]:
+        """Microbatches in the order the producer sends them over ``edge``."""
+        kinds = frozenset({F}) if edge.is_forward else INPUT_GRAD_KINDS
+        return self.stream(edge.src, kinds)
+
+    def peak_in_flight(self) -> dict[int, int]:
+        """Per stage, the fixed order's peak of forwards done minus backwards (B/I) done."""
+        peak: dict[int, int] = defaultdict(int)
+        for acts in self.orders.values():
+            in_flight: dict[int, int] = defaultdict(int)
+            for a in acts:
+                if a.computation_type == F:
+                    in_flight[a.stage_index] += 1
+                    peak[a.stage_index] = max(peak[a.stage_index], in_flight[a.stage_index])
+                elif a.computation_type in INPUT_GRAD_KINDS:
+                    in_flight[a.stage_index] -= 1
+        return {s: peak[s] for s in range(self.num_stages)}
+
+    def streams_share_one_order(self) -> bool:
+        """Whether every stage's F and B/I streams list microbatches in one common order.
+
+        Then backpressure is deadlock-free for any limit >= 1 (take the earliest
+        in-flight microbatch: the stage after the furthest one that has run it can always
+        run it next). Otherwise the limit must not go below the hint's own peak.
+        """
+        common = self.stream(0, frozenset({F}))
+        return all(
+            self.stream(s, frozenset({F})) == common
+            and self.stream(s, INPUT_GRAD_KINDS) in (common, [])
+            for s in range(self.num_stages)
+        )
+
+    def format(self) -> str:
+        return "\n".join(
+            f"rank {r}: " + " ".join(str(a) for a in self.orders[r])
+            for r in sorted(self.orders)
+        )
+
+
+def infer_layout(
+    rank: int, num_ranks: int, num_stages: int, local_stages: Sequence[int]
+) -> Layout:
+    """Which standard placement the rank's stages follow (``"custom"`` if neither)."""
+    for style in ("loop", "v"):
+        try:
+            mapping = generate_stage_to_rank_mapping(num_ranks, num_stages, style=style)
+        except ValueError:
+            continue
+        if sorted(local_stages) == sorted(s for s, r in mapping.items() if r == rank):
+            return style  # type: ignore[return-value]
+    return "custom"
+
+
+def build_hint(
+    source: HintSource,
+    *,
+    num_ranks: int,
+    num_stages: int,
+    n_microbatches: int,
+    layout: Layout = "loop",
+) -> Hint:
+    """Build and validate a hint.
+
+    ``layout`` is the stage placement of the pipeline; it only chooses the reference
+    schedule of the ``"BF"``/``"BFW"`` rules (other sources fix their own placement).
+    Raises ``ValueError`` saying what to change when the source is unknown, malformed, or
+    does not fit the pipeline.
+    """
+    if n_microbatches < 1:
+        raise ValueError(f"n_microbatches must be >= 1, got {n_microbatches}")
+    if num_stages % num_ranks != 0:
+        raise ValueError(
+            f"{num_stages} stages do not divide evenly over {num_ranks} pipeline ranks"
+        )
+    shape = dict(num_ranks=num_ranks, num_stages=num_stages, n_microbatches=n_microbatches)
+    policy: Policy = "hint"
+    if isinstance(source, str) and source.upper() in RULE_NAMES:
+        policy = source.upper()  # type: ignore[assignment]
+        name = policy
+        orders = _rule_reference_orders(policy, layout, **shape)
+    elif isinstance(source, str) and source.lower() in {n.lower() for n in TORCH_SCHEDULE_NAMES}:
+        schedule_class = get_schedule_class(source)
+        name = schedule_class.__name__.removeprefix("Schedule")
+        orders = _torch_schedule_orders(schedule_class, **shape)
+    elif isinstance(source, type):
+        if not issubclass(source, _PipelineSchedule):
+            raise ValueError(
+                f"hint class {source.__name__} is not a torch.distributed.pipelining schedule"
+            )
+        name = source.__name__
+        orders = _torch_schedule_orders(source, **shape)
+    elif isinstance(source, Mapping):
+        name = "custom"
+        orders = _parse_orders(source)
+    elif isinstance(source, (str, os.PathLike)) and os.path.isfile(source):
+        name = os.path.basename(os.fspath(source))
+        orders = _read_csv(source)
+    else:
+        raise ValueError(
+            f"unknown hint {source!r}: expected one of {list(HINT_NAMES)} "
+            "(case-insensitive), a path to a CSV file in torch's compute-only format, "
+            "a torch schedule class, or a {rank: [_Action | None, ...]} dict"
+        )
+    return _validated(name, policy, orders, **shape)
+
+
+def _validated(
+    name: str,
+    policy: Policy,
+    raw_orders: Mapping[int, Sequence[_Action | None]],
+    *,
+    num_ranks: int,
+    num_stages: int,
+    n_microbatches: int,
+) -> Hint:
+    orders = {r: _flatten_compute(acts) for r, acts in raw_orders.items()}
+    try:
+        stage_to_rank = _validate_schedule(
+            orders, num_ranks, num_stages, n_microbatches  # type: ignore[arg-type]
+        )
+    except AssertionError as e:
+        raise ValueError(
+            f"hint {name!r} does not fit a pipeline of {num_ranks} ranks, {num_stages} "
+            f"stages and {n_microbatches} microbatches: {str(e).splitlines()[0]}"
+        ) from None
+    if sorted(stage_to_rank) != list(range(num_stages)):
+        missing = sorted(set(range(num_stages)) - set(stage_to_rank))
+        raise ValueError(f"hint {name!r} never runs stages {missing}")
+    _check_stream_orders(name, orders)
+    with_reduce = {
+        r: tuple(_add_reduce_grad(list(acts), n_microbatches))  # type: ignore[arg-type]
+        for r, acts in orders.items()
+    }
+    return Hint(
+        name=name,
+        policy=policy,
+        num_ranks=num_ranks,
+        num_stages=num_stages,
+        n_microbatches=n_microbatches,
+        stage_to_rank=dict(stage_to_rank),
+        orders=with_reduce,
+    )
+
+
+def _flatten_compute(actions: Sequence[_Action | None]) -> list[_Action]:
+    """Drop idles and REDUCE_GRAD (re-added uniformly); unfold OVERLAP_F_B as torch runs it."""
+    flat: list[_Action] = []
+    for a in actions:
+        if a is None or a.computation_type == REDUCE_GRAD:
+            continue
+        if a.computation_type == OVERLAP_F_B:
+            flat.extend(a.sub_actions or ())
+        elif a.computation_type in (F, B, I, W):
+            flat.append(a)
+        else:
+            raise ValueError(
+                f"hint action {a} is not a compute action: give the compute-only "
+                "schedule (F, B, I, W); RRFP derives all communication itself"
+            )
+    return flat
+
+
+def _check_stream_orders(name: str, orders: Mapping[int, Sequence[_Action]]) -> None:
+    """No action twice (torch's validation counts with sets and would not notice)."""
+    for rank, acts in orders.items():
+        seen: set[tuple[int, _ComputationType, int | None]] = set()
+        for a in acts:
+            key = (a.stage_index, a.computation_type, a.microbatch_index)
+            if key in seen:
+                raise ValueError(f"hint {name!r} runs {a} twice on rank {rank}")
+            seen.add(key)
+
+
+def _one_stage_per_rank_check(name: str, num_ranks: int, num_stages: int) -> None:
+    if num_stages != num_ranks:
+        raise ValueError(
+            f"hint {name!r} runs one stage per rank, but this pipeline has "
+            f"{num_stages // num_ranks} stages per rank ({num_stages} stages on "
+            f"{num_ranks} ranks): use a multi-stage hint such as Interleaved1F1B, "
+            "ZBVZeroBubble or BF, or build one stage per rank"
+        )
+
+
+def _rule_reference_orders(
+    rule: Policy, layout: Layout, *, num_ranks: int, num_stages: int, n_microbatches: int
+) -> dict[int, list[_Action | None]]:
+    """The fixed schedule a rule is compared with; it fixes streams and memory budget."""
+    shape = dict(num_ranks=num_ranks, num_stages=num_stages, n_microbatches=n_microbatches)
+    if layout == "v":
+        if rule == "BF":
+            raise ValueError(
+                "the BF rule needs a loop placement (stage s on rank s % pp_size); for "
+                "V-placed stages use BFW, ZBVZeroBubble or DualPipeV"
+            )
+        return _torch_schedule_orders(ScheduleZBVZeroBubble, **shape)
+    if layout != "loop":
+        raise ValueError(
+            f"the {rule} rule needs a loop or V stage placement, not a custom one"
+        )
+    if rule == "BFW":
+        return _torch_schedule_orders(ScheduleInterleavedZeroBubble, **shape)
+    if num_stages == num_ranks:
+        return _torch_schedule_orders(Schedule1F1B, **shape)
+    return _torch_schedule_orders(ScheduleInterleaved1F1B, **shape)
+
+
+def _torch_schedule_orders(
+    schedule_class: type, *, num_ranks: int, num_stages: int, n_microbatches: int
+) -> dict[int, list[_Action | None]]:
+    """Per-rank compute order of a torch schedule class, without any process group."""
+    name = schedule_class.__name__.removeprefix("Schedule")
+    if schedule_class is Schedule1F1B:
+        _one_stage_per_rank_check(name, num_ranks, num_stages)
+        if n_microbatches < num_stages:
+            raise ValueError(
+                f"hint '1F1B' needs at least as many microbatches as stages: got "
+                f"{n_microbatches} microbatches for {num_stages} stages"
+            )
+        return {r: _torch_1f1b_order(r, num_ranks, n_microbatches) for r in range(num_ranks)}
+    if schedule_class in (PipelineScheduleSingle, PipelineScheduleMulti):
+        raise ValueError(f"{name} is a base class, not a schedule: pick a concrete hint")
+
+    def stage_proxy(index: int) -> SimpleNamespace:
+        # What torch's schedule constructors read from a stage; they compute every
+        # rank's order, so rank 0's view is enough.
+        return SimpleNamespace(
+            stage_index=index, num_stages=num_stages, group_size=num_ranks, group_rank=0,
+            submod=None,
+        )
+
+    try:
+        if issubclass(schedule_class, PipelineScheduleSingle):
+            _one_stage_per_rank_check(name, num_ranks, num_stages)
+            schedule = schedule_class(stage_proxy(0), n_microbatches, loss_fn=_no_loss)
+        else:
+            stages_per_rank = num_stages // num_ranks
+            schedule = schedule_class(
+                [stage_proxy(i) for i in range(stages_per_rank)], n_microbatches,
+                loss_fn=_no_loss,
+            )
+    except (ValueError, AssertionError, RuntimeError) as e:
+        raise ValueError(
+            f"hint {name!r} does not fit {num_ranks} ranks x "
+            f"{num_stages // num_ranks} stages per rank with {n_microbatches} "
+            f"microbatches: {e}"
+        ) from None
+    order = schedule.pipeline_order
+    if not order:
+        raise ValueError(f"schedule class {name} does not expose a pipeline_order to follow")
+    return dict(order)
+
+
+def _torch_1f1b_order(stage: int, num_stages: int, n_microbatches: int) -> list[_Action | None]:
+    """The order torch's ``Schedule1F1B._step_microbatches`` runs on ``stage``.
+
+    (Its ``_get_pipeline_order`` in torch 2.13 mislabels microbatches on non-first
+    ranks, so it is not used.)
+    """
+    warmup = min(n_microbatches, num_stages - stage)
+    order: list[_Action | None] = [_Action(stage, F, m) for m in range(warmup)]
+    forwards, backwards = warmup, 0
+    while backwards < n_microbatches:
+        order.append(_Action(stage, B, backwards))
+        backwards += 1
+        if forwards < n_microbatches:
+            order.append(_Action(stage, F, forwards))
+            forwards += 1
+    return order
+
+
+def _no_loss(output, target):  # pragma: no cover - never called: only orders are read
+    raise AssertionError("hint construction never runs a loss")
+
+
+def _parse_orders(
+    source: Mapping[int, Sequence[_Action | str | None]],
+) -> dict[int, list[_Action | None]]:
+    orders: dict[int, list[_Action | None]] = {}
+    for rank, actions in source.items():
+        parsed: list[_Action | None] = []
+        for a in actions:
+            if a is None or isinstance(a, _Action):
+                parsed.append(a)
+            elif isinstance(a, str):
+                parsed.append(_parse_action(a, f"rank {rank}"))
+            else:
+                raise ValueError(f"hint rank {rank}: {a!r} is not an _Action, str or None")
+        orders[int(rank)] = parsed
+    return orders
+
+
+def _read_csv(path: str | os.PathLike) -> dict[int, list[_Action | None]]:
+    with open(path, newline="") as f:
+        rows = list(csv.reader(f))
+    return {
+        rank: [_parse_action(cell, f"{path}: row {rank + 1}") for cell in row]
+        for rank, row in enumerate(rows)
+    }
+
+
+def _parse_action(text: str, where: str) -> _Action | None:
+    try:
+        return _Action.from_str(text)
+    except (RuntimeError, ValueError):
+        raise ValueError(
+            f"{where}: {text!r} is not an action like '0F1', '2B0', '1I3' or '1W3'"
+        ) from None

@@ -1,0 +1,361 @@
+"""ScheduleRRFP: the readiness-first pipeline schedule for torch.distributed.pipelining.
+
+Whenever the rank is free it runs the ready action that ranks highest in a hint (any
+torch schedule, a CSV, a dict, or the BF/BFW rules); it never waits on an unready action
+while another is ready. Gradients and losses are bitwise those of torch's fixed schedule
+with the same hint (see ``rrfp.arbiter`` for why).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import Counter
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed.pipelining.schedules import (
+    _check_torch_compile_compatibility,
+    _get_profiler_function_name,
+    PipelineScheduleMulti,
+)
+from torch.distributed.pipelining.stage import _PipelineStageBase
+from torch.distributed.pipelining.microbatch import TensorChunkSpec
+from torch.profiler import record_function
+
+from rrfp.arbiter import Arbiter, check_deadlock_free, resolve_buffer_limits
+from rrfp.hints import (
+    _Action,
+    B,
+    build_hint,
+    Edge,
+    F,
+    Hint,
+    HintSource,
+    I,
+    infer_layout,
+    REDUCE_GRAD,
+    W,
+)
+from rrfp.policy import make_policy
+from rrfp.stats import Span, StepStats
+from rrfp.transport import create_channels, SendDelay, Transport
+
+logger = logging.getLogger(__name__)
+
+
+class PipelineStallError(RuntimeError):
+    """No action became ready within ``stall_timeout``: a peer never sent, or died."""
+
+
+class ScheduleRRFP(PipelineScheduleMulti):
+    """Runtime-readiness-first pipeline schedule (arXiv 2605.18750).
+
+    Args:
+        stages: this rank's ``PipelineStage`` (or a list of them, one per local model chunk),
+            placed as the hint places them (loop: stage s on rank s % pp_size; V for
+            ZBVZeroBubble and DualPipeV).
+        n_microbatches: microbatches per step.
+        loss_fn: loss of the last stage's output and the target, per microbatch.
+        hint: the order to rank ready actions by: a name torch's ``get_schedule_class``
+            accepts (1F1B, GPipe, Interleaved1F1B, LoopedBFS, InterleavedZeroBubble,
+            ZBVZeroBubble, DualPipeV), a torch schedule class, a path to a CSV in torch's
+            compute-only format, a ``{rank: [_Action | None, ...]}`` dict, or the paper's
+            rules ``"BF"``/``"BFW"``. ``None``: the fixed schedule torch would use for the
+            placement (1F1B, Interleaved1F1B, or ZBVZeroBubble for V).
+        buffer_limit: cap on forwards done minus backwards done per stage, i.e. on
+            activations held: ``"hint"`` (the fixed schedule's own peak per stage: no more
+            activation memory than the hint), ``"hint+k"``, or an int >= 1.
+        stall_timeout: seconds without any ready action before the step raises
+            ``PipelineStallError`` naming what each stream waits for.
+        scale_grads, args_chunk_spec, kwargs_chunk_spec, output_merge_spec: as in torch's
+            schedules.
+        send_delay: emulated link latency, ``(edge, microbatch) -> seconds`` to hold each
+            outgoing message (for studies and tests; messages on a channel stay in order).
+    """
+
+    def __init__(
+        self,
+        stages: _PipelineStageBase | list[_PipelineStageBase],
+        n_microbatches: int,
+        loss_fn: Callable[..., torch.Tensor] | None = None,
+        *,
+        hint: HintSource | None = None,
+        buffer_limit: str | int = "hint",
+        stall_timeout: float = 300.0,
+        args_chunk_spec: tuple[TensorChunkSpec, ...] | None = None,
+        kwargs_chunk_spec: dict[str, TensorChunkSpec] | None = None,
+        output_merge_spec: dict[str, Any] | tuple[Any] | None = None,
+        scale_grads: bool = True,
+        send_delay: SendDelay | None = None,
+    ):
+        stages = list(stages) if isinstance(stages, (list, tuple)) else [stages]
+        if not stages:
+            raise ValueError("ScheduleRRFP needs at least one stage")
+        if not stall_timeout > 0:
+            raise ValueError(f"stall_timeout must be > 0 seconds, got {stall_timeout}")
+        super().__init__(
+            stages=stages,
+            n_microbatches=n_microbatches,
+            loss_fn=loss_fn,
+            args_chunk_spec=args_chunk_spec,
+            kwargs_chunk_spec=kwargs_chunk_spec,
+            output_merge_spec=output_merge_spec,
+            scale_grads=scale_grads,
+        )
+        local = sorted(stage.stage_index for stage in stages)
+        layout = infer_layout(self.rank, self.pp_group_size, self._num_stages, local)
+        if hint is None:
+            hint = {"v": "ZBVZeroBubble", "loop": "1F1B" if len(stages) == 1 else "Interleaved1F1B"}.get(layout)
+            if hint is None:
+                raise ValueError(
+                    f"stages {local} on pipeline rank {self.rank} follow neither the loop "
+                    "nor the V placement: pass a hint (CSV or dict) that places them"
+                )
+        self._hint: Hint = build_hint(
+            hint,
+            num_ranks=self.pp_group_size,
+            num_stages=self._num_stages,
+            n_microbatches=n_microbatches,
+            layout=layout,
+        )
+        expected = list(self._hint.stages_on(self.rank))
+        if expected != local:
+            raise ValueError(
+                f"hint {self._hint.name!r} places stages {expected} on pipeline rank "
+                f"{self.rank} ({self._hint.layout} placement), but this rank holds stages "
+                f"{local}: build the stages with the hint's placement or pick a hint "
+                f"for this placement ({layout})"
+            )
+        if self._hint.has_split_backward:
+            try:
+                _check_torch_compile_compatibility(stages, f"RRFP with hint {self._hint.name}")
+            except RuntimeError as e:
+                raise ValueError(f"{e}; use a hint without split backward (I/W)") from None
+        self.buffer_limits = resolve_buffer_limits(buffer_limit, self._hint)
+        check_deadlock_free(self._hint)
+        self._forward_only_hint = self._hint.forward_only()
+        self.stall_timeout = float(stall_timeout)
+
+        self.stage_index_to_group_rank = dict(self._hint.stage_to_rank)
+        for stage in stages:
+            stage.stage_index_to_group_rank = self.stage_index_to_group_rank
+        self.pipeline_order = {r: list(acts) for r, acts in self._hint.orders.items()}
+        self._stage_by_index = {stage.stage_index: stage for stage in stages}
+        self._global_ranks = dist.get_process_group_ranks(stages[0].group or dist.group.WORLD)
+
+        self._transport = Transport(
+            create_channels(self._hint, stages[0].group),
+            poll_completion=stages[0].device.type == "cuda",
+            send_delay=send_delay,
+        )
+        self._failure: str | None = None
+        self.last_step_stats: StepStats | None = None
+        logger.info(
+            "ScheduleRRFP on pipeline rank %d: hint %s (policy %s, %s placement), "
+            "buffer limits %s (hint peaks %s)", self.rank, self._hint.name,
+            self._hint.policy, self._hint.layout, self.buffer_limits,
+            self._hint.peak_in_flight(),
+        )
+
+    @property
+    def hint(self) -> Hint:
+        return self._hint
+
+    def _step_microbatches(
+        self,
+        arg_mbs: list | None = None,
+        kwarg_mbs: list | None = None,
+        target_mbs: list | None = None,
+        losses: list | None = None,
+        return_outputs: bool = True,
+        loss_kwargs: dict[str, Any] | None = None,
+    ):
+        if self._failure is not None:
+            raise RuntimeError(
+                f"ScheduleRRFP cannot run another step after a failed one ({self._failure}); "
+                "messages of that step may still be in flight: restart the job"
+            )
+        arg_mbs, kwarg_mbs = self._check_inputs(arg_mbs, kwarg_mbs, target_mbs, losses)
+        self._initialize_stages(
+            arg_mbs[0], kwarg_mbs[0], target_mbs[0] if target_mbs is not None else None,
+            loss_kwargs,
+        )
+        hint = self._hint if self._has_backward else self._forward_only_hint
+        arbiter = Arbiter(
+            hint, self.rank,
+            limits=self.buffer_limits if self._has_backward else None,
+            policy=make_policy(hint.policy),
+        )
+        run = _StepRun(self, arbiter, arg_mbs, kwarg_mbs, target_mbs, return_outputs, loss_kwargs)
+        try:
+            run.execute()
+        except BaseException as e:
+            self._failure = f"{type(e).__name__} on pipeline rank {self.rank}"
+            raise
+        finally:
+            self.last_step_stats = run.stats()
+        if self._loss_fn is not None and any(s.is_last for s in self._stages):
+            self._internal_losses = [run.losses[m] for m in range(self._n_microbatches)]
+        self._update_losses(self._stages, losses)
+
+
+class _StepRun:
+    """One step of the schedule loop: receive, choose, run, send."""
+
+    def __init__(self, schedule: ScheduleRRFP, arbiter: Arbiter, arg_mbs, kwarg_mbs,
+                 target_mbs, return_outputs: bool, loss_kwargs):
+        self.schedule = schedule
+        self.arbiter = arbiter
+        self.transport = schedule._transport
+        self.arg_mbs, self.kwarg_mbs, self.target_mbs = arg_mbs, kwarg_mbs, target_mbs
+        self.return_outputs = return_outputs
+        self.loss_kwargs = loss_kwargs
+        self.losses: dict[int, torch.Tensor] = {}
+        self.backward_count: Counter[int] = Counter()
+        self.spans: list[Span] = []
+        self.idle_time = 0.0
+        self.decision_time = 0.0
+        self.start = time.perf_counter()
+        self.start_unix = time.time()
+        self.end = self.start
+
+    def execute(self) -> None:
+        self.post_receives()
+        arbiter, transport = self.arbiter, self.transport
+        idle_since: float | None = None
+        while not arbiter.finished:
+            t0 = time.perf_counter()
+            for edge, mb in transport.collect():
+                arbiter.deliver(edge, mb)
+            action = arbiter.choose()
+            t1 = time.perf_counter()
+            self.decision_time += t1 - t0
+            if action is None:
+                idle_since = t1 if idle_since is None else idle_since
+                waited = t1 - idle_since
+                if waited >= self.schedule.stall_timeout:
+                    raise self.stall_error(waited)
+                arrived = transport.collect(timeout=self.schedule.stall_timeout - waited)
+                t2 = time.perf_counter()
+                self.idle_time += t2 - t1
+                self.spans.append(Span("idle", t1 - self.start, t2 - self.start, kind="idle"))
+                for edge, mb in arrived:
+                    arbiter.deliver(edge, mb)
+                continue
+            idle_since = None
+            self.run_action(action)
+            t3 = time.perf_counter()
+            self.spans.append(Span(str(action), t1 - self.start, t3 - self.start,
+                                   action.stage_index, action.computation_type.value,
+                                   action.microbatch_index))
+            arbiter.complete(action)
+            self.send_outputs(action)
+            self.decision_time += time.perf_counter() - t3
+        try:
+            transport.finish_sends(self.schedule.stall_timeout)
+        except TimeoutError as e:
+            raise PipelineStallError(f"pipeline rank {self.schedule.rank}: {e}") from e
+        self.end = time.perf_counter()
+
+    def post_receives(self) -> None:
+        hint, stages = self.arbiter.hint, self.schedule._stage_by_index
+        for edge in self.transport.channels:
+            if edge.dst not in stages:
+                continue
+            stage = stages[edge.dst]
+            for mb in hint.message_order(edge):
+                ops = stage.get_fwd_recv_ops(mb) if edge.is_forward else stage.get_bwd_recv_ops(mb)
+                self.transport.post_receives(edge, mb, [op.tensor for op in ops])
+
+    def run_action(self, action: _Action) -> None:
+        schedule = self.schedule
+        stage = schedule._stage_by_index[action.stage_index]
+        mb = action.microbatch_index
+        ctype = action.computation_type
+        with record_function(_get_profiler_function_name(action)):
+            if ctype == F:
+                output = stage.forward_one_chunk(
+                    mb, self.arg_mbs[mb], self.kwarg_mbs[mb],
+                    save_forward_output=self.return_outputs,
+                )
+                if stage.is_last and schedule._loss_fn is not None:
+                    self.losses[mb] = schedule._compute_loss(
+                        output, self.target_mbs[mb], self.loss_kwargs
+                    )
+                if action.stage_index + 1 in schedule._stage_by_index:
+                    schedule._stage_by_index[action.stage_index + 1].set_local_fwd_input(output, mb)
+            elif ctype in (B, I):
+                full = ctype == B
+                if full:
+                    self.backward_count[action.stage_index] += 1
+                stage.backward_one_chunk(
+                    mb,
+                    loss=self.losses.get(mb) if stage.is_last else None,
+                    full_backward=full,
+                    last_backward=full and self.backward_count[action.stage_index]
+                    == schedule._n_microbatches,
+                )
+                if action.stage_index - 1 in schedule._stage_by_index:
+                    schedule._stage_by_index[action.stage_index - 1].set_local_bwd_input(
+                        stage.get_local_bwd_output(mb), mb
+                    )
+            elif ctype == W:
+                self.backward_count[action.stage_index] += 1
+                stage.backward_weight_one_chunk(
+                    mb,
+                    last_backward=self.backward_count[action.stage_index]
+                    == schedule._n_microbatches,
+                )
+            elif ctype == REDUCE_GRAD:
+                stage.perform_reduce_grad(schedule._n_microbatches if schedule.scale_grads else 1)
+            else:
+                raise AssertionError(f"unexpected action {action}")
+
+    def send_outputs(self, action: _Action) -> None:
+        for edge in self.arbiter.messages_sent_by(action):
+            stage = self.schedule._stage_by_index[action.stage_index]
+            mb = action.microbatch_index
+            ops = stage.get_fwd_send_ops(mb) if edge.is_forward else stage.get_bwd_send_ops(mb)
+            self.transport.send(edge, mb, [op.tensor for op in ops])
+
+    def stall_error(self, waited: float) -> PipelineStallError:
+        schedule = self.schedule
+        lines = []
+        for wait in self.arbiter.waits():
+            line = f"  {wait}"
+            if wait.peer_rank is not None:
+                line += f" (global rank {schedule._global_ranks[wait.peer_rank]})"
+            lines.append(line)
+        return PipelineStallError(
+            f"pipeline rank {schedule.rank} (global rank {dist.get_rank()}) stalled: no action "
+            f"became ready for {waited:.1f} s (stall_timeout) with hint "
+            f"{schedule._hint.name!r}; done {len(self.arbiter.realized)} of "
+            f"{len(self.arbiter.nodes)} actions; waiting:\n" + "\n".join(lines)
+        )
+
+    def stats(self) -> StepStats:
+        arbiter, schedule = self.arbiter, self.schedule
+        local = schedule._hint.stages_on(schedule.rank)
+        hint_peaks = arbiter.hint.peak_in_flight()
+        end = self.end if self.end > self.start else time.perf_counter()
+        return StepStats(
+            pp_rank=schedule.rank,
+            global_rank=dist.get_rank(),
+            hint=arbiter.hint.name,
+            policy=arbiter.policy.name,
+            buffer_limits=arbiter.limits,
+            hint_peak_in_flight={s: hint_peaks[s] for s in local},
+            peak_in_flight=dict(arbiter.peak_in_flight),
+            backpressure_entries=dict(arbiter.backpressure_entries),
+            out_of_hint_order=arbiter.out_of_order,
+            hint_order=[str(n.action) for n in arbiter.nodes],
+            realized_order=[str(a) for a in arbiter.realized],
+            step_time=end - self.start,
+            idle_time=self.idle_time,
+            decision_time=self.decision_time,
+            start_unix=self.start_unix,
+            spans=self.spans,
+        )

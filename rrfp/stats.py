@@ -1,0 +1,121 @@
+"""What happened in one step on one rank, and the realized timeline as a trace."""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Iterable, Mapping
+from dataclasses import asdict, dataclass, field
+
+
+@dataclass(frozen=True)
+class Span:
+    """An interval of the compute thread, in seconds from the step's start."""
+
+    name: str
+    start: float
+    end: float
+    stage: int | None = None
+    kind: str | None = None
+    """``"F"``, ``"B"``, ``"I"``, ``"W"``, ``"REDUCE_GRAD"``, or ``"idle"``."""
+    microbatch: int | None = None
+
+
+@dataclass
+class StepStats:
+    """Per-step, per-rank statistics of a ``ScheduleRRFP.step``."""
+
+    pp_rank: int
+    global_rank: int
+    hint: str
+    policy: str
+    buffer_limits: dict[int, int] | None
+    """Per-stage cap on forwards in flight (None in forward-only steps)."""
+    hint_peak_in_flight: dict[int, int]
+    """The fixed schedule's own peak of forwards in flight, per local stage."""
+    peak_in_flight: dict[int, int]
+    """Realized peak of forwards done minus backwards done, per local stage."""
+    backpressure_entries: dict[int, int]
+    """Times each stage reached its limit with forwards still to run."""
+    out_of_hint_order: int
+    """Actions dispatched while an action ranked before them in the hint had not run."""
+    hint_order: list[str]
+    realized_order: list[str]
+    step_time: float
+    """Seconds from the start of the step's schedule loop to its end (sends waited)."""
+    idle_time: float
+    """Seconds the compute thread waited with no action ready."""
+    decision_time: float
+    """Seconds spent in the arbiter and transport bookkeeping (dispatch overhead)."""
+    start_unix: float
+    """Wall-clock time of the step start, to align traces of several ranks."""
+    spans: list[Span] = field(default_factory=list)
+
+    @property
+    def dispatched(self) -> int:
+        return len(self.realized_order)
+
+    @property
+    def idle_fraction(self) -> float:
+        return self.idle_time / self.step_time if self.step_time > 0 else 0.0
+
+    @property
+    def overhead_per_action(self) -> float:
+        """Mean dispatch overhead per action, in seconds."""
+        return self.decision_time / self.dispatched if self.dispatched else 0.0
+
+    def summary(self) -> str:
+        return (
+            f"pp_rank {self.pp_rank}: hint {self.hint} (policy {self.policy}), limits "
+            f"{self.buffer_limits}, step {self.step_time * 1e3:.1f} ms, idle "
+            f"{self.idle_fraction:.1%}, out-of-hint-order {self.out_of_hint_order}/"
+            f"{self.dispatched}, peak in flight {self.peak_in_flight} (hint "
+            f"{self.hint_peak_in_flight}), backpressure entries {self.backpressure_entries}, "
+            f"overhead {self.overhead_per_action * 1e6:.0f} us/action"
+        )
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    def chrome_trace_events(self) -> list[dict]:
+        """Chrome/Perfetto trace events: one process per rank, compute and idle spans."""
+        pid = self.global_rank
+        events: list[dict] = [
+            {"ph": "M", "name": "process_name", "pid": pid,
+             "args": {"name": f"rank {self.global_rank} (pp {self.pp_rank})"}},
+            {"ph": "M", "name": "thread_name", "pid": pid, "tid": 0, "args": {"name": "compute"}},
+        ]
+        base_us = self.start_unix * 1e6
+        for span in self.spans:
+            events.append({
+                "ph": "X", "pid": pid, "tid": 0, "name": span.name,
+                "cat": span.kind or "", "ts": base_us + span.start * 1e6,
+                "dur": (span.end - span.start) * 1e6,
+                "args": {"stage": span.stage, "microbatch": span.microbatch},
+            })
+        return events
+
+    def write_chrome_trace(self, path: str | os.PathLike) -> None:
+        """Write this rank's timeline; open it in https://ui.perfetto.dev or chrome://tracing."""
+        write_chrome_trace([self], path)
+
+
+def write_chrome_trace(stats: Iterable[StepStats], path: str | os.PathLike) -> None:
+    """Write the timelines of several ranks (or steps) into one trace file."""
+    events = [e for s in stats for e in s.chrome_trace_events()]
+    with open(path, "w") as f:
+        json.dump({"traceEvents": events, "displayTimeUnit": "ms"}, f)
+
+
+def merge_chrome_traces(paths: Iterable[str | os.PathLike], out: str | os.PathLike) -> None:
+    """Merge per-rank trace files into one, so all ranks show on one timeline."""
+    events: list[dict] = []
+    for path in paths:
+        with open(path) as f:
+            events.extend(json.load(f)["traceEvents"])
+    with open(out, "w") as f:
+        json.dump({"traceEvents": events, "displayTimeUnit": "ms"}, f)
+
+
+def format_limits(limits: Mapping[int, int] | None) -> str:
+    return "none" if limits is None else ", ".join(f"stage {s}: {n}" for s, n in sorted(limits.items()))

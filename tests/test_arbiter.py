@@ -1,0 +1,114 @@
+"""The arbiter alone: readiness, stream order, backpressure, and deadlock freedom."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from rrfp.arbiter import Arbiter, check_deadlock_free, resolve_buffer_limits
+from rrfp.hints import _Action, B, build_hint, Edge, F, HINT_NAMES, INPUT_GRAD_KINDS
+from rrfp.sim.engine import simulate
+
+FITTING = {"1F1B": (1, "loop"), "GPipe": (1, "loop"), "Interleaved1F1B": (2, "loop"),
+           "LoopedBFS": (2, "loop"), "InterleavedZeroBubble": (2, "loop"),
+           "ZBVZeroBubble": (2, "v"), "DualPipeV": (2, "v"), "BF": (2, "loop"), "BFW": (2, "v")}
+
+
+def _hint(name="1F1B", num_ranks=2, per_rank=1, M=4, layout="loop"):
+    return build_hint(name, num_ranks=num_ranks, num_stages=num_ranks * per_rank,
+                      n_microbatches=M, layout=layout)
+
+
+def test_a_forward_waits_for_its_activation_and_then_runs():
+    arbiter = Arbiter(_hint(), rank=1)
+    assert arbiter.choose() is None
+    (wait,) = [w for w in arbiter.waits() if w.action == _Action(1, F, 0)]
+    assert wait.peer_rank == 0 and "input activation from stage 0" in wait.reason
+    arbiter.deliver(Edge(0, 1), 0)
+    assert arbiter.choose() == _Action(1, F, 0)
+
+
+def test_streams_keep_hint_order_even_when_later_inputs_arrive_first():
+    hint = _hint()
+    arbiter = Arbiter(hint, rank=0, limits=resolve_buffer_limits("hint", hint))
+    for mb in (0, 1):
+        arbiter.complete(arbiter.choose())  # 0F0, 0F1
+    arbiter.deliver(Edge(1, 0), 1)  # gradient of microbatch 1 before that of 0
+    assert arbiter.choose() is None  # 0B1 must wait for 0B0; 0F2 for backpressure
+    arbiter.deliver(Edge(1, 0), 0)
+    assert arbiter.choose() == _Action(0, B, 0)
+
+
+def test_backpressure_holds_forwards_until_a_backward_runs():
+    hint = _hint()
+    arbiter = Arbiter(hint, rank=0, limits={0: 1, 1: 1})
+    arbiter.complete(arbiter.choose())  # 0F0
+    assert arbiter.choose() is None
+    assert any("backpressure" in w.reason for w in arbiter.waits())
+    assert arbiter.backpressure_entries[0] == 1
+    arbiter.deliver(Edge(1, 0), 0)
+    arbiter.complete(arbiter.choose())  # 0B0
+    assert arbiter.choose() == _Action(0, F, 1)
+    with pytest.raises(RuntimeError, match="out of turn"):
+        arbiter.complete(_Action(0, F, 3))
+
+
+def test_ready_lower_ranked_action_runs_when_the_next_one_is_not_ready():
+    # Rank 1 of GPipe: F0..F3 then B0..B3. B0 is ready as soon as F0 ran (last stage).
+    arbiter = Arbiter(_hint("GPipe"), rank=1)
+    arbiter.deliver(Edge(0, 1), 0)
+    arbiter.complete(arbiter.choose())  # 1F0
+    assert arbiter.choose() == _Action(1, B, 0)
+    arbiter.complete(_Action(1, B, 0))
+    assert arbiter.out_of_order == 1
+
+
+@pytest.mark.parametrize("spec,expected", [
+    ("hint", {0: 2, 1: 1}), ("hint+2", {0: 4, 1: 3}), ("HINT + 1", {0: 3, 1: 2}), (3, {0: 3, 1: 3}),
+])
+def test_buffer_limit_specs(spec, expected):
+    assert resolve_buffer_limits(spec, _hint()) == expected
+
+
+@pytest.mark.parametrize("spec", [0, -1, "hint-1", "twice", 2.5, True, None])
+def test_bad_buffer_limit_specs(spec):
+    with pytest.raises(ValueError, match="buffer_limit"):
+        resolve_buffer_limits(spec, _hint())
+
+
+def test_a_hint_whose_ranks_wait_on_each_other_is_rejected():
+    hint = build_hint({0: ["0F0", "0B0", "0F1", "0B1"], 1: ["1F1", "1F0", "1B0", "1B1"]},
+                      num_ranks=2, num_stages=2, n_microbatches=2)
+    with pytest.raises(ValueError, match="deadlocks when run in its own order"):
+        check_deadlock_free(hint)
+
+
+@pytest.mark.parametrize("name", HINT_NAMES)
+@pytest.mark.parametrize("limit", [1, 2, "hint", "hint+1", 32])
+def test_no_deadlock_and_memory_bound_under_random_timings(name, limit):
+    per_rank, layout = FITTING[name]
+    for num_ranks, M in ((2, 4), (4, 8)):
+        hint = _hint(name, num_ranks, per_rank, M, layout)
+        try:
+            limits = resolve_buffer_limits(limit, hint)
+        except ValueError:
+            assert not hint.streams_share_one_order()  # only LoopedBFS refuses small limits
+            continue
+        for seed in range(6):
+            rng = random.Random(seed)
+            durations = {}
+
+            def duration(action):
+                return durations.setdefault(action, rng.expovariate(1.0))
+
+            result = simulate(hint, duration, latency=lambda e, m: rng.expovariate(2.0),
+                              policy=hint.policy, limits=limits)
+            for stage, peak in result.peak_in_flight.items():
+                assert peak <= limits[stage]
+            for rank, realized in result.realized.items():
+                for stage in hint.stages_on(rank):
+                    for kinds in (frozenset({F}), INPUT_GRAD_KINDS):
+                        ran = [a.microbatch_index for a in realized
+                               if a.stage_index == stage and a.computation_type in kinds]
+                        assert ran == hint.stream(stage, kinds)

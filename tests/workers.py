@@ -1,0 +1,301 @@
+"""Per-rank scenario functions for the multi-process tests (run through ``run_world``)."""
+
+from __future__ import annotations
+
+import copy
+import random
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch.distributed.pipelining import PipelineStage
+from torch.distributed.pipelining._utils import generate_stage_to_rank_mapping
+from torch.distributed.pipelining.schedules import get_schedule_class, PipelineScheduleSingle
+
+from rrfp import PipelineStallError, ScheduleRRFP
+from rrfp.emulation import EmulatedDeviceTime
+
+DIM = 8
+BATCH_PER_MICROBATCH = 2
+loss_fn = torch.nn.functional.mse_loss
+
+
+def make_chain(num_stages: int, seed: int = 0) -> list[torch.nn.Module]:
+    """One small float64 block per stage; the whole model is their composition."""
+    torch.manual_seed(seed)
+    return [
+        torch.nn.Sequential(torch.nn.Linear(DIM, DIM), torch.nn.Tanh()).double()
+        for _ in range(num_stages)
+    ]
+
+
+def make_batch(n_microbatches: int, seed: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    n = n_microbatches * BATCH_PER_MICROBATCH
+    return (torch.randn(n, DIM, generator=g, dtype=torch.float64),
+            torch.randn(n, DIM, generator=g, dtype=torch.float64))
+
+
+def local_stage_indices(rank: int, num_ranks: int, num_stages: int, layout: str) -> list[int]:
+    mapping = generate_stage_to_rank_mapping(num_ranks, num_stages, style=layout)
+    return [s for s in range(num_stages) if mapping[s] == rank]
+
+
+def build_stages(chain, rank, num_ranks, layout, wrap: Callable | None = None):
+    """Fresh copies of this rank's blocks as PipelineStages (and the blocks themselves)."""
+    indices = local_stage_indices(rank, num_ranks, len(chain), layout)
+    blocks = [copy.deepcopy(chain[s]) for s in indices]
+    modules = [wrap(s, b) if wrap else b for s, b in zip(indices, blocks)]
+    stages = [PipelineStage(m, s, len(chain), torch.device("cpu")) for m, s in zip(modules, indices)]
+    return stages, blocks
+
+
+def torch_schedule(name: str, stages, n_microbatches: int, **kwargs):
+    cls = get_schedule_class(name)
+    if issubclass(cls, PipelineScheduleSingle):
+        return cls(stages[0], n_microbatches, loss_fn=loss_fn, **kwargs)
+    return cls(stages, n_microbatches, loss_fn=loss_fn, **kwargs)
+
+
+def run_steps(schedule, stages, blocks, x, y, steps: int):
+    """``steps`` optimizer steps; per step the local grads and the (last stage) losses."""
+    optimizer = torch.optim.SGD([p for b in blocks for p in b.parameters()], lr=0.1)
+    history = []
+    for _ in range(steps):
+        optimizer.zero_grad(set_to_none=True)
+        losses: list[torch.Tensor] = []
+        if any(s.is_first for s in stages):
+            schedule.step(x, target=y, losses=losses)
+        else:
+            schedule.step(target=y, losses=losses)
+        history.append(([p.grad.clone() for b in blocks for p in b.parameters()],
+                        [loss.detach().clone() for loss in losses]))
+        optimizer.step()
+    return history
+
+
+def reference_steps(chain, x, y, steps: int, local: list[int]):
+    """The same training without pipelining: full batch, full model."""
+    chain = [copy.deepcopy(b) for b in chain]
+    optimizer = torch.optim.SGD([p for b in chain for p in b.parameters()], lr=0.1)
+    history = []
+    for _ in range(steps):
+        optimizer.zero_grad(set_to_none=True)
+        out = x
+        for block in chain:
+            out = block(out)
+        loss = loss_fn(out, y)
+        loss.backward()
+        history.append(([p.grad.clone() for s in local for p in chain[s].parameters()],
+                        loss.detach()))
+        optimizer.step()
+    return history
+
+
+def bitwise_equal(a, b) -> bool:
+    return all(
+        len(ga) == len(gb) and all(torch.equal(u, v) for u, v in zip(ga, gb))
+        and len(la) == len(lb) and all(torch.equal(u, v) for u, v in zip(la, lb))
+        for (ga, la), (gb, lb) in zip(a, b)
+    )
+
+
+def random_device_time(seed: int, stage: int, n_microbatches: int, max_s: float):
+    """Wrapper factory: every forward/backward call sleeps a fresh random time."""
+    rng = random.Random(seed * 1000 + stage)
+    return lambda block: EmulatedDeviceTime(
+        block, n_microbatches,
+        forward_time=lambda mb: rng.uniform(0, max_s),
+        backward_time=lambda mb: rng.uniform(0, max_s),
+    )
+
+
+@dataclass(frozen=True)
+class FidelityCase:
+    hint: object
+    """What ScheduleRRFP gets as hint (a name, or "csv"/"dict" built from ``reference``)."""
+    reference: str
+    """torch's fixed schedule to compare with bitwise."""
+    stages_per_rank: int
+    layout: str
+    n_microbatches: int
+    delay_seeds: tuple[int, ...]
+    steps: int = 3
+    max_delay_s: float = 0.003
+
+
+def fidelity(rank: int, world_size: int, case: FidelityCase, tmpdir: str) -> dict:
+    num_stages = world_size * case.stages_per_rank
+    chain = make_chain(num_stages)
+    x, y = make_batch(case.n_microbatches)
+    local = local_stage_indices(rank, world_size, num_stages, case.layout)
+    M = case.n_microbatches
+
+    stages, blocks = build_stages(chain, rank, world_size, case.layout)
+    fixed_schedule = torch_schedule(case.reference, stages, M)
+    fixed = run_steps(fixed_schedule, stages, blocks, x, y, case.steps)
+
+    hint = case.hint
+    if hint == "csv":
+        hint = f"{tmpdir}/hint.csv"
+        if rank == 0:
+            fixed_schedule._dump_csv(hint, format="compute_only")
+        dist.barrier()
+    elif hint == "dict":
+        hint = {r: list(acts) for r, acts in fixed_schedule.pipeline_order.items()}
+
+    results: dict[str, dict] = {}
+    for i, seed in enumerate((None, *case.delay_seeds)):
+        buffer_limit = ("hint", "hint+2", "hint+1")[i % 3]
+        if seed is None:
+            wrap, send_delay = None, None
+        else:
+            wrap = lambda s, b: random_device_time(seed, s, M, case.max_delay_s)(b)  # noqa: E731
+            send_rng = random.Random(seed * 7919 + rank)
+            send_delay = lambda edge, mb: send_rng.uniform(0, case.max_delay_s)  # noqa: E731
+        stages, blocks = build_stages(chain, rank, world_size, case.layout, wrap=wrap)
+        schedule = ScheduleRRFP(stages, M, loss_fn=loss_fn, hint=hint, send_delay=send_delay,
+                                buffer_limit=buffer_limit, stall_timeout=60)
+        history = run_steps(schedule, stages, blocks, x, y, case.steps)
+        stats = schedule.last_step_stats
+        results["plain" if seed is None else f"seed{seed}"] = {
+            "bitwise": bitwise_equal(history, fixed),
+            "out_of_order": stats.out_of_hint_order,
+            "peak": stats.peak_in_flight,
+            "limits": {s: stats.buffer_limits[s] for s in local},
+        }
+
+    reference = reference_steps(chain, x, y, case.steps, local)
+    grad_err = max(
+        (g - r).abs().max().item()
+        for (grads, _), (ref_grads, _) in zip(fixed, reference)
+        for g, r in zip(grads, ref_grads)
+    )
+    has_last = (num_stages - 1) in local
+    loss_err = max(
+        abs(torch.stack(losses).mean().item() - ref_loss.item())
+        for (_, losses), (_, ref_loss) in zip(fixed, reference)
+    ) if has_last else 0.0
+    return {"runs": results, "grad_err": grad_err, "loss_err": loss_err,
+            "n_losses": len(fixed[0][1]), "has_last": has_last}
+
+
+def slow_microbatch_comparison(rank: int, world_size: int, hint: str, n_microbatches: int,
+                               slow_mb: int, slow_s: float, repeats: int) -> dict:
+    """Stage 0's forward of one microbatch is slow; time torch's fixed schedule and RRFP.
+
+    Emulated device time: forwards 0.02 s, backwards 0.02 s on stage 0 and 0.1 s on the
+    last stage (a heavy head), one slow forward on stage 0.
+    """
+    chain = make_chain(world_size)
+    x, y = make_batch(n_microbatches)
+
+    def device_time(stage: int, block):
+        def forward_time(mb: int) -> float:
+            return slow_s if (stage == 0 and mb == slow_mb) else 0.02
+        backward = 0.1 if stage == world_size - 1 else 0.02
+        return EmulatedDeviceTime(block, n_microbatches, forward_time, lambda mb: backward)
+
+    schedules = {}
+    for kind in ("fixed", "rrfp"):
+        stages, blocks = build_stages(chain, rank, world_size, "loop", wrap=device_time)
+        schedules[kind] = (
+            torch_schedule(hint, stages, n_microbatches) if kind == "fixed"
+            else ScheduleRRFP(stages, n_microbatches, loss_fn=loss_fn, hint=hint),
+            stages, blocks,
+        )
+    times: dict[str, list[float]] = {"fixed": [], "rrfp": []}
+    for i in range(repeats + 1):  # the first round initializes (shape inference)
+        for kind, (schedule, stages, blocks) in schedules.items():
+            dist.barrier()
+            start = time.perf_counter()
+            run_steps(schedule, stages, blocks, x, y, steps=1)
+            if i == 0:
+                for stage in stages:
+                    stage.submod.reset()
+            else:
+                times[kind].append(time.perf_counter() - start)
+    stats = schedules["rrfp"][0].last_step_stats
+    return {"times": times, "hint_order": stats.hint_order,
+            "realized_order": stats.realized_order, "idle": stats.idle_time}
+
+
+def memory_bound(rank: int, world_size: int, hint: str, stages_per_rank: int, layout: str,
+                 n_microbatches: int, buffer_limit) -> dict:
+    """Slow backwards on the last stage, so forwards upstream would run ahead unchecked."""
+    num_stages = world_size * stages_per_rank
+    chain = make_chain(num_stages)
+    x, y = make_batch(n_microbatches)
+
+    def device_time(stage: int, block):
+        backward = 0.03 if stage == num_stages - 1 else 0.001
+        return EmulatedDeviceTime(block, n_microbatches, lambda mb: 0.001, lambda mb: backward)
+
+    stages, blocks = build_stages(chain, rank, world_size, layout, wrap=device_time)
+    schedule = ScheduleRRFP(stages, n_microbatches, loss_fn=loss_fn, hint=hint,
+                            buffer_limit=buffer_limit, stall_timeout=60)
+    run_steps(schedule, stages, blocks, x, y, steps=2)
+    stats = schedule.last_step_stats
+    return {"peak": stats.peak_in_flight, "limits": stats.buffer_limits,
+            "hint_peak": stats.hint_peak_in_flight, "entries": stats.backpressure_entries,
+            "stages": [s.stage_index for s in stages]}
+
+
+def silent_first_rank(rank: int, world_size: int, stall_timeout: float) -> dict:
+    """After one normal step, rank 0 stops stepping: every rank downstream must raise.
+
+    (The first step's shape inference uses torch's blocking P2P, so the silence starts
+    in the second step.)
+    """
+    chain = make_chain(world_size)
+    x, y = make_batch(world_size)
+    stages, blocks = build_stages(chain, rank, world_size, "loop")
+    schedule = ScheduleRRFP(stages, world_size, loss_fn=loss_fn, hint="1F1B",
+                            stall_timeout=stall_timeout)
+    run_steps(schedule, stages, blocks, x, y, steps=1)
+    outcome: dict = {}
+    if rank > 0:
+        start = time.perf_counter()
+        try:
+            run_steps(schedule, stages, blocks, x, y, steps=1)
+        except PipelineStallError as e:
+            outcome = {"error": str(e), "elapsed": time.perf_counter() - start}
+    dist.barrier()
+    return outcome
+
+
+def bad_input(rank: int, world_size: int, case: str) -> str:
+    """Only rank 0 builds the schedule: any communication before the error would hang."""
+    if rank != 0:
+        return ""
+    kwargs = dict(hint="1F1B", buffer_limit="hint")
+    n_microbatches, per_rank, layout = 4, 1, "loop"
+    if case == "unknown_hint":
+        kwargs["hint"] = "OneFOneB"
+    elif case == "single_stage_hint_two_stages":
+        per_rank = 2
+    elif case == "v_hint_loop_stages":
+        kwargs["hint"], per_rank = "ZBVZeroBubble", 2
+    elif case == "loop_hint_v_stages":
+        kwargs["hint"], per_rank, layout = "Interleaved1F1B", 2, "v"
+    elif case == "limit_zero":
+        kwargs["buffer_limit"] = 0
+    elif case == "limit_malformed":
+        kwargs["buffer_limit"] = "hint-1"
+    elif case == "limit_below_reversed_order":
+        kwargs["hint"], kwargs["buffer_limit"] = "LoopedBFS", 1
+    elif case == "too_few_microbatches":
+        n_microbatches = 1
+    elif case == "too_few_microbatches_dualpipev":
+        kwargs["hint"], per_rank, layout, n_microbatches = "DualPipeV", 2, "v", 2
+    else:
+        raise AssertionError(case)
+    chain = make_chain(world_size * per_rank)
+    stages, _ = build_stages(chain, rank, world_size, layout)
+    try:
+        ScheduleRRFP(stages, n_microbatches, loss_fn=loss_fn, **kwargs)
+    except ValueError as e:
+        return str(e)
+    raise AssertionError(f"no ValueError for {case}")

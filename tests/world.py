@@ -1,0 +1,80 @@
+"""Run a function on a fresh gloo world of spawned processes, with a hard timeout."""
+
+from __future__ import annotations
+
+import datetime
+import os
+import queue
+import tempfile
+import time
+import traceback
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+
+def run_world(world_size: int, fn: Callable[..., Any], *args: Any, timeout: float = 120.0) -> list[Any]:
+    """Run ``fn(rank, world_size, *args)`` on every rank; return the per-rank results.
+
+    Fails (and kills every rank) if any rank raises or the world runs past ``timeout``.
+    ``fn`` must be importable (module level), as ranks are spawned processes.
+    """
+    ctx = mp.get_context("spawn")
+    with tempfile.TemporaryDirectory() as tmp:
+        results: queue.Queue = ctx.Queue()
+        procs = [
+            ctx.Process(target=_rank_main, daemon=True,
+                        args=(rank, world_size, f"file://{tmp}/store", results, fn, args))
+            for rank in range(world_size)
+        ]
+        for p in procs:
+            p.start()
+        outcomes: dict[int, tuple[bool, Any]] = {}
+        deadline = time.monotonic() + timeout
+        try:
+            while len(outcomes) < world_size:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise TimeoutError(
+                        f"world of {world_size} ranks ran past {timeout:.0f} s (a hang?); "
+                        f"ranks that finished: {sorted(outcomes)}"
+                    )
+                try:
+                    rank, ok, payload = results.get(timeout=min(left, 1.0))
+                except queue.Empty:
+                    dead = [r for r, p in enumerate(procs)
+                            if r not in outcomes and p.exitcode not in (None, 0)]
+                    if dead:
+                        raise RuntimeError(f"ranks {dead} died without reporting") from None
+                    continue
+                outcomes[rank] = (ok, payload)
+        finally:
+            for p in procs:
+                p.join(timeout=10)
+            for p in procs:
+                if p.is_alive():
+                    p.kill()
+    errors = {r: tb for r, (ok, tb) in outcomes.items() if not ok}
+    if errors:
+        raise AssertionError("\n".join(f"--- rank {r} ---\n{tb}" for r, tb in sorted(errors.items())))
+    return [outcomes[r][1] for r in range(world_size)]
+
+
+def _rank_main(rank, world_size, init_method, results, fn, args) -> None:
+    try:
+        torch.set_num_threads(1)
+        dist.init_process_group(
+            "gloo", init_method=init_method, rank=rank, world_size=world_size,
+            timeout=datetime.timedelta(seconds=120),
+        )
+        outcome = (rank, True, fn(rank, world_size, *args))
+    except BaseException:
+        outcome = (rank, False, traceback.format_exc())
+    results.put(outcome)
+    results.close()
+    results.join_thread()
+    # Ranks that stalled on purpose may have waiter threads blocked in gloo: leave at once.
+    os._exit(0)
