@@ -46,14 +46,8 @@ class Node:
     """The remote message (edge, microbatch) it consumes, if any."""
     deps: tuple[int, ...]
     """Indices of this rank's actions that must be done first."""
-
-    @property
-    def stage(self) -> int:
-        return self.action.stage_index
-
-    @property
-    def microbatch(self) -> int | None:
-        return self.action.microbatch_index
+    stage: int
+    microbatch: int | None
 
 
 @dataclass(frozen=True)
@@ -76,6 +70,10 @@ def describe(action: _Action) -> str:
     if action.microbatch_index is not None:
         text += f" microbatch {action.microbatch_index}"
     return text
+
+
+def _by_index(node: Node) -> int:
+    return node.index
 
 
 def _kind_of(action: _Action) -> Kind:
@@ -164,7 +162,7 @@ class Arbiter:
                 last_weight_grad[s] = i
             for sid in streams:
                 members[sid].append(i)
-            self.nodes.append(Node(i, a, kind, tuple(streams), message, tuple(deps)))
+            self.nodes.append(Node(i, a, kind, tuple(streams), message, tuple(deps), s, m))
 
         self._streams = members
         self._index_of = {n.action: n.index for n in self.nodes}
@@ -218,12 +216,25 @@ class Arbiter:
                             f"{self.in_flight[node.stage]} forwards in flight, limit {limit})")
         return None
 
+    def _may_run(self, node: Node) -> bool:
+        """``_blocked_by(node) is None``, without building the explanation (hot path)."""
+        streams, heads = self._streams, self._heads
+        for sid in node.streams:
+            if streams[sid][heads[sid]] != node.index:
+                return False
+        done = self._done
+        for dep in node.deps:
+            if not done[dep]:
+                return False
+        if node.message is not None and node.message not in self._arrived:
+            return False
+        if node.kind == "F" and self.limits is not None:
+            return self.in_flight[node.stage] < self.limits[node.stage]
+        return True
+
     def ready(self) -> list[Node]:
         """Actions that may run now, in hint order."""
-        return sorted(
-            (n for n in self.stream_heads() if self._blocked_by(n) is None),
-            key=lambda n: n.index,
-        )
+        return sorted((n for n in self.stream_heads() if self._may_run(n)), key=_by_index)
 
     def waits(self) -> list[Wait]:
         """What every blocked stream head waits for (for stall reports)."""
@@ -249,7 +260,7 @@ class Arbiter:
     def complete(self, action: _Action) -> None:
         """``action`` (returned by ``choose``) has run."""
         node = self._node_of(action)
-        if self._done[node.index] or self._blocked_by(node) is not None:
+        if self._done[node.index] or not self._may_run(node):
             raise RuntimeError(f"{action} completed out of turn on rank {self.rank}")
         self._done[node.index] = True
         self._remaining -= 1

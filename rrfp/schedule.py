@@ -218,6 +218,7 @@ class _StepRun:
         self.spans: list[Span] = []
         self.idle_time = 0.0
         self.decision_time = 0.0
+        self.send_time = 0.0
         self.start = time.perf_counter()
         self.start_unix = time.time()
         self.end = self.start
@@ -252,8 +253,10 @@ class _StepRun:
                                    action.stage_index, action.computation_type.value,
                                    action.microbatch_index))
             arbiter.complete(action)
+            t4 = time.perf_counter()
             self.send_outputs(action)
-            self.decision_time += time.perf_counter() - t3
+            self.decision_time += t4 - t3
+            self.send_time += time.perf_counter() - t4
         try:
             transport.finish_sends(self.schedule.stall_timeout)
         except TimeoutError as e:
@@ -346,7 +349,7 @@ class _StepRun:
             global_rank=dist.get_rank(),
             hint=arbiter.hint.name,
             policy=arbiter.policy.name,
-            buffer_limits=arbiter.limits,
+            buffer_limits={s: arbiter.limits[s] for s in local} if arbiter.limits else None,
             hint_peak_in_flight={s: hint_peaks[s] for s in local},
             peak_in_flight=dict(arbiter.peak_in_flight),
             backpressure_entries=dict(arbiter.backpressure_entries),
@@ -356,6 +359,7 @@ class _StepRun:
             step_time=end - self.start,
             idle_time=self.idle_time,
             decision_time=self.decision_time,
+            send_time=self.send_time,
             start_unix=self.start_unix,
             spans=self.spans,
         )

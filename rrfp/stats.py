@@ -46,7 +46,10 @@ class StepStats:
     idle_time: float
     """Seconds the compute thread waited with no action ready."""
     decision_time: float
-    """Seconds spent in the arbiter and transport bookkeeping (dispatch overhead)."""
+    """Seconds spent choosing actions: the arbiter and arrival bookkeeping (dispatch
+    overhead; the time to issue sends is ``send_time``)."""
+    send_time: float
+    """Seconds spent issuing sends (building them and the backend's isend calls)."""
     start_unix: float
     """Wall-clock time of the step start, to align traces of several ranks."""
     spans: list[Span] = field(default_factory=list)
@@ -71,7 +74,8 @@ class StepStats:
             f"{self.idle_fraction:.1%}, out-of-hint-order {self.out_of_hint_order}/"
             f"{self.dispatched}, peak in flight {self.peak_in_flight} (hint "
             f"{self.hint_peak_in_flight}), backpressure entries {self.backpressure_entries}, "
-            f"overhead {self.overhead_per_action * 1e6:.0f} us/action"
+            f"dispatch overhead {self.overhead_per_action * 1e6:.0f} us/action, sends "
+            f"{self.send_time * 1e3:.1f} ms"
         )
 
     def to_dict(self) -> dict:

@@ -61,6 +61,20 @@ def test_bitwise_equal_to_torch_schedule_with_and_without_delays(case, world_siz
     )
 
 
+@pytest.mark.parametrize("hint,reference,per_rank,layout", [
+    ("Interleaved1F1B", "Interleaved1F1B", 2, "loop"), ("BFW", "ZBVZeroBubble", 2, "v"),
+    ("GPipe", "GPipe", 1, "loop"),
+])
+def test_outputs_and_eval_match_torch(hint, reference, per_rank, layout):
+    ranks = run_world(2, workers.outputs_and_eval, hint, reference, per_rank, layout, timeout=120)
+    for result in ranks:
+        assert result["same"]
+        if result["has_last"]:
+            assert result["n_eval_losses"] == 4
+            assert result["eval_error"] < 1e-12
+            assert result["output_shape"] == (4 * workers.BATCH_PER_MICROBATCH, workers.DIM)
+
+
 def test_slow_microbatch_is_overtaken_and_step_is_faster():
     # GPipe, 2 ranks, 8 microbatches, emulated device time: stage 0's forward of
     # microbatch 4 takes 0.6 s instead of 0.02 s. The fixed schedule leaves stage 1 idle

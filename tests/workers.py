@@ -182,6 +182,52 @@ def fidelity(rank: int, world_size: int, case: FidelityCase, tmpdir: str) -> dic
             "n_losses": len(fixed[0][1]), "has_last": has_last}
 
 
+def outputs_and_eval(rank: int, world_size: int, hint: str, reference: str,
+                     stages_per_rank: int, layout: str) -> dict:
+    """Returned outputs of a training step, then an eval step: RRFP vs torch, bitwise.
+
+    torch 2.13's own runtime fails eval on V placements (it runs the backward actions
+    and asserts), so there the eval output is checked against the unpipelined model.
+    """
+    M = 2 * world_size
+    chain = make_chain(world_size * stages_per_rank)
+    x, y = make_batch(M)
+    results = {}
+    for kind in ("fixed", "rrfp"):
+        stages, _ = build_stages(chain, rank, world_size, layout)
+        schedule = (torch_schedule(reference, stages, M) if kind == "fixed"
+                    else ScheduleRRFP(stages, M, loss_fn=loss_fn, hint=hint))
+        inputs = (x,) if any(s.is_first for s in stages) else ()
+        train_losses: list = []
+        train_out = schedule.step(*inputs, target=y, losses=train_losses)
+        eval_losses: list = []
+        if kind == "fixed" and layout == "v":
+            eval_out = None
+        else:
+            with torch.no_grad():
+                eval_out = schedule.eval(*inputs, target=y, losses=eval_losses)
+        results[kind] = (train_out, train_losses, eval_out, eval_losses)
+
+    def same(a, b) -> bool:
+        if isinstance(a, list):
+            return len(a) == len(b) and all(map(torch.equal, a, b))
+        return (a is None and b is None) or torch.equal(a, b)
+
+    fixed, rrfp = results["fixed"], results["rrfp"]
+    checked = (0, 1) if layout == "v" else (0, 1, 2, 3)
+    has_last = any(s.is_last for s in stages)
+    eval_error = 0.0
+    if has_last:
+        with torch.no_grad():
+            out = x
+            for block in chain:
+                out = block(out)
+        eval_error = (rrfp[2] - out).abs().max().item()
+    return {"same": all(same(fixed[i], rrfp[i]) for i in checked), "has_last": has_last,
+            "n_eval_losses": len(rrfp[3]), "eval_error": eval_error,
+            "output_shape": tuple(rrfp[2].shape) if has_last else None}
+
+
 def slow_microbatch_comparison(rank: int, world_size: int, hint: str, n_microbatches: int,
                                slow_mb: int, slow_s: float, repeats: int) -> dict:
     """Stage 0's forward of one microbatch is slow; time torch's fixed schedule and RRFP.
