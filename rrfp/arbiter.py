@@ -165,12 +165,15 @@ class Arbiter:
             self.nodes.append(Node(i, a, kind, tuple(streams), message, tuple(deps), s, m))
 
         self._streams = members
+        self._stream_ids = stream_ids
         self._index_of = {n.action: n.index for n in self.nodes}
         self._heads = [0] * len(members)
         self._done = [False] * len(self.nodes)
         self._arrived: set[tuple[Edge, int]] = set()
+        self.arrival_times: dict[tuple[Edge, int], float] = {}
         self._remaining = len(self.nodes)
         self.first_undone = 0
+        self._pending_backward = 0
         self.in_flight = {s: 0 for s in local}
         self.peak_in_flight = {s: 0 for s in local}
         self._forwards_left = {s: sum(1 for n in self.nodes if n.kind == "F" and n.stage == s)
@@ -186,6 +189,24 @@ class Arbiter:
 
     def is_done(self, index: int) -> bool:
         return self._done[index]
+
+    def has_arrived(self, message: tuple[Edge, int]) -> bool:
+        return message in self._arrived
+
+    def next_pending_backward(self) -> int:
+        """Hint position of the first backward (B/I) not yet run (len(nodes) if none)."""
+        while self._pending_backward < len(self.nodes) and (
+                self.nodes[self._pending_backward].kind != "BI"
+                or self._done[self._pending_backward]):
+            self._pending_backward += 1
+        return self._pending_backward
+
+    def stream_head(self, stage: int, stream: str) -> Node | None:
+        """Next action of ``stage``'s ``"F"``, ``"BI"`` or ``"GRAD"`` stream (None: done)."""
+        sid = self._stream_ids.get((stage, stream))
+        if sid is None or self._heads[sid] >= len(self._streams[sid]):
+            return None
+        return self.nodes[self._streams[sid][self._heads[sid]]]
 
     def stream_heads(self) -> list[Node]:
         return [
@@ -253,9 +274,11 @@ class Arbiter:
         chosen = reduce[0] if reduce else self.policy.choose(ready, self)
         return chosen.action if chosen is not None else None
 
-    def deliver(self, edge: Edge, microbatch: int) -> None:
-        """A message on ``edge`` for ``microbatch`` has arrived."""
+    def deliver(self, edge: Edge, microbatch: int, at: float | None = None) -> None:
+        """A message on ``edge`` for ``microbatch`` has arrived (``at``: when, if known)."""
         self._arrived.add((edge, microbatch))
+        if at is not None:
+            self.arrival_times[(edge, microbatch)] = at
 
     def complete(self, action: _Action) -> None:
         """``action`` (returned by ``choose``) has run."""

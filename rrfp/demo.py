@@ -72,7 +72,7 @@ def _rank_main(rank: int, world_size: int, init_method: str, args, report) -> No
                         else fixed_stages, args.microbatches, loss_fn=loss_fn)
     rrfp_stages = _build(args, rank, world_size, layout)
     rrfp = ScheduleRRFP(rrfp_stages, args.microbatches, loss_fn=loss_fn, hint=args.hint,
-                        buffer_limit=args.limit)
+                        buffer_limit=args.limit, policy=args.policy)
     times: dict[str, list[float]] = {"fixed": [], "rrfp": []}
     for step in range(args.steps + 1):  # step 0 warms up (shape inference)
         for name, schedule, stages in (("fixed", fixed, fixed_stages), ("rrfp", rrfp, rrfp_stages)):
@@ -102,6 +102,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--stages-per-rank", type=int, default=1)
     parser.add_argument("--hint", default="GPipe")
     parser.add_argument("--limit", default="hint", help="buffer_limit: hint, hint+k or an int")
+    parser.add_argument("--policy", default="hint",
+                        help="arbitration policy (default here: plain readiness-first; "
+                             "ScheduleRRFP's own default guards against losses instead)")
     parser.add_argument("--microbatches", type=int, default=8)
     parser.add_argument("--forward-s", type=float, default=0.02,
                         help="emulated forward (and backward) time per microbatch and stage")
@@ -131,7 +134,7 @@ def main(argv: list[str] | None = None) -> None:
           f"stage 0 forward of microbatch {args.slow_mb} takes {args.slow_s} s "
           f"(emulated device time; median of {args.steps} steps)")
     print(f"  torch {fixed_name:<28} {fixed_s * 1e3:8.1f} ms")
-    print(f"  ScheduleRRFP(hint={args.hint!r}, buffer_limit={args.limit!r}) "
+    print(f"  ScheduleRRFP(hint={args.hint!r}, buffer_limit={args.limit!r}, policy={args.policy!r}) "
           f"{rrfp_s * 1e3:8.1f} ms   speedup {fixed_s / rrfp_s:.2f}x")
     for s in stats:
         print("  " + s.summary())

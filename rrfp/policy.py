@@ -8,11 +8,15 @@ ready action (return None) must not do so forever, or the pipeline would stall.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 from typing import Protocol, TYPE_CHECKING
 
 if TYPE_CHECKING:
     from rrfp.arbiter import Arbiter, Node
+    from rrfp.hints import Edge
+
+POLICIES = ("hint", "fixed", "BF", "BFW", "window", "lookahead")
 
 
 class Policy(Protocol):
@@ -66,12 +70,140 @@ class BackwardFirst:
         return ready[0]
 
 
-def make_policy(name: str) -> Policy:
-    """A fresh policy (policies may keep per-step state) for a hint's policy name."""
+@dataclass
+class History:
+    """What earlier steps showed one rank, kept on the cautious side.
+
+    ``durations[(stage, kind)]``: the longest run seen of that stage and kind (seconds);
+    ``arrivals[(edge, microbatch)]``: the earliest arrival seen, in seconds after the
+    step start.
+    """
+
+    durations: dict[tuple[int, str], float] = field(default_factory=dict)
+    arrivals: dict[tuple[Edge, int], float] = field(default_factory=dict)
+    gaps: dict[tuple[Edge, int], float] = field(default_factory=dict)
+    """Shortest time seen between a message and the one before it on the same edge."""
+    _last: dict[Edge, float] = field(default_factory=dict)
+
+    def start_step(self) -> None:
+        self._last.clear()
+
+    def record_duration(self, stage: int, kind: str, seconds: float) -> None:
+        key = (stage, kind)
+        old = self.durations.get(key); self.durations[key] = seconds if old is None else 0.5 * (seconds + old)
+
+    def record_arrival(self, edge: Edge, microbatch: int, offset: float) -> None:
+        key = (edge, microbatch)
+        self.arrivals[key] = min(offset, self.arrivals.get(key, offset))
+        if edge in self._last:
+            gap = offset - self._last[edge]
+            self.gaps[key] = min(gap, self.gaps.get(key, gap))
+        self._last[edge] = offset
+
+
+def _limits_below_hint(arbiter: Arbiter) -> bool:
+    # Below the hint's own peak the fixed order itself would stall on backpressure, so
+    # the guarantee that "the hint's next action is always allowed" no longer suffices.
+    if arbiter.limits is None:
+        return False
+    peaks = arbiter.hint.peak_in_flight()
+    return any(arbiter.limits[s] < peaks[s] for s in arbiter.limits)
+
+
+class ForwardWindow:
+    """Readiness-first, but forwards and weight-gradients may not run past the hint's
+    next pending backward: they would delay a backward that may arrive right after.
+
+    Backwards run whenever ready. It always allows the hint's next action, so it cannot
+    deadlock where the fixed schedule does not; below the hint's memory it is greedy.
+    """
+
+    name = "window"
+
+    def choose(self, ready: Sequence[Node], arbiter: Arbiter) -> Node | None:
+        if _limits_below_hint(arbiter):
+            return ready[0]
+        pending_backward = arbiter.next_pending_backward()
+        for node in ready:
+            if node.kind == "BI" or node.index <= pending_backward:
+                return node
+        return None
+
+
+class Lookahead:
+    """Readiness-first with a guard: a ready action ranked below the hint's next action
+    runs only if, by duration estimates from earlier steps, it ends before that next
+    action's input is expected (its arrival time in an earlier step).
+
+    Without history (the first step) it follows the hint exactly. Like ForwardWindow it
+    always allows the hint's next action, and is greedy below the hint's memory.
+    """
+
+    name = "lookahead"
+
+    def __init__(self, history: History | None, clock: Callable[[], float]):
+        self.history = history
+        self.clock = clock
+
+    def choose(self, ready: Sequence[Node], arbiter: Arbiter) -> Node | None:
+        head = arbiter.nodes[arbiter.first_undone]
+        if ready[0] is head or _limits_below_hint(arbiter):
+            return ready[0]
+        if self.history is None:
+            return None
+        expected = self._expected_ready(head, arbiter)
+        if expected is None:
+            return None
+        now = self.clock()
+        for node in ready:
+            estimate = self.history.durations.get((node.stage, node.action.computation_type.value))
+            if estimate is not None and now + estimate <= expected:
+                return node
+        return None
+
+    def _expected_ready(self, head: Node, arbiter: Arbiter) -> float | None:
+        """When the hint's next action is expected to become ready (None: unknown)."""
+        message = head.message
+        if message is None or arbiter.has_arrived(message):
+            # A forward held by backpressure: it waits for the stage's next backward,
+            # which waits for its gradient.
+            backward = arbiter.stream_head(head.stage, "BI")
+            message = backward.message if backward is not None else None
+            if message is None or arbiter.has_arrived(message):
+                return None
+        history = self.history
+        expected = history.arrivals.get(message)  # type: ignore[union-attr]
+        if expected is None:
+            return None
+        # The step may run ahead of earlier ones: also expect it one shortest-seen gap
+        # after the message before it on the same edge, if that one has arrived.
+        edge, mb = message
+        order = arbiter.hint.message_order(edge)
+        position = order.index(mb)
+        if position > 0:
+            before = arbiter.arrival_times.get((edge, order[position - 1]))
+            gap = history.gaps.get(message)  # type: ignore[union-attr]
+            if before is not None and gap is not None:
+                expected = min(expected, before + gap)
+        return expected
+
+
+def make_policy(name: str, *, history: History | None = None,
+                clock: Callable[[], float] | None = None) -> Policy:
+    """A fresh policy (policies may keep per-step state).
+
+    ``history`` and ``clock`` (seconds since the step start) feed ``"lookahead"``.
+    """
     if name == "hint":
         return HintOrder()
     if name in ("BF", "BFW"):
         return BackwardFirst(name)
     if name == "fixed":
         return FixedOrder()
-    raise ValueError(f"unknown arbitration policy {name!r}: use 'hint', 'BF', 'BFW' or 'fixed'")
+    if name == "window":
+        return ForwardWindow()
+    if name == "lookahead":
+        if clock is None:
+            raise ValueError("the lookahead policy needs a clock")
+        return Lookahead(history, clock)
+    raise ValueError(f"unknown arbitration policy {name!r}: use one of {list(POLICIES)}")

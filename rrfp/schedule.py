@@ -39,7 +39,7 @@ from rrfp.hints import (
     REDUCE_GRAD,
     W,
 )
-from rrfp.policy import make_policy
+from rrfp.policy import History, make_policy, POLICIES
 from rrfp.stats import Span, StepStats
 from rrfp.transport import create_channels, SendDelay, Transport
 
@@ -89,8 +89,11 @@ class ScheduleRRFP(PipelineScheduleMulti):
         kwargs_chunk_spec: dict[str, TensorChunkSpec] | None = None,
         output_merge_spec: dict[str, Any] | tuple[Any] | None = None,
         scale_grads: bool = True,
+        policy: str | None = None,
         send_delay: SendDelay | None = None,
     ):
+        if policy is not None and policy not in POLICIES:
+            raise ValueError(f"unknown policy {policy!r}: use one of {list(POLICIES)} or None")
         stages = list(stages) if isinstance(stages, (list, tuple)) else [stages]
         if not stages:
             raise ValueError("ScheduleRRFP needs at least one stage")
@@ -135,6 +138,15 @@ class ScheduleRRFP(PipelineScheduleMulti):
             except RuntimeError as e:
                 raise ValueError(f"{e}; use a hint without split backward (I/W)") from None
         self.buffer_limits = resolve_buffer_limits(buffer_limit, self._hint)
+        if policy is None:
+            # Measured (see benchmarks/results): at the hint's own memory the lookahead
+            # guard never loses more than ~1%, where plain readiness-first can lose 5%;
+            # with slack, plain readiness-first gains most.
+            at_hint_memory = self.buffer_limits == self._hint.peak_in_flight()
+            policy = self._hint.policy if self._hint.policy != "hint" else (
+                "lookahead" if at_hint_memory else "hint")
+        self.policy = policy
+        self._history = History()
         check_deadlock_free(self._hint)
         self._forward_only_hint = self._hint.forward_only()
         self.stall_timeout = float(stall_timeout)
@@ -183,13 +195,16 @@ class ScheduleRRFP(PipelineScheduleMulti):
             arg_mbs[0], kwarg_mbs[0], target_mbs[0] if target_mbs is not None else None,
             loss_kwargs,
         )
-        hint = self._hint if self._has_backward else self._forward_only_hint
-        arbiter = Arbiter(
-            hint, self.rank,
-            limits=self.buffer_limits if self._has_backward else None,
-            policy=make_policy(hint.policy),
-        )
-        run = _StepRun(self, arbiter, arg_mbs, kwarg_mbs, target_mbs, return_outputs, loss_kwargs)
+        start = time.perf_counter()
+        if self._has_backward:
+            hint, limits = self._hint, self.buffer_limits
+            policy = make_policy(self.policy, history=self._history,
+                                 clock=lambda: time.perf_counter() - start)
+        else:  # forward only: no memory to balance, plain readiness-first
+            hint, limits, policy = self._forward_only_hint, None, make_policy("hint")
+        arbiter = Arbiter(hint, self.rank, limits=limits, policy=policy)
+        run = _StepRun(self, arbiter, start, arg_mbs, kwarg_mbs, target_mbs, return_outputs,
+                       loss_kwargs)
         try:
             run.execute()
         except BaseException as e:
@@ -197,6 +212,8 @@ class ScheduleRRFP(PipelineScheduleMulti):
             raise
         finally:
             self.last_step_stats = run.stats()
+        if self._has_backward:
+            run.teach(self._history)
         if self._loss_fn is not None and any(s.is_last for s in self._stages):
             self._internal_losses = [run.losses[m] for m in range(self._n_microbatches)]
         self._update_losses(self._stages, losses)
@@ -205,8 +222,8 @@ class ScheduleRRFP(PipelineScheduleMulti):
 class _StepRun:
     """One step of the schedule loop: receive, choose, run, send."""
 
-    def __init__(self, schedule: ScheduleRRFP, arbiter: Arbiter, arg_mbs, kwarg_mbs,
-                 target_mbs, return_outputs: bool, loss_kwargs):
+    def __init__(self, schedule: ScheduleRRFP, arbiter: Arbiter, start: float, arg_mbs,
+                 kwarg_mbs, target_mbs, return_outputs: bool, loss_kwargs):
         self.schedule = schedule
         self.arbiter = arbiter
         self.transport = schedule._transport
@@ -219,8 +236,10 @@ class _StepRun:
         self.idle_time = 0.0
         self.decision_time = 0.0
         self.send_time = 0.0
-        self.start = time.perf_counter()
-        self.start_unix = time.time()
+        self.arrivals: list[tuple[int, int, int, float]] = []
+        self.sends: list[tuple[int, int, int, float]] = []
+        self.start = start
+        self.start_unix = time.time() - (time.perf_counter() - start)
         self.end = self.start
 
     def execute(self) -> None:
@@ -229,8 +248,7 @@ class _StepRun:
         idle_since: float | None = None
         while not arbiter.finished:
             t0 = time.perf_counter()
-            for edge, mb in transport.collect():
-                arbiter.deliver(edge, mb)
+            self.deliver(transport.collect())
             action = arbiter.choose()
             t1 = time.perf_counter()
             self.decision_time += t1 - t0
@@ -243,8 +261,7 @@ class _StepRun:
                 t2 = time.perf_counter()
                 self.idle_time += t2 - t1
                 self.spans.append(Span("idle", t1 - self.start, t2 - self.start, kind="idle"))
-                for edge, mb in arrived:
-                    arbiter.deliver(edge, mb)
+                self.deliver(arrived)
                 continue
             idle_since = None
             self.run_action(action)
@@ -262,6 +279,21 @@ class _StepRun:
         except TimeoutError as e:
             raise PipelineStallError(f"pipeline rank {self.schedule.rank}: {e}") from e
         self.end = time.perf_counter()
+
+    def deliver(self, arrivals) -> None:
+        for edge, mb, seen in arrivals:
+            offset = seen - self.start
+            self.arbiter.deliver(edge, mb, at=offset)
+            self.arrivals.append((edge.src, edge.dst, mb, offset))
+
+    def teach(self, history: History) -> None:
+        """Record this step's durations and arrivals for the next step's policy."""
+        history.start_step()
+        for span in self.spans:
+            if span.kind != "idle":
+                history.record_duration(span.stage, span.kind, span.end - span.start)
+        for src, dst, mb, offset in self.arrivals:
+            history.record_arrival(Edge(src, dst), mb, offset)
 
     def post_receives(self) -> None:
         hint, stages = self.arbiter.hint, self.schedule._stage_by_index
@@ -322,6 +354,7 @@ class _StepRun:
             stage = self.schedule._stage_by_index[action.stage_index]
             mb = action.microbatch_index
             ops = stage.get_fwd_send_ops(mb) if edge.is_forward else stage.get_bwd_send_ops(mb)
+            self.sends.append((edge.src, edge.dst, mb, time.perf_counter() - self.start))
             self.transport.send(edge, mb, [op.tensor for op in ops])
 
     def stall_error(self, waited: float) -> PipelineStallError:
@@ -349,6 +382,8 @@ class _StepRun:
             global_rank=dist.get_rank(),
             hint=arbiter.hint.name,
             policy=arbiter.policy.name,
+            arrivals=self.arrivals,
+            sends=self.sends,
             buffer_limits={s: arbiter.limits[s] for s in local} if arbiter.limits else None,
             hint_peak_in_flight={s: hint_peaks[s] for s in local},
             peak_in_flight=dict(arbiter.peak_in_flight),

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field
 
 
@@ -53,6 +53,11 @@ class StepStats:
     start_unix: float
     """Wall-clock time of the step start, to align traces of several ranks."""
     spans: list[Span] = field(default_factory=list)
+    arrivals: list[tuple[int, int, int, float]] = field(default_factory=list)
+    """(source stage, destination stage, microbatch, seconds after start) of each
+    message received."""
+    sends: list[tuple[int, int, int, float]] = field(default_factory=list)
+    """The same for each message sent (when the send was issued)."""
 
     @property
     def dispatched(self) -> int:
@@ -97,6 +102,13 @@ class StepStats:
                 "dur": (span.end - span.start) * 1e6,
                 "args": {"stage": span.stage, "microbatch": span.microbatch},
             })
+        for cat, messages in (("send", self.sends), ("recv", self.arrivals)):
+            for src, dst, mb, offset in messages:
+                events.append({
+                    "ph": "i", "s": "t", "pid": pid, "tid": 0, "cat": cat,
+                    "name": f"{cat} {src}->{dst} mb {mb}", "ts": base_us + offset * 1e6,
+                    "args": {"src": src, "dst": dst, "microbatch": mb},
+                })
         return events
 
     def write_chrome_trace(self, path: str | os.PathLike) -> None:
@@ -119,7 +131,3 @@ def merge_chrome_traces(paths: Iterable[str | os.PathLike], out: str | os.PathLi
             events.extend(json.load(f)["traceEvents"])
     with open(out, "w") as f:
         json.dump({"traceEvents": events, "displayTimeUnit": "ms"}, f)
-
-
-def format_limits(limits: Mapping[int, int] | None) -> str:
-    return "none" if limits is None else ", ".join(f"stage {s}: {n}" for s, n in sorted(limits.items()))

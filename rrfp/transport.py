@@ -28,7 +28,8 @@ import torch.distributed as dist
 
 from rrfp.hints import Edge, Hint
 
-Message = tuple[Edge, int]
+Arrival = tuple[Edge, int, float]
+"""(edge, microbatch, ``time.perf_counter()`` when the message was seen complete)."""
 SendDelay = Callable[[Edge, int], float]
 """Emulated link latency: seconds to hold the message for ``(edge, microbatch)``."""
 
@@ -115,17 +116,17 @@ class _WaiterThreads:
             except Exception as e:  # reported to the compute thread, which raises it
                 self._arrived.put((edge, microbatch, e))
             else:
-                self._arrived.put((edge, microbatch, None))
+                self._arrived.put((edge, microbatch, time.perf_counter()))
 
-    def collect(self, timeout: float) -> list[Message]:
+    def collect(self, timeout: float) -> list[Arrival]:
         arrived = []
         try:
             item = self._arrived.get(timeout=timeout) if timeout > 0 else self._arrived.get_nowait()
             while True:
-                edge, microbatch, error = item
-                if error is not None:
-                    raise RuntimeError(f"receive of {edge} microbatch {microbatch} failed") from error
-                arrived.append((edge, microbatch))
+                edge, microbatch, outcome = item
+                if isinstance(outcome, BaseException):
+                    raise RuntimeError(f"receive of {edge} microbatch {microbatch} failed") from outcome
+                arrived.append((edge, microbatch, outcome))
                 item = self._arrived.get_nowait()
         except queue.Empty:
             pass
@@ -143,17 +144,17 @@ class _Polling:
     def watch(self, edge: Edge, microbatch: int, works: Sequence[dist.Work]) -> None:
         self._pending.setdefault(edge, deque()).append((microbatch, works))
 
-    def _poll(self) -> list[Message]:
+    def _poll(self) -> list[Arrival]:
         arrived = []
         for edge, pending in self._pending.items():
             while pending and all(w.is_completed() for w in pending[0][1]):
                 microbatch, works = pending.popleft()
                 for work in works:
                     work.wait()  # orders the compute stream after the receive
-                arrived.append((edge, microbatch))
+                arrived.append((edge, microbatch, time.perf_counter()))
         return arrived
 
-    def collect(self, timeout: float) -> list[Message]:
+    def collect(self, timeout: float) -> list[Arrival]:
         deadline = time.perf_counter() + timeout
         while not (arrived := self._poll()) and time.perf_counter() < deadline:
             time.sleep(self._POLL_INTERVAL_S)
@@ -248,7 +249,7 @@ class Transport:
         works = [dist.isend(t, dst=channel.dst_rank, group=channel.group) for t in tensors]
         self._sends.append((edge, microbatch, works, tensors))
 
-    def collect(self, timeout: float = 0.0) -> list[Message]:
+    def collect(self, timeout: float = 0.0) -> list[Arrival]:
         """Messages that arrived since the last call; waits up to ``timeout`` for one."""
         return self._arrivals.collect(timeout)
 

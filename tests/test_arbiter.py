@@ -95,7 +95,8 @@ def test_no_deadlock_and_memory_bound_under_random_timings(name, limit):
         except ValueError:
             assert not hint.streams_share_one_order()  # only LoopedBFS refuses small limits
             continue
-        for seed in range(6):
+        histories = None
+        for seed, policy in enumerate([hint.policy, "window", "lookahead"] * 2):
             rng = random.Random(seed)
             durations = {}
 
@@ -103,7 +104,8 @@ def test_no_deadlock_and_memory_bound_under_random_timings(name, limit):
                 return durations.setdefault(action, rng.expovariate(1.0))
 
             result = simulate(hint, duration, latency=lambda e, m: rng.expovariate(2.0),
-                              policy=hint.policy, limits=limits)
+                              policy=policy, limits=limits, histories=histories)
+            histories = result.histories
             for stage, peak in result.peak_in_flight.items():
                 assert peak <= limits[stage]
             for rank, realized in result.realized.items():

@@ -76,8 +76,10 @@ def test_slow_microbatch_is_overtaken_and_step_is_faster():
     # GPipe, 2 ranks, 8 microbatches, emulated device time: stage 0's forward of
     # microbatch 4 takes 0.6 s instead of 0.02 s. The fixed schedule leaves stage 1 idle
     # until it arrives; RRFP runs stage 1's (0.1 s) backwards of microbatches 0-3
-    # meanwhile. The simulator predicts 1.58 s fixed vs 1.18 s RRFP.
-    ranks = run_world(2, workers.slow_microbatch_comparison, "GPipe", 8, 4, 0.6, 2, timeout=120)
+    # meanwhile. The simulator predicts 1.58 s fixed vs 1.18 s RRFP. (Plain readiness-first:
+    # the lookahead guard would wait, as earlier steps never saw microbatch 4 late.)
+    ranks = run_world(2, workers.slow_microbatch_comparison, "GPipe", "hint", 8, 4, 0.6, 2,
+                      timeout=120)
     last = ranks[1]
     assert last["realized_order"] != last["hint_order"]
     for rank, result in enumerate(ranks):

@@ -228,8 +228,9 @@ def outputs_and_eval(rank: int, world_size: int, hint: str, reference: str,
             "output_shape": tuple(rrfp[2].shape) if has_last else None}
 
 
-def slow_microbatch_comparison(rank: int, world_size: int, hint: str, n_microbatches: int,
-                               slow_mb: int, slow_s: float, repeats: int) -> dict:
+def slow_microbatch_comparison(rank: int, world_size: int, hint: str, policy: str,
+                               n_microbatches: int, slow_mb: int, slow_s: float,
+                               repeats: int) -> dict:
     """Stage 0's forward of one microbatch is slow; time torch's fixed schedule and RRFP.
 
     Emulated device time: forwards 0.02 s, backwards 0.02 s on stage 0 and 0.1 s on the
@@ -249,7 +250,7 @@ def slow_microbatch_comparison(rank: int, world_size: int, hint: str, n_microbat
         stages, blocks = build_stages(chain, rank, world_size, "loop", wrap=device_time)
         schedules[kind] = (
             torch_schedule(hint, stages, n_microbatches) if kind == "fixed"
-            else ScheduleRRFP(stages, n_microbatches, loss_fn=loss_fn, hint=hint),
+            else ScheduleRRFP(stages, n_microbatches, loss_fn=loss_fn, hint=hint, policy=policy),
             stages, blocks,
         )
     times: dict[str, list[float]] = {"fixed": [], "rrfp": []}

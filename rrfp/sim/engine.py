@@ -7,13 +7,14 @@ so fixed and readiness-first runs differ only in the policy.
 
 from __future__ import annotations
 
+import copy
 import heapq
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
 from rrfp.arbiter import Arbiter
-from rrfp.hints import _Action, Edge, Hint
-from rrfp.policy import make_policy
+from rrfp.hints import _Action, B, Edge, F, Hint, I, W
+from rrfp.policy import History, make_policy
 from rrfp.stats import Span
 
 Duration = Callable[[_Action], float]
@@ -32,6 +33,8 @@ class SimResult:
     peak_in_flight: dict[int, int]
     """Per stage: realized peak of forwards minus backwards."""
     out_of_order: dict[int, int]
+    histories: dict[int, History] = field(repr=False)
+    """Per rank: what this step teaches the next (for the lookahead policy)."""
 
     @property
     def idle(self) -> dict[int, float]:
@@ -50,18 +53,29 @@ def simulate(
     latency: Latency | None = None,
     policy: str = "hint",
     limits: Mapping[int, int] | None = None,
+    histories: Mapping[int, History] | None = None,
 ) -> SimResult:
-    """Simulate one step of ``hint`` under ``policy`` ("fixed" is the fixed schedule)."""
+    """Simulate one step of ``hint`` under ``policy`` ("fixed" is the fixed schedule).
+
+    ``histories``: per rank, what earlier steps showed (``SimResult.histories`` of the
+    previous step), for the ``"lookahead"`` policy.
+    """
+    now = 0.0
+    previous = histories or {}
     arbiters = {
-        r: Arbiter(hint, r, limits=limits, policy=make_policy(policy))
+        r: Arbiter(hint, r, limits=limits,
+                   policy=make_policy(policy, history=previous.get(r), clock=lambda: now))
         for r in range(hint.num_ranks)
     }
+    learned = {r: copy.deepcopy(previous[r]) if r in previous else History()
+               for r in arbiters}
+    for history in learned.values():
+        history.start_step()
     events: list[tuple[float, int, int, object]] = []  # (time, seq, rank, payload)
     seq = 0
     running: dict[int, tuple[float, _Action] | None] = {r: None for r in arbiters}
     spans: dict[int, list[Span]] = {r: [] for r in arbiters}
     busy = {r: 0.0 for r in arbiters}
-    now = 0.0
 
     def push(time: float, rank: int, payload: object) -> None:
         nonlocal seq
@@ -90,13 +104,16 @@ def simulate(
                 busy[rank] += now - start
                 spans[rank].append(Span(str(action), start, now, action.stage_index,
                                         action.computation_type.value, action.microbatch_index))
+                learned[rank].record_duration(action.stage_index,
+                                              action.computation_type.value, now - start)
                 for edge in arbiter.messages_sent_by(action):
                     mb = action.microbatch_index
                     delay = latency(edge, mb) if latency is not None else 0.0
                     push(now + delay, hint.stage_to_rank[edge.dst], (edge, mb))
             else:
                 edge, mb = payload  # type: ignore[misc]
-                arbiters[rank].deliver(edge, mb)
+                arbiters[rank].deliver(edge, mb, at=now)
+                learned[rank].record_arrival(edge, mb, now)
         dispatch_free_ranks()
 
     stuck = {r: a.waits() for r, a in arbiters.items() if not a.finished}
@@ -114,4 +131,73 @@ def simulate(
         realized={r: a.realized for r, a in arbiters.items()},
         peak_in_flight=dict(sorted(peak.items())),
         out_of_order={r: a.out_of_order for r, a in arbiters.items()},
+        histories=learned,
     )
+
+
+@dataclass(frozen=True)
+class LowerBounds:
+    critical_path: float
+    """Longest dependency chain of any microbatch (unlimited ranks, no queueing)."""
+    busiest_rank: float
+    """Max over ranks of: earliest possible start + all its work + shortest possible tail."""
+
+    @property
+    def tighter(self) -> float:
+        return max(self.critical_path, self.busiest_rank)
+
+
+def lower_bounds(hint: Hint, duration: Duration, latency: Latency | None = None) -> LowerBounds:
+    """Two makespan lower bounds that hold for any schedule of ``hint``'s actions."""
+    lat = latency or (lambda edge, mb: 0.0)
+    rank_of = hint.stage_to_rank
+    kinds = {(a.stage_index, a.microbatch_index): set() for acts in hint.orders.values() for a in acts}
+    for acts in hint.orders.values():
+        for a in acts:
+            kinds[(a.stage_index, a.microbatch_index)].add(a.computation_type)
+    actions = [a for acts in hint.orders.values() for a in acts if a.computation_type in (F, B, I, W)]
+
+    def edge_delay(src: int, dst: int, mb: int) -> float:
+        return 0.0 if rank_of[src] == rank_of[dst] else lat(Edge(src, dst), mb)
+
+    def grad_action(s: int, mb: int) -> _Action:
+        return _Action(s, B if B in kinds[(s, mb)] else I, mb)
+
+    def predecessors(a: _Action) -> list[tuple[_Action, float]]:
+        s, m, ctype = a.stage_index, a.microbatch_index, a.computation_type
+        if ctype == F:
+            return [(_Action(s - 1, F, m), edge_delay(s - 1, s, m))] if s > 0 else []
+        if ctype == W:
+            return [(_Action(s, I, m), 0.0)]
+        preds = [(_Action(s, F, m), 0.0)]
+        if s < hint.num_stages - 1:
+            preds.append((grad_action(s + 1, m), edge_delay(s + 1, s, m)))
+        return preds
+
+    successors: dict[_Action, list[tuple[_Action, float]]] = {a: [] for a in actions}
+    for a in actions:
+        for p, delay in predecessors(a):
+            successors[p].append((a, delay))
+    # Per microbatch the DAG is a chain: forwards up the stages, backwards down, each W
+    # hanging off its I. This order is topological.
+    def topological_key(a: _Action) -> tuple[int, int]:
+        ctype = a.computation_type
+        return (0, a.stage_index) if ctype == F else (2, a.stage_index) if ctype == W \
+            else (1, -a.stage_index)
+
+    order = sorted(actions, key=topological_key)
+    head: dict[_Action, float] = {}
+    for a in order:
+        head[a] = max((head[p] + duration(p) + d for p, d in predecessors(a)), default=0.0)
+    tail: dict[_Action, float] = {}
+    for a in reversed(order):
+        tail[a] = max((d + duration(c) + tail[c] for c, d in successors[a]), default=0.0)
+    earliest_start, shortest_tail = head.__getitem__, tail.__getitem__
+
+    critical = max(earliest_start(a) + duration(a) + shortest_tail(a) for a in actions)
+    busiest = 0.0
+    for rank, acts in hint.orders.items():
+        compute = [a for a in acts if a.computation_type in (F, B, I, W)]
+        busiest = max(busiest, min(map(earliest_start, compute)) + sum(map(duration, compute))
+                      + min(map(shortest_tail, compute)))
+    return LowerBounds(critical, busiest)

@@ -1,0 +1,143 @@
+"""Seeded timing models for one step: per-(stage, microbatch) durations and latencies.
+
+Time unit: one mean forward of an LLM stage (1.0). Backward-for-input (I) and
+backward-for-weights (W) each take one forward, a full backward (B) their sum, as in the
+zero-bubble papers' cost model.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import random
+from dataclasses import asdict, dataclass
+
+from rrfp.hints import _Action, B, Edge, F, I, REDUCE_GRAD, W
+
+WORKLOADS = ("uniform", "jitter", "multimodal", "straggler", "latency")
+
+
+@dataclass(frozen=True)
+class Timing:
+    """Durations and link latencies of one step (also the replay file format)."""
+
+    forward: list[list[float]]
+    """``forward[stage][microbatch]``."""
+    backward_input: list[list[float]]
+    backward_weight: list[list[float]]
+    activation_latency: list[list[float]]
+    """``activation_latency[s][mb]``: stage s -> s+1 (last row unused)."""
+    gradient_latency: list[list[float]]
+    """``gradient_latency[s][mb]``: stage s -> s-1 (first row unused)."""
+
+    @property
+    def num_stages(self) -> int:
+        return len(self.forward)
+
+    @property
+    def n_microbatches(self) -> int:
+        return len(self.forward[0])
+
+    def duration(self, action: _Action) -> float:
+        s, m, ctype = action.stage_index, action.microbatch_index, action.computation_type
+        if ctype == F:
+            return self.forward[s][m]
+        if ctype == B:
+            return self.backward_input[s][m] + self.backward_weight[s][m]
+        if ctype == I:
+            return self.backward_input[s][m]
+        if ctype == W:
+            return self.backward_weight[s][m]
+        if ctype == REDUCE_GRAD:
+            return 0.0
+        raise ValueError(f"no duration for {action}")
+
+    def latency(self, edge: Edge, microbatch: int) -> float:
+        table = self.activation_latency if edge.is_forward else self.gradient_latency
+        return table[edge.src][microbatch]
+
+    def save(self, path: str | os.PathLike) -> None:
+        with open(path, "w") as f:
+            json.dump(asdict(self), f)
+
+    @classmethod
+    def load(cls, path: str | os.PathLike) -> Timing:
+        with open(path) as f:
+            data = json.load(f)
+        try:
+            timing = cls(**{k: data[k] for k in cls.__dataclass_fields__})
+        except KeyError as e:
+            raise ValueError(f"{path}: replay file lacks {e}; expected fields "
+                             f"{list(cls.__dataclass_fields__)}") from None
+        shapes = {k: (len(v), {len(r) for r in v}) for k, v in asdict(timing).items()}
+        if len({sh[0] for sh in shapes.values()}) != 1 or any(len(sh[1]) != 1 for sh in shapes.values()) \
+                or len({next(iter(sh[1])) for sh in shapes.values()}) != 1:
+            raise ValueError(f"{path}: every table must be [stages][microbatches]; got {shapes}")
+        return timing
+
+
+@dataclass(frozen=True)
+class WorkloadParams:
+    """Knobs of the workload models (defaults are the ones the results page uses)."""
+
+    jitter_sigma: float = 0.3
+    """Lognormal sigma of per-action compute noise (jitter workload)."""
+    vision_stage_fraction: float = 0.25
+    """Share of the first stages that hold the vision encoder (multimodal)."""
+    max_images: int = 8
+    """Images per microbatch are uniform in 0..max_images (multimodal)."""
+    straggler_probability: float = 0.2
+    """Chance that an action of the straggling stage is slow (straggler)."""
+    straggler_slowdown: float = 3.0
+    latency_mean: float = 0.5
+    """Mean P2P latency, in forwards (latency workload)."""
+    latency_sigma: float = 1.2
+    """Lognormal sigma of the latency (1.2: p95/p5 about 50, as on the paper's PCIe cards)."""
+
+
+def make_timing(workload: str, num_stages: int, n_microbatches: int, seed: int,
+                params: WorkloadParams = WorkloadParams()) -> Timing:
+    """Draw one step's timings from a workload model."""
+    if workload not in WORKLOADS:
+        raise ValueError(f"unknown workload {workload!r}: use one of {list(WORKLOADS)} or a replay file")
+    rng = random.Random(f"{workload}/{num_stages}/{n_microbatches}/{seed}")
+    S, M = num_stages, n_microbatches
+
+    def table(value) -> list[list[float]]:
+        return [[value(s, m) for m in range(M)] for s in range(S)]
+
+    def noise(sigma: float) -> float:  # mean-1 lognormal
+        return math.exp(rng.gauss(-sigma * sigma / 2, sigma))
+
+    zero = table(lambda s, m: 0.0)
+    cost = table(lambda s, m: 1.0)
+    latency = zero
+    if workload == "jitter":
+        cost = table(lambda s, m: noise(params.jitter_sigma))
+    elif workload == "multimodal":
+        vision = max(1, round(S * params.vision_stage_fraction))
+        images = [rng.randint(0, params.max_images) for _ in range(M)]
+        mean_images = params.max_images / 2
+        # Vision stages scale with the images of the microbatch (mean cost 1); text stages
+        # carry a little noise of their own.
+        cost = table(lambda s, m: (0.1 + 0.9 * images[m] / mean_images) if s < vision
+                     else noise(0.1))
+    elif workload == "straggler":
+        slow_stage = rng.randrange(S)
+        cost = table(lambda s, m: params.straggler_slowdown
+                     if s == slow_stage and rng.random() < params.straggler_probability else 1.0)
+    elif workload == "latency":
+        latency = table(lambda s, m: params.latency_mean * noise(params.latency_sigma))
+    gradient_latency = latency if workload != "latency" else table(
+        lambda s, m: params.latency_mean * noise(params.latency_sigma))
+    # I and W of a microbatch scale like its forward (same tokens, same images), with
+    # their own noise under jitter.
+    scale = (lambda: noise(params.jitter_sigma)) if workload == "jitter" else (lambda: 1.0)
+    return Timing(
+        forward=cost,
+        backward_input=[[c * scale() for c in row] for row in cost],
+        backward_weight=[[c * scale() for c in row] for row in cost],
+        activation_latency=latency,
+        gradient_latency=gradient_latency,
+    )
