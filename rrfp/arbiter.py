@@ -107,6 +107,11 @@ class Arbiter:
         self.hint = hint
         self.rank = rank
         self.limits = dict(limits) if limits is not None else None
+        peaks = hint.peak_in_flight()
+        # Below the hint's own peak the fixed order itself would stall on backpressure,
+        # so "the hint's next action is always allowed" no longer guarantees progress.
+        self.below_hint_memory = self.limits is not None and any(
+            self.limits[s] < peaks[s] for s in self.limits)
         self.policy = policy if policy is not None else make_policy(hint.policy)
         actions = hint.orders[rank]
         position = {(a.stage_index, a.computation_type, a.microbatch_index): i
@@ -326,16 +331,23 @@ class Arbiter:
             raise KeyError(f"{action} is not in rank {self.rank}'s hint") from None
 
 
-def resolve_buffer_limits(spec: str | int, hint: Hint) -> dict[int, int]:
-    """Per-stage forward-in-flight limits from ``"hint"``, ``"hint+k"`` or an int.
+def resolve_buffer_limits(spec: str | int | Mapping[int, int], hint: Hint) -> dict[int, int]:
+    """Per-stage forward-in-flight limits from ``"hint"``, ``"hint+k"``, an int, or an
+    explicit ``{stage: limit}`` for every stage.
 
     Raises ``ValueError`` for a malformed spec, a limit below 1, or a limit below what the
     hint's stream orders can run with.
     """
     peaks = hint.peak_in_flight()
-    if isinstance(spec, bool) or not isinstance(spec, (int, str)):
+    if isinstance(spec, Mapping):
+        if sorted(spec) != sorted(peaks) or any(
+                isinstance(v, bool) or not isinstance(v, int) or v < 1 for v in spec.values()):
+            raise ValueError(f"buffer_limit as a dict needs an int >= 1 for each of the stages "
+                             f"{sorted(peaks)}, got {dict(spec)}")
+        limits = dict(spec)
+    elif isinstance(spec, bool) or not isinstance(spec, (int, str)):
         raise ValueError(f"buffer_limit must be 'hint', 'hint+k' or an int >= 1, got {spec!r}")
-    if isinstance(spec, int):
+    elif isinstance(spec, int):
         if spec < 1:
             raise ValueError(
                 f"buffer_limit={spec} is below 1: at least one forward per stage must be "

@@ -11,15 +11,12 @@ RRFP step of every rank.
 from __future__ import annotations
 
 import argparse
-import datetime
 import os
 import statistics
-import tempfile
 import time
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch.distributed.pipelining import PipelineStage
 from torch.distributed.pipelining._utils import generate_stage_to_rank_mapping
 from torch.distributed.pipelining.schedules import get_schedule_class, PipelineScheduleSingle
@@ -27,6 +24,7 @@ from torch.distributed.pipelining.schedules import get_schedule_class, PipelineS
 from rrfp import ScheduleRRFP, write_chrome_trace
 from rrfp.emulation import EmulatedDeviceTime
 from rrfp.hints import build_hint, infer_layout
+from rrfp.local import run_local_world
 
 DIM = 64
 
@@ -49,10 +47,7 @@ def _build(args, rank: int, world_size: int, layout: str):
     return stages
 
 
-def _rank_main(rank: int, world_size: int, init_method: str, args, report) -> None:
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=init_method, rank=rank, world_size=world_size,
-                            timeout=datetime.timedelta(seconds=120))
+def _rank_main(rank: int, world_size: int, args):
     num_stages = world_size * args.stages_per_rank
     layout = "v" if args.hint in ("ZBVZeroBubble", "DualPipeV") else "loop"
     torch.manual_seed(0)
@@ -87,13 +82,9 @@ def _rank_main(rank: int, world_size: int, init_method: str, args, report) -> No
                     stage.submod.reset()  # shape inference ran one extra forward
             else:
                 times[name].append(time.perf_counter() - start)
-    stats = rrfp.last_step_stats
     gathered: list = [None] * world_size
-    dist.all_gather_object(gathered, stats)
-    if rank == 0:
-        write_chrome_trace(gathered, args.trace)
-        report.put((fixed_class.__name__, times, gathered))
-    dist.destroy_process_group()
+    dist.all_gather_object(gathered, rrfp.last_step_stats)
+    return fixed_class.__name__, times, gathered
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -119,16 +110,8 @@ def main(argv: list[str] | None = None) -> None:
     if args.limit.isdigit():
         args.limit = int(args.limit)
 
-    ctx = mp.get_context("spawn")
-    report = ctx.Queue()
-    with tempfile.TemporaryDirectory() as tmp:
-        procs = [ctx.Process(target=_rank_main, args=(r, args.ranks, f"file://{tmp}/store", args, report))
-                 for r in range(args.ranks)]
-        for p in procs:
-            p.start()
-        fixed_name, times, stats = report.get(timeout=600)
-        for p in procs:
-            p.join()
+    fixed_name, times, stats = run_local_world(args.ranks, _rank_main, args, timeout=600)[0]
+    write_chrome_trace(stats, args.trace)
     fixed_s, rrfp_s = statistics.median(times["fixed"]), statistics.median(times["rrfp"])
     print(f"{args.ranks} ranks x {args.stages_per_rank} stages, {args.microbatches} microbatches, "
           f"stage 0 forward of microbatch {args.slow_mb} takes {args.slow_s} s "

@@ -156,11 +156,23 @@ class Hint:
 
     def message_order(self, edge: Edge) -> list[int]:
         """Microbatches in the order the producer sends them over ``edge``."""
-        kinds = frozenset({F}) if edge.is_forward else INPUT_GRAD_KINDS
-        return self.stream(edge.src, kinds)
+        return self._message_orders[edge]
+
+    @cached_property
+    def _message_orders(self) -> dict[Edge, list[int]]:
+        orders = {}
+        for s in range(self.num_stages):
+            for dst, kinds in ((s + 1, frozenset({F})), (s - 1, INPUT_GRAD_KINDS)):
+                if 0 <= dst < self.num_stages:
+                    orders[Edge(s, dst)] = self.stream(s, kinds)
+        return orders
 
     def peak_in_flight(self) -> dict[int, int]:
         """Per stage, the fixed order's peak of forwards done minus backwards (B/I) done."""
+        return dict(self._peaks)
+
+    @cached_property
+    def _peaks(self) -> dict[int, int]:
         peak: dict[int, int] = defaultdict(int)
         for acts in self.orders.values():
             in_flight: dict[int, int] = defaultdict(int)

@@ -8,6 +8,7 @@ with the same hint (see ``rrfp.arbiter`` for why).
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 from collections import Counter
@@ -39,7 +40,7 @@ from rrfp.hints import (
     REDUCE_GRAD,
     W,
 )
-from rrfp.policy import History, make_policy, POLICIES
+from rrfp.policy import default_policy, History, make_policy, POLICIES
 from rrfp.stats import Span, StepStats
 from rrfp.transport import create_channels, SendDelay, Transport
 
@@ -138,14 +139,8 @@ class ScheduleRRFP(PipelineScheduleMulti):
             except RuntimeError as e:
                 raise ValueError(f"{e}; use a hint without split backward (I/W)") from None
         self.buffer_limits = resolve_buffer_limits(buffer_limit, self._hint)
-        if policy is None:
-            # Measured (see benchmarks/results): at the hint's own memory the lookahead
-            # guard never loses more than ~1%, where plain readiness-first can lose 5%;
-            # with slack, plain readiness-first gains most.
-            at_hint_memory = self.buffer_limits == self._hint.peak_in_flight()
-            policy = self._hint.policy if self._hint.policy != "hint" else (
-                "lookahead" if at_hint_memory else "hint")
-        self.policy = policy
+        self.policy = policy or default_policy(
+            self._hint.policy, self.buffer_limits == self._hint.peak_in_flight())
         self._history = History()
         check_deadlock_free(self._hint)
         self._forward_only_hint = self._hint.forward_only()
@@ -310,7 +305,8 @@ class _StepRun:
         stage = schedule._stage_by_index[action.stage_index]
         mb = action.microbatch_index
         ctype = action.computation_type
-        with record_function(_get_profiler_function_name(action)):
+        with (record_function(_get_profiler_function_name(action))
+              if torch.autograd.profiler._is_profiler_enabled else contextlib.nullcontext()):
             if ctype == F:
                 output = stage.forward_one_chunk(
                     mb, self.arg_mbs[mb], self.kwarg_mbs[mb],

@@ -119,6 +119,8 @@ class _WaiterThreads:
                 self._arrived.put((edge, microbatch, time.perf_counter()))
 
     def collect(self, timeout: float) -> list[Arrival]:
+        if timeout <= 0 and self._arrived.empty():
+            return []
         arrived = []
         try:
             item = self._arrived.get(timeout=timeout) if timeout > 0 else self._arrived.get_nowait()

@@ -8,7 +8,7 @@ import pytest
 from torch.distributed.pipelining.schedules import ScheduleInterleavedZeroBubble
 
 from tests import workers
-from tests.world import run_world
+from rrfp.local import run_local_world
 
 # (hint given to ScheduleRRFP, torch schedule compared bitwise, stages per rank, placement)
 HINT_CASES = [
@@ -46,7 +46,7 @@ def test_bitwise_equal_to_torch_schedule_with_and_without_delays(case, world_siz
         hint=hint, reference=reference, stages_per_rank=per_rank, layout=layout,
         n_microbatches=2 * world_size, delay_seeds=seeds,
     )
-    ranks = run_world(world_size, workers.fidelity, fidelity_case, str(tmp_path), timeout=180)
+    ranks = run_local_world(world_size, workers.fidelity, fidelity_case, str(tmp_path), timeout=180)
     for rank, result in enumerate(ranks):
         assert set(result["runs"]) == {"plain", *(f"seed{s}" for s in seeds)}
         for run, outcome in result["runs"].items():
@@ -63,7 +63,7 @@ def test_bitwise_equal_to_torch_schedule_with_and_without_delays(case, world_siz
     ("GPipe", "GPipe", 1, "loop"),
 ])
 def test_outputs_and_eval_match_torch(hint, reference, per_rank, layout):
-    ranks = run_world(2, workers.outputs_and_eval, hint, reference, per_rank, layout, timeout=120)
+    ranks = run_local_world(2, workers.outputs_and_eval, hint, reference, per_rank, layout, timeout=120)
     for result in ranks:
         assert result["same"]
         if result["has_last"]:
@@ -78,7 +78,7 @@ def test_slow_microbatch_is_overtaken_and_step_is_faster():
     # until it arrives; RRFP runs stage 1's (0.1 s) backwards of microbatches 0-3
     # meanwhile. The simulator predicts 1.58 s fixed vs 1.18 s RRFP. (Plain readiness-first:
     # the lookahead guard would wait, as earlier steps never saw microbatch 4 late.)
-    ranks = run_world(2, workers.slow_microbatch_comparison, "GPipe", "hint", 8, 4, 0.6, 2,
+    ranks = run_local_world(2, workers.slow_microbatch_comparison, "GPipe", "hint", 8, 4, 0.6, 2,
                       timeout=120)
     last = ranks[1]
     assert last["realized_order"] != last["hint_order"]
@@ -93,7 +93,7 @@ def test_slow_microbatch_is_overtaken_and_step_is_faster():
     "hint,per_rank,layout", [("1F1B", 1, "loop"), ("Interleaved1F1B", 2, "loop"), ("BFW", 2, "v")]
 )
 def test_in_flight_forwards_never_exceed_the_limit(hint, per_rank, layout, buffer_limit):
-    ranks = run_world(2, workers.memory_bound, hint, per_rank, layout, 8, buffer_limit, timeout=120)
+    ranks = run_local_world(2, workers.memory_bound, hint, per_rank, layout, 8, buffer_limit, timeout=120)
     ran_ahead = False
     for result in ranks:
         for stage in result["stages"]:
@@ -108,7 +108,7 @@ def test_in_flight_forwards_never_exceed_the_limit(hint, per_rank, layout, buffe
 
 
 def test_every_waiting_rank_raises_when_a_peer_never_sends():
-    ranks = run_world(4, workers.silent_first_rank, 2.0, timeout=120)
+    ranks = run_local_world(4, workers.silent_first_rank, 2.0, timeout=120)
     assert ranks[0] == {}
     for rank in (1, 2, 3):
         outcome = ranks[rank]
@@ -135,6 +135,6 @@ BAD_INPUTS = {
 @pytest.mark.parametrize("case", sorted(BAD_INPUTS))
 def test_bad_input_raises_value_error_before_any_communication(case):
     # Only rank 0 builds a schedule; if it communicated before raising it would hang.
-    message = run_world(2, workers.bad_input, case, timeout=60)[0]
+    message = run_local_world(2, workers.bad_input, case, timeout=60)[0]
     for expected in BAD_INPUTS[case]:
         assert expected in message, message

@@ -37,3 +37,91 @@ def test_uniform_times_readiness_first_at_hint_memory_equals_fixed_schedule(name
             assert rrfp.makespan == fixed.makespan + 1.0
         else:
             assert rrfp.makespan == fixed.makespan
+
+
+def test_lower_bounds_hold_and_are_tight_where_they_should_be():
+    from rrfp.sim.engine import lower_bounds
+    from rrfp.sim.workloads import make_timing, WORKLOADS
+
+    hint = build_hint("1F1B", num_ranks=4, num_stages=4, n_microbatches=8)
+    uniform = make_timing("uniform", 4, 8, 0)
+    bounds = lower_bounds(hint, uniform.duration, uniform.latency)
+    assert bounds.busiest_rank == simulate(hint, uniform.duration, policy="fixed").makespan == 33
+    assert bounds.critical_path == 12  # 4 forwards + 4 backwards of 2
+    for workload in WORKLOADS:
+        for seed in range(3):
+            t = make_timing(workload, 4, 8, seed)
+            bound = lower_bounds(hint, t.duration, t.latency).tighter
+            for limit in ("hint", 32):
+                result = simulate(hint, t.duration, latency=t.latency, policy="hint",
+                                  limits=resolve_buffer_limits(limit, hint))
+                assert result.makespan >= bound - 1e-9
+
+
+def test_workloads_are_seeded_and_shaped():
+    from rrfp.sim.workloads import make_timing, WORKLOADS
+
+    for workload in WORKLOADS:
+        a, b = make_timing(workload, 4, 6, 7), make_timing(workload, 4, 6, 7)
+        assert a == b
+        if workload != "uniform":
+            assert a != make_timing(workload, 4, 6, 8)
+        assert a.num_stages == 4 and a.n_microbatches == 6
+    with pytest.raises(ValueError, match="unknown workload"):
+        make_timing("bursty", 4, 6, 0)
+
+
+def test_replay_file_round_trip_and_trace_conversion(tmp_path):
+    from rrfp.sim.replay import timing_from_trace
+    from rrfp.sim.workloads import make_timing, Timing
+    from rrfp.stats import Span, StepStats, write_chrome_trace
+
+    timing = make_timing("latency", 2, 3, 0)
+    timing.save(tmp_path / "t.json")
+    assert Timing.load(tmp_path / "t.json") == timing
+    (tmp_path / "bad.json").write_text('{"forward": [[1.0]]}')
+    with pytest.raises(ValueError, match="lacks"):
+        Timing.load(tmp_path / "bad.json")
+
+    def stats(rank, spans, sends, arrivals):
+        return StepStats(pp_rank=rank, global_rank=rank, hint="1F1B", policy="hint",
+                         buffer_limits=None, hint_peak_in_flight={}, peak_in_flight={},
+                         backpressure_entries={}, out_of_hint_order=0, hint_order=[],
+                         realized_order=[], step_time=1.0, idle_time=0.0, decision_time=0.0,
+                         send_time=0.0, start_unix=100.0, spans=spans, arrivals=arrivals,
+                         sends=sends)
+    ranks = [
+        stats(0, [Span("0F0", 0.0, 0.2, 0, "F", 0), Span("0B0", 0.5, 0.9, 0, "B", 0)],
+              sends=[(0, 1, 0, 0.2)], arrivals=[(1, 0, 0, 0.45)]),
+        stats(1, [Span("1F0", 0.25, 0.3, 1, "F", 0), Span("1B0", 0.3, 0.4, 1, "B", 0)],
+              sends=[(1, 0, 0, 0.4)], arrivals=[(0, 1, 0, 0.25)]),
+    ]
+    write_chrome_trace(ranks, tmp_path / "trace.json")
+    import json
+    timing = timing_from_trace(json.loads((tmp_path / "trace.json").read_text()))
+    assert [row[0] for row in timing.forward] == pytest.approx([0.2, 0.05])
+    assert [row[0] for row in timing.backward_input] == pytest.approx([0.2, 0.05])  # B / 2
+    assert timing.activation_latency[0][0] == pytest.approx(0.05)
+    assert timing.gradient_latency[1][0] == pytest.approx(0.05)
+
+
+def test_cli_prints_a_table_and_draws_charts(tmp_path, capsys):
+    from rrfp.sim.__main__ import main
+
+    main(["--pp", "4", "--microbatches", "8", "--hint", "BFW", "--workload", "latency",
+          "--limit", "32", "--seeds", "2", "--plot", str(tmp_path / "t.png"),
+          "--sweep", str(tmp_path / "s.png")])
+    out = capsys.readouterr().out
+    assert "speedup mean" in out and "policy BFW" in out and "limit       32" in out
+    assert (tmp_path / "t.png").stat().st_size > 10_000
+    assert (tmp_path / "s.png").stat().st_size > 10_000
+
+
+def test_sixty_four_ranks_and_256_microbatches_simulate_quickly():
+    import time
+
+    hint = build_hint("1F1B", num_ranks=64, num_stages=64, n_microbatches=256)
+    start = time.perf_counter()
+    result = simulate(hint, _uniform, policy="hint", limits=resolve_buffer_limits("hint", hint))
+    assert time.perf_counter() - start < 10.0
+    assert result.makespan == (256 + 63) * 3.0

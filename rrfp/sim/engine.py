@@ -82,20 +82,25 @@ def simulate(
         heapq.heappush(events, (time, seq, rank, payload))
         seq += 1
 
-    def dispatch_free_ranks() -> None:
-        for rank, arbiter in arbiters.items():
+    def dispatch(ranks) -> None:
+        for rank in ranks:
+            arbiter = arbiters[rank]
             if running[rank] is None and not arbiter.finished:
                 action = arbiter.choose()
                 if action is not None:
                     running[rank] = (now, action)
                     push(now + duration(action), rank, action)
 
-    dispatch_free_ranks()
+    # A rank's choice changes only when something happens to it (policies decide from
+    # state and the clock, and waiting longer never makes a declined action acceptable).
+    dispatch(arbiters)
     while events:
         now = events[0][0]
+        touched = set()
         # Apply everything that happens at this instant before any rank decides.
         while events and events[0][0] == now:
             _, _, rank, payload = heapq.heappop(events)
+            touched.add(rank)
             if isinstance(payload, _Action):
                 start, action = running[rank]  # type: ignore[misc]
                 running[rank] = None
@@ -114,7 +119,7 @@ def simulate(
                 edge, mb = payload  # type: ignore[misc]
                 arbiters[rank].deliver(edge, mb, at=now)
                 learned[rank].record_arrival(edge, mb, now)
-        dispatch_free_ranks()
+        dispatch(sorted(touched))
 
     stuck = {r: a.waits() for r, a in arbiters.items() if not a.finished}
     if stuck:

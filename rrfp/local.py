@@ -1,4 +1,7 @@
-"""Run a function on a fresh gloo world of spawned processes, with a hard timeout."""
+"""Local gloo worlds: run a function on N spawned CPU processes, with a hard timeout.
+
+For the demo, the benchmarks and the tests: one machine, no GPU, no torchrun.
+"""
 
 from __future__ import annotations
 
@@ -16,7 +19,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 
-def run_world(world_size: int, fn: Callable[..., Any], *args: Any, timeout: float = 120.0) -> list[Any]:
+def run_local_world(world_size: int, fn: Callable[..., Any], *args: Any, timeout: float = 120.0) -> list[Any]:
     """Run ``fn(rank, world_size, *args)`` on every rank; return the per-rank results.
 
     Fails (and kills every rank) if any rank raises or the world runs past ``timeout``.

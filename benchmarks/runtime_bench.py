@@ -1,0 +1,192 @@
+"""Runtime benchmark: ScheduleRRFP vs the fixed schedule on gloo, A/B in one invocation.
+
+    python -m benchmarks.runtime_bench            # PP=4 and PP=8, writes results/runtime.md
+
+Stage compute is **emulated device time**: each forward/backward sleeps for the duration
+the workload model (rrfp/sim/workloads.py) draws, in units of ``--unit-ms`` per forward;
+the model itself is a tiny MLP. Injected send latency (the latency workload) goes through
+ScheduleRRFP's ``send_delay``; torch's schedules cannot take it, so there the baseline is
+ScheduleRRFP with ``policy="fixed"`` (same transport, the hint's order). Each pair runs the
+baseline and RRFP on the same drawn timings; the simulator's prediction for those timings
+stands beside each measurement.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import time
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch.distributed.pipelining import PipelineStage
+
+from rrfp import ScheduleRRFP
+from rrfp.emulation import EmulatedDeviceTime
+from rrfp.hints import build_hint
+from rrfp.local import run_local_world
+from rrfp.sim.study import compare
+from rrfp.sim.workloads import make_timing, Timing
+from torch.distributed.pipelining.schedules import Schedule1F1B
+
+OUT = os.path.join(os.path.dirname(__file__), "results")
+DIM = 16
+
+
+@dataclass(frozen=True)
+class Config:
+    pp: int
+    workload: str
+    limit: str | int
+    microbatches: int = 16
+    pairs: int = 5
+    unit_s: float = 0.01
+
+
+def _timing(config: Config, pair: int) -> Timing:
+    return make_timing(config.workload, config.pp, config.microbatches, seed=1000 + pair)
+
+
+def _rank_main(rank: int, world_size: int, config: Config) -> dict:
+    current: dict[str, Timing] = {"timing": _timing(config, 0)}
+    unit = config.unit_s
+
+    def stage(kind: str) -> PipelineStage:
+        torch.manual_seed(rank)
+        block = torch.nn.Sequential(torch.nn.Linear(DIM, DIM), torch.nn.Tanh())
+        timed = EmulatedDeviceTime(
+            block, config.microbatches,
+            forward_time=lambda mb: current["timing"].forward[rank][mb] * unit,
+            backward_time=lambda mb: (current["timing"].backward_input[rank][mb]
+                                      + current["timing"].backward_weight[rank][mb]) * unit)
+        return PipelineStage(timed, rank, world_size, torch.device("cpu"))
+
+    latency = config.workload == "latency"
+
+    def send_delay(edge, mb):
+        return current["timing"].latency(edge, mb) * unit
+
+    loss_fn = torch.nn.functional.mse_loss
+    baseline_stage, rrfp_stage = stage("baseline"), stage("rrfp")
+    if latency:
+        baseline = ScheduleRRFP(baseline_stage, config.microbatches, loss_fn=loss_fn, hint="1F1B",
+                                policy="fixed", send_delay=send_delay)
+    else:
+        baseline = Schedule1F1B(baseline_stage, config.microbatches, loss_fn=loss_fn)
+    rrfp = ScheduleRRFP(rrfp_stage, config.microbatches, loss_fn=loss_fn, hint="1F1B",
+                        buffer_limit=config.limit, send_delay=send_delay if latency else None)
+    x = torch.randn(config.microbatches * 2, DIM)
+    y = torch.randn(config.microbatches * 2, DIM)
+    times: dict[str, list[float]] = {"baseline": [], "rrfp": []}
+    overheads, stats = [], None
+    for pair in range(config.pairs + 1):  # pair 0 warms up (shape inference, history)
+        current["timing"] = _timing(config, pair)
+        for name, schedule, st in (("baseline", baseline, baseline_stage), ("rrfp", rrfp, rrfp_stage)):
+            dist.barrier()
+            start = time.perf_counter()
+            schedule.step(*((x,) if rank == 0 else ()), target=y)
+            dist.barrier()  # the step ends when its last rank ends
+            elapsed = time.perf_counter() - start
+            if pair == 0:
+                st.submod.reset()
+            else:
+                times[name].append(elapsed)
+        if pair > 0:
+            overheads.append(rrfp.last_step_stats.overhead_per_action)
+            stats = rrfp.last_step_stats
+    return {"times": times, "overhead": statistics.median(overheads), "idle": stats.idle_fraction,
+            "peak": stats.peak_in_flight, "hint_peak": stats.hint_peak_in_flight,
+            "policy": rrfp.policy, "baseline": type(baseline).__name__
+            + (" (policy fixed)" if latency else "")}
+
+
+def run(config: Config) -> dict:
+    ranks = run_local_world(config.pp, _rank_main, config, timeout=600)
+    baseline = ranks[0]["times"]["baseline"]
+    rrfp = ranks[0]["times"]["rrfp"]
+    ratios = [b / r for b, r in zip(baseline, rrfp)]
+    hint = build_hint("1F1B", num_ranks=config.pp, num_stages=config.pp,
+                      n_microbatches=config.microbatches)
+    predicted = [compare(hint, _timing(config, pair), 0, limit=config.limit,
+                         policy=ranks[0]["policy"]) for pair in range(1, config.pairs + 1)]
+    return {
+        "config": config.__dict__,
+        "baseline": ranks[0]["baseline"],
+        "policy": ranks[0]["policy"],
+        "baseline_ms": statistics.median(baseline) * 1e3,
+        "rrfp_ms": statistics.median(rrfp) * 1e3,
+        "ratio_median": statistics.median(ratios),
+        "ratio_min": min(ratios),
+        "ratio_max": max(ratios),
+        "sim_baseline_ms": statistics.median(p.fixed.makespan for p in predicted) * config.unit_s * 1e3,
+        "sim_rrfp_ms": statistics.median(p.rrfp.makespan for p in predicted) * config.unit_s * 1e3,
+        "sim_ratio": statistics.median(p.speedup for p in predicted),
+        "idle": [r["idle"] for r in ranks],
+        "peak": {s: p for r in ranks for s, p in r["peak"].items()},
+        "hint_peak": {s: p for r in ranks for s, p in r["hint_peak"].items()},
+        "overhead_us": statistics.median(r["overhead"] for r in ranks) * 1e6,
+    }
+
+
+CONFIGS = [Config(pp, w, limit) for pp in (4, 8)
+           for w, limit in (("uniform", "hint"), ("jitter", "hint"), ("jitter", "hint+2"),
+                            ("multimodal", "hint+2"), ("latency", 32))]
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--pp", type=int, nargs="*", default=[4, 8])
+    parser.add_argument("--pairs", type=int, default=5)
+    args = parser.parse_args(argv)
+    started = time.time()
+    results = []
+    for config in CONFIGS:
+        if config.pp not in args.pp:
+            continue
+        config = Config(config.pp, config.workload, config.limit, pairs=args.pairs)
+        result = run(config)
+        results.append(result)
+        print(f"PP={config.pp} {config.workload:10s} limit {config.limit!s:7s} "
+              f"{result['baseline']}: {result['baseline_ms']:.0f} ms, RRFP ({result['policy']}): "
+              f"{result['rrfp_ms']:.0f} ms, ratio {result['ratio_median']:.3f} "
+              f"[{result['ratio_min']:.3f}, {result['ratio_max']:.3f}], sim {result['sim_ratio']:.3f} "
+              f"({result['sim_baseline_ms']:.0f} / {result['sim_rrfp_ms']:.0f} ms), overhead "
+              f"{result['overhead_us']:.0f} us/action", flush=True)
+    os.makedirs(OUT, exist_ok=True)
+    with open(os.path.join(OUT, "runtime.json"), "w") as f:
+        json.dump(results, f, indent=1)
+    lines = [
+        "# Runtime benchmark: ScheduleRRFP vs the fixed schedule (gloo, emulated device time)",
+        "",
+        f"Regenerate with `python -m benchmarks.runtime_bench` ({time.time() - started:.0f} s "
+        "on this 2-core machine). Hint 1F1B, one stage per rank, 16 microbatches, "
+        f"{args.pairs} A/B pairs after a warm-up pair. Compute is **emulated device time** "
+        "(sleeps of the workload model's durations, 10 ms per mean forward, around a tiny "
+        "MLP); step time is measured on rank 0 between barriers. Ratio: baseline / RRFP "
+        "step time per pair, `median [min, max]`. *sim*: the simulator's prediction for the "
+        "same drawn timings (median). Overhead: median over ranks and steps of the "
+        "arbiter's decision time per action.",
+        "",
+        "| ranks | workload | limit | baseline | baseline ms | RRFP policy | RRFP ms | ratio | "
+        "sim ms (base / RRFP) | sim ratio | idle per rank | peak in flight (hint) | overhead us/action |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in results:
+        c = r["config"]
+        peaks = ", ".join(f"{r['peak'][s]} ({r['hint_peak'][s]})" for s in sorted(r["peak"], key=int))
+        lines.append(
+            f"| {c['pp']} | {c['workload']} | {c['limit']} | {r['baseline']} | {r['baseline_ms']:.0f} | "
+            f"{r['policy']} | {r['rrfp_ms']:.0f} | {r['ratio_median']:.3f} [{r['ratio_min']:.3f}, "
+            f"{r['ratio_max']:.3f}] | {r['sim_baseline_ms']:.0f} / {r['sim_rrfp_ms']:.0f} | "
+            f"{r['sim_ratio']:.3f} | {', '.join(f'{i:.0%}' for i in r['idle'])} | {peaks} | "
+            f"{r['overhead_us']:.0f} |")
+    with open(os.path.join(OUT, "runtime.md"), "w") as f:
+        f.write("\n".join(lines) + "\n")
+    print(f"wrote {OUT}/runtime.md")
+
+
+if __name__ == "__main__":
+    main()

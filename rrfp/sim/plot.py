@@ -1,0 +1,83 @@
+"""Timeline and trade-off charts (matplotlib, imported only when plotting)."""
+
+from __future__ import annotations
+
+import statistics
+from collections.abc import Mapping
+
+from rrfp.sim.engine import SimResult
+from rrfp.sim.study import Comparison
+
+COLOURS = {"F": "#4C72B0", "B": "#55A868", "I": "#DD8452", "W": "#8172B3"}
+
+
+def _pyplot():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def plot_timelines(results: Mapping[str, SimResult], path: str, title: str = "") -> None:
+    """One panel per run (e.g. fixed, RRFP), a row per rank; white gaps are idle."""
+    plt = _pyplot()
+    ranks = len(next(iter(results.values())).spans)
+    end = max(r.makespan for r in results.values())
+    fig, axes = plt.subplots(len(results), 1, figsize=(12, 0.35 * ranks * len(results) + 1.2),
+                             sharex=True, squeeze=False)
+    for ax, (label, result) in zip(axes[:, 0], results.items()):
+        for rank, spans in result.spans.items():
+            for span in spans:
+                if span.kind in COLOURS:
+                    ax.barh(rank, span.end - span.start, left=span.start, height=0.8,
+                            color=COLOURS[span.kind], edgecolor="white", linewidth=0.3)
+        ax.set_ylim(ranks - 0.5, -0.5)
+        ax.set_yticks(range(ranks))
+        ax.set_ylabel("rank")
+        ax.set_title(f"{label}: makespan {result.makespan:.1f}", fontsize=10, loc="left")
+        ax.set_xlim(0, end * 1.01)
+    axes[-1, 0].set_xlabel("time (forward = 1)")
+    handles = [plt.Rectangle((0, 0), 1, 1, color=c) for c in COLOURS.values()]
+    fig.legend(handles, list(COLOURS), loc="upper right", ncol=4, fontsize=8)
+    if title:
+        fig.suptitle(title, fontsize=11, x=0.01, ha="left")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def plot_tradeoff(sweeps: Mapping[str, Mapping[str, list[Comparison]]], path: str,
+                  title: str = "") -> None:
+    """Speedup over the fixed schedule and peak memory (relative to the hint) per limit.
+
+    ``sweeps``: series label (e.g. a workload) -> limit label -> comparisons.
+    """
+    plt = _pyplot()
+    fig, (speed, memory) = plt.subplots(1, 2, figsize=(11, 4))
+    for label, by_limit in sweeps.items():
+        limits = list(by_limit)
+        speedups = [[c.speedup for c in by_limit[limit]] for limit in limits]
+        means = [statistics.mean(s) for s in speedups]
+        speed.errorbar(range(len(limits)), means,
+                       yerr=[[m - min(s) for m, s in zip(means, speedups)],
+                             [max(s) - m for m, s in zip(means, speedups)]],
+                       marker="o", capsize=3, label=label)
+        memory.plot(range(len(limits)),
+                    [statistics.mean(c.memory_ratio for c in by_limit[limit]) for limit in limits],
+                    marker="o", label=label)
+    for ax, ylabel in ((speed, "speedup over fixed (mean, min-max)"),
+                       (memory, "activation memory of busiest rank / hint")):
+        ax.set_xticks(range(len(limits)))
+        ax.set_xticklabels(limits)
+        ax.set_xlabel("buffer limit")
+        ax.set_ylabel(ylabel)
+        ax.grid(alpha=0.3)
+    speed.axhline(1.0, color="grey", linewidth=0.8)
+    speed.legend(fontsize=8)
+    if title:
+        fig.suptitle(title, fontsize=11)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
