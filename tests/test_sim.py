@@ -125,3 +125,17 @@ def test_sixty_four_ranks_and_256_microbatches_simulate_quickly():
     result = simulate(hint, _uniform, policy="hint", limits=resolve_buffer_limits("hint", hint))
     assert time.perf_counter() - start < 10.0
     assert result.makespan == (256 + 63) * 3.0
+
+
+@pytest.mark.parametrize("name", ["1F1B", "GPipe", "Interleaved1F1B", "LoopedBFS",
+                                  "InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV"])
+def test_default_policy_at_default_limit_matches_the_fixed_schedule_on_uniform_times(name):
+    from rrfp.sim.study import compare
+
+    per_rank, layout = FITTING[name]
+    for num_ranks, M in ((2, 4), (4, 8), (8, 32)):
+        hint = build_hint(name, num_ranks=num_ranks, num_stages=num_ranks * per_rank,
+                          n_microbatches=M, layout=layout)
+        comparison = compare(hint, "uniform", 0)  # limit "hint", policy as ScheduleRRFP picks
+        assert comparison.policy == "lookahead"
+        assert comparison.speedup == 1.0
