@@ -1,0 +1,34 @@
+"""The ``[rrfp]`` section of train.toml (``[job] custom_config_module = "torchtitan_ext.config"``)."""
+
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class RRFP:
+    """Readiness-first pipeline schedule settings (used by ``RRFP`` / ``RRFP-<hint>`` schedules)."""
+
+    buffer_limit: str = "hint"
+    """Cap on forwards in flight per stage (activation memory): ``"hint"`` = the fixed
+    schedule's own peak (no extra memory), ``"hint+k"``, or an integer such as ``"4"``."""
+
+    policy: str = ""
+    """Arbitration policy: ``hint``, ``lookahead``, ``window``, ``BF``, ``BFW``, ``fixed``;
+    empty = ScheduleRRFP's default (the rule for BF/BFW; else ``lookahead`` at the hint's
+    memory, ``hint`` with slack)."""
+
+    stall_timeout: float = 300.0
+    """Seconds without any ready action before the step raises, naming what it waits for."""
+
+    log_stats: bool = True
+    """Log per-rank idle fraction, out-of-hint dispatches and backpressure entries at each
+    metrics step (console, and TensorBoard when enabled)."""
+
+    trace_folder: str = ""
+    """If set (relative to ``job.dump_folder``), write the realized timeline of every rank as
+    a Chrome/Perfetto trace at each metrics step: ``<folder>/step<N>.json``."""
+
+
+@dataclass
+class JobConfig:
+    rrfp: RRFP = field(default_factory=RRFP)

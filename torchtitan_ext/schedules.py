@@ -1,0 +1,192 @@
+"""RRFP as torchtitan pipeline schedules: ``pipeline_parallel_schedule = "RRFP-<hint>"``.
+
+``"RRFP"`` is the paper's BF rule; ``"RRFP-<hint>"`` takes any hint ScheduleRRFP accepts by
+name. Stage placement and stages per rank follow the hint exactly as torchtitan does for
+the hint itself. torchtitan 0.2.2 places V-shaped stages only when the schedule class *is*
+ZBVZeroBubble or DualPipeV (an identity check) and picks the loss-logging rank by name, so
+``install()`` wraps those functions of torchtitan to translate RRFP names, and builds
+ScheduleRRFP with the ``[rrfp]`` settings. torchtitan's own code is not edited.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+
+from torch.distributed.pipelining.schedules import PipelineScheduleSingle
+
+from rrfp import ScheduleRRFP
+from rrfp.hints import build_hint, HINT_NAMES
+from torchtitan_ext.config import RRFP
+
+PREFIX = "RRFP"
+#: The torch schedule whose placement and stages-per-rank rules a rule-hint uses.
+_RULE_PLACEMENT = {"BF": "Interleaved1F1B", "BFW": "InterleavedZeroBubble"}
+_V_HINTS = {"ZBVZeroBubble", "DualPipeV"}
+_SINGLE_STAGE_HINTS = {"1F1B", "GPipe"}
+
+
+class ScheduleRRFPSingleStage(ScheduleRRFP):
+    """ScheduleRRFP for hints with one stage per rank: torchtitan sizes stages per rank by
+    ``issubclass(schedule_class, PipelineScheduleSingle)``, so it is registered as one."""
+
+
+PipelineScheduleSingle.register(ScheduleRRFPSingleStage)
+
+
+def hint_of(schedule_name: str) -> str | None:
+    """The hint an RRFP schedule name asks for (None for other schedule names).
+
+    Raises ValueError for an ``RRFP-`` name whose hint is unknown.
+    """
+    if schedule_name.upper() == PREFIX:
+        return "BF"
+    if not schedule_name.upper().startswith(PREFIX + "-"):
+        return None
+    wanted = schedule_name[len(PREFIX) + 1:]
+    for name in HINT_NAMES:
+        if name.lower() == wanted.lower():
+            return name
+    raise ValueError(
+        f"unknown RRFP schedule {schedule_name!r}: use 'RRFP' (the BF rule) or one of "
+        f"{[f'{PREFIX}-{n}' for n in HINT_NAMES]}"
+    )
+
+
+def placement_schedule(hint: str) -> str:
+    """The torch schedule name whose stage placement the hint uses."""
+    return _RULE_PLACEMENT.get(hint, hint)
+
+
+def _torch_view(job_config):
+    """job_config with an RRFP schedule name replaced by its placement schedule's name."""
+    hint = hint_of(job_config.parallelism.pipeline_parallel_schedule)
+    if hint is None:
+        return job_config
+    name = placement_schedule(hint)
+    # torchtitan 0.2.2 only treats "ZBVZeroBubble" as V-shaped when choosing the loss rank.
+    name = "ZBVZeroBubble" if name in _V_HINTS else name
+    return dataclasses.replace(
+        job_config,
+        parallelism=dataclasses.replace(job_config.parallelism, pipeline_parallel_schedule=name))
+
+
+def rrfp_settings(job_config) -> RRFP:
+    return getattr(job_config, "rrfp", None) or RRFP()
+
+
+def n_microbatches(job_config) -> int:
+    batch = job_config.training.local_batch_size
+    microbatch = job_config.parallelism.pipeline_parallel_microbatch_size
+    if batch % microbatch != 0:
+        raise ValueError(
+            f"training.local_batch_size={batch} must be a multiple of "
+            f"parallelism.pipeline_parallel_microbatch_size={microbatch}")
+    return batch // microbatch
+
+
+def stages_per_rank(job_config, n_layers: int) -> int:
+    """Stages per rank as torchtitan's pipeline_llm computes them for the hint."""
+    parallelism = job_config.parallelism
+    hint = hint_of(parallelism.pipeline_parallel_schedule)
+    single = hint in _SINGLE_STAGE_HINTS
+    layers_per_stage = parallelism.pipeline_parallel_layers_per_stage
+    if layers_per_stage is None:
+        return 1 if single else 2
+    stages = math.ceil((n_layers + parallelism.pipeline_parallel_first_stage_less_layers
+                        + parallelism.pipeline_parallel_last_stage_less_layers) / layers_per_stage)
+    return max(1, stages // parallelism.pipeline_parallel_degree)
+
+
+def parse_buffer_limit(text: str) -> str | int:
+    return int(text) if text.strip().isdigit() else text
+
+
+def validate(job_config, n_layers: int) -> None:
+    """Check an RRFP schedule config before anything is built; ValueError says what to fix."""
+    parallelism = job_config.parallelism
+    hint = hint_of(parallelism.pipeline_parallel_schedule)
+    if hint is None:
+        return
+    pp = parallelism.pipeline_parallel_degree
+    if pp < 2:
+        raise ValueError(f"schedule {parallelism.pipeline_parallel_schedule!r} needs "
+                         f"parallelism.pipeline_parallel_degree >= 2, got {pp}")
+    per_rank = stages_per_rank(job_config, n_layers)
+    if hint in _SINGLE_STAGE_HINTS and per_rank != 1:
+        raise ValueError(f"hint {hint!r} runs one stage per rank, but "
+                         f"pipeline_parallel_layers_per_stage gives {per_rank} per rank")
+    layout = "v" if placement_schedule(hint) in _V_HINTS else "loop"
+    built = build_hint(hint, num_ranks=pp, num_stages=pp * per_rank,
+                       n_microbatches=n_microbatches(job_config), layout=layout)
+    from rrfp.arbiter import resolve_buffer_limits
+    from rrfp.policy import POLICIES
+
+    resolve_buffer_limits(parse_buffer_limit(rrfp_settings(job_config).buffer_limit), built)
+    policy = rrfp_settings(job_config).policy
+    if policy and policy not in POLICIES:
+        raise ValueError(f"rrfp.policy={policy!r} is not one of {list(POLICIES)}")
+
+
+def install() -> None:
+    """Make torchtitan accept RRFP schedule names (idempotent)."""
+    import torchtitan.components.metrics as metrics
+    import torchtitan.distributed.pipeline_parallel as pipeline_parallel
+    import torchtitan.train as train
+
+    if getattr(pipeline_parallel, "_rrfp_installed", False):
+        return
+    pipeline_parallel._rrfp_installed = True
+    torch_get_schedule_class = pipeline_parallel.get_schedule_class
+    torch_build = pipeline_parallel.build_pipeline_schedule
+    torch_split = pipeline_parallel.pipeline_module_split
+
+    def get_schedule_class(name: str):
+        hint = hint_of(name)
+        if hint is None:
+            return torch_get_schedule_class(name)
+        return ScheduleRRFPSingleStage if hint in _SINGLE_STAGE_HINTS else ScheduleRRFP
+
+    def pipeline_module_split(whole_model, pp_mesh, pp_schedule, device, module_names_per_stage):
+        hint = hint_of(pp_schedule)
+        name = pp_schedule if hint is None else placement_schedule(hint)
+        return torch_split(whole_model, pp_mesh, name, device, module_names_per_stage)
+
+    def build_pipeline_schedule(job_config, stages, loss_fn):
+        name = job_config.parallelism.pipeline_parallel_schedule
+        hint = hint_of(name)
+        if hint is None:
+            return torch_build(job_config, stages, loss_fn)
+        settings = rrfp_settings(job_config)
+        schedule = ScheduleRRFP(
+            stages, n_microbatches(job_config), loss_fn=loss_fn, scale_grads=False,
+            hint=hint, buffer_limit=parse_buffer_limit(settings.buffer_limit),
+            stall_timeout=settings.stall_timeout, policy=settings.policy or None,
+        )
+        from torchtitan.tools.logging import logger
+
+        logger.info(
+            f"Using pipeline schedule {name}: ScheduleRRFP with hint {schedule.hint.name} "
+            f"({schedule.hint.layout} placement), policy {schedule.policy}, buffer limit "
+            f"{settings.buffer_limit!r} -> per-stage limits {schedule.buffer_limits} (the "
+            f"hint's own peaks: {schedule.hint.peak_in_flight()}), "
+            f"{schedule._n_microbatches} microbatches")
+        return schedule
+
+    @functools.wraps(metrics._get_metrics_rank)
+    def get_metrics_rank(parallel_dims, job_config):
+        return torch_metrics_rank(parallel_dims, _torch_view(job_config))
+
+    @functools.wraps(metrics.ensure_pp_loss_visible)
+    def ensure_pp_loss_visible(parallel_dims, job_config, color):
+        return torch_loss_visible(parallel_dims, _torch_view(job_config), color)
+
+    torch_metrics_rank = metrics._get_metrics_rank
+    torch_loss_visible = metrics.ensure_pp_loss_visible
+    pipeline_parallel.get_schedule_class = get_schedule_class
+    pipeline_parallel.pipeline_module_split = pipeline_module_split
+    pipeline_parallel.build_pipeline_schedule = build_pipeline_schedule
+    metrics._get_metrics_rank = get_metrics_rank
+    metrics.ensure_pp_loss_visible = ensure_pp_loss_visible
+    train.ensure_pp_loss_visible = ensure_pp_loss_visible
