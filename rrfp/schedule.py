@@ -17,6 +17,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.distributed.fsdp import FSDPModule
 from torch.distributed.pipelining.schedules import (
     _check_torch_compile_compatibility,
     _get_profiler_function_name,
@@ -190,6 +191,7 @@ class ScheduleRRFP(PipelineScheduleMulti):
             arg_mbs[0], kwarg_mbs[0], target_mbs[0] if target_mbs is not None else None,
             loss_kwargs,
         )
+        fsdp_modules = self._unshard_in_stage_order()
         start = time.perf_counter()
         if self._has_backward:
             hint, limits = self._hint, self.buffer_limits
@@ -209,9 +211,33 @@ class ScheduleRRFP(PipelineScheduleMulti):
             self.last_step_stats = run.stats()
         if self._has_backward:
             run.teach(self._history)
+        else:  # no gradient reduction will reshard them
+            for module in fsdp_modules:
+                module.reshard()
         if self._loss_fn is not None and any(s.is_last for s in self._stages):
             self._internal_losses = [run.losses[m] for m in range(self._n_microbatches)]
         self._update_losses(self._stages, losses)
+
+
+    def _unshard_in_stage_order(self) -> list[FSDPModule]:
+        """Unshard every FSDP module of the local stages now, in stage order.
+
+        Data-parallel replicas of a stage interleave its actions differently, so FSDP must
+        not all-gather at a timing-dependent point (its pre-forward/backward hooks would).
+        Parameters stay unsharded for the whole step: REDUCE_GRAD (fixed stage order)
+        reduces and reshards them.
+        """
+        modules = []
+        for stage in sorted(self._stages, key=lambda s: s.stage_index):
+            stage_modules = [m for m in stage.submod.modules() if isinstance(m, FSDPModule)]
+            for module in stage_modules:
+                module.set_reshard_after_forward(False, recurse=False)
+            modules.extend(stage_modules)
+        handles = [module.unshard(async_op=True) for module in modules]
+        for handle in handles:
+            if handle is not None:
+                handle.wait()
+        return modules
 
 
 class _StepRun:

@@ -109,6 +109,12 @@ def validate(job_config, n_layers: int) -> None:
     hint = hint_of(parallelism.pipeline_parallel_schedule)
     if hint is None:
         return
+    if parallelism.tensor_parallel_degree > 1:
+        raise ValueError(
+            f"schedule {parallelism.pipeline_parallel_schedule!r} with tensor parallelism "
+            "needs TP coordination (every rank of a TP group must run the same action "
+            "sequence), which rrfp does not implement yet: set tensor_parallel_degree = 1 "
+            "or use torchtitan's fixed schedule")
     pp = parallelism.pipeline_parallel_degree
     if pp < 2:
         raise ValueError(f"schedule {parallelism.pipeline_parallel_schedule!r} needs "
