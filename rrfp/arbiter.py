@@ -186,6 +186,8 @@ class Arbiter:
         self.backpressure_entries = {s: 0 for s in local}
         self.out_of_order = 0
         self.realized: list[_Action] = []
+        self.last_kind: Kind | None = None
+        """Kind of the last compute action run ("F", "BI", "W"; None before any)."""
 
     # ----------------------------------------------------------------- queries
     @property
@@ -194,6 +196,15 @@ class Arbiter:
 
     def is_done(self, index: int) -> bool:
         return self._done[index]
+
+    def position(self, action: _Action) -> int:
+        """The action's position in this rank's hint order."""
+        return self._node_of(action).index
+
+    def may_run(self, action: _Action) -> bool:
+        """Whether ``action`` is ready to run now (head of its streams, inputs there)."""
+        node = self._node_of(action)
+        return not self._done[node.index] and self._may_run(node)
 
     def has_arrived(self, message: tuple[Edge, int]) -> bool:
         return message in self._arrived
@@ -299,6 +310,8 @@ class Arbiter:
         while self.first_undone < len(self.nodes) and self._done[self.first_undone]:
             self.first_undone += 1
         self.realized.append(action)
+        if node.kind != "R":
+            self.last_kind = node.kind
         if node.kind == "F":
             s = node.stage
             self.in_flight[s] += 1

@@ -56,16 +56,16 @@ class BackwardFirst:
 
     def __init__(self, name: str = "BF"):
         self.name = name
-        self._backward_next = True
 
     def choose(self, ready: Sequence[Node], arbiter: Arbiter) -> Node | None:
         backwards = [n for n in ready if n.kind == "BI"]
         forwards = [n for n in ready if n.kind == "F"]
-        if backwards and (self._backward_next or not forwards):
-            self._backward_next = False
+        # The round's position follows what actually ran (not what was proposed), so
+        # ranks that run the same sequence choose alike.
+        backward_next = arbiter.last_kind != "BI"
+        if backwards and (backward_next or not forwards):
             return min(backwards, key=lambda n: (-n.stage, n.microbatch))
         if forwards:
-            self._backward_next = True
             return min(forwards, key=lambda n: (n.stage, n.microbatch))
         return ready[0]
 

@@ -11,13 +11,13 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
-from collections import Counter
 from collections.abc import Callable
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch.distributed.fsdp import FSDPModule
+from torch.nn.parallel import DistributedDataParallel
 from torch.distributed.pipelining.schedules import (
     _check_torch_compile_compatibility,
     _get_profiler_function_name,
@@ -41,6 +41,7 @@ from rrfp.hints import (
     REDUCE_GRAD,
     W,
 )
+from rrfp.coordination import COORDINATIONS, make_coordinator
 from rrfp.policy import default_policy, History, make_policy, POLICIES
 from rrfp.stats import Span, StepStats
 from rrfp.transport import create_channels, SendDelay, Transport
@@ -74,6 +75,13 @@ class ScheduleRRFP(PipelineScheduleMulti):
             ``PipelineStallError`` naming what each stream waits for.
         scale_grads, args_chunk_spec, kwargs_chunk_spec, output_merge_spec: as in torch's
             schedules.
+        policy: how to pick among ready actions (see ``rrfp.policy``); None: the rule of
+            a BF/BFW hint, else ``"lookahead"`` at the hint's memory, ``"hint"`` with slack.
+        coordination_group: a CPU (gloo) group of ranks that must run the same action
+            sequence because the stage's compute issues collectives on them (the TP
+            group; EP/CP likewise). None: no such group.
+        coordination: how that group settles on each action: ``"leader"`` (its first rank
+            decides) or ``"agree"`` (all-gather proposals, defer on disagreement).
         send_delay: emulated link latency, ``(edge, microbatch) -> seconds`` to hold each
             outgoing message (for studies and tests; messages on a channel stay in order).
     """
@@ -92,10 +100,18 @@ class ScheduleRRFP(PipelineScheduleMulti):
         output_merge_spec: dict[str, Any] | tuple[Any] | None = None,
         scale_grads: bool = True,
         policy: str | None = None,
+        coordination_group: dist.ProcessGroup | None = None,
+        coordination: str = "leader",
         send_delay: SendDelay | None = None,
     ):
         if policy is not None and policy not in POLICIES:
             raise ValueError(f"unknown policy {policy!r}: use one of {list(POLICIES)} or None")
+        if coordination not in COORDINATIONS:
+            raise ValueError(f"unknown coordination {coordination!r}: use one of {list(COORDINATIONS)}")
+        if coordination_group is not None and "gloo" not in str(dist.get_backend(coordination_group)):
+            raise ValueError(
+                "coordination_group must be a CPU (gloo) group, so agreeing costs no device "
+                "synchronization: create it with dist.new_group(ranks, backend='gloo')")
         stages = list(stages) if isinstance(stages, (list, tuple)) else [stages]
         if not stages:
             raise ValueError("ScheduleRRFP needs at least one stage")
@@ -151,6 +167,7 @@ class ScheduleRRFP(PipelineScheduleMulti):
         for stage in stages:
             stage.stage_index_to_group_rank = self.stage_index_to_group_rank
         self.pipeline_order = {r: list(acts) for r, acts in self._hint.orders.items()}
+        self._ddp = self._unwrap_ddp(stages)
         self._stage_by_index = {stage.stage_index: stage for stage in stages}
         self._global_ranks = dist.get_process_group_ranks(stages[0].group or dist.group.WORLD)
 
@@ -159,6 +176,8 @@ class ScheduleRRFP(PipelineScheduleMulti):
             poll_completion=stages[0].device.type == "cuda",
             send_delay=send_delay,
         )
+        self._coordination_group = coordination_group
+        self.coordination = coordination
         self._failure: str | None = None
         self.last_step_stats: StepStats | None = None
         logger.info(
@@ -191,7 +210,7 @@ class ScheduleRRFP(PipelineScheduleMulti):
             arg_mbs[0], kwarg_mbs[0], target_mbs[0] if target_mbs is not None else None,
             loss_kwargs,
         )
-        fsdp_modules = self._unshard_in_stage_order()
+        fsdp_modules = self._prepare_data_parallel()
         start = time.perf_counter()
         if self._has_backward:
             hint, limits = self._hint, self.buffer_limits
@@ -219,25 +238,62 @@ class ScheduleRRFP(PipelineScheduleMulti):
         self._update_losses(self._stages, losses)
 
 
-    def _unshard_in_stage_order(self) -> list[FSDPModule]:
-        """Unshard every FSDP module of the local stages now, in stage order.
+    @staticmethod
+    def _unwrap_ddp(stages: list[_PipelineStageBase]) -> dict[int, DistributedDataParallel]:
+        """Run DDP-wrapped stages on the wrapped module; return the wrappers by stage.
 
-        Data-parallel replicas of a stage interleave its actions differently, so FSDP must
-        not all-gather at a timing-dependent point (its pre-forward/backward hooks would).
-        Parameters stay unsharded for the whole step: REDUCE_GRAD (fixed stage order)
-        reduces and reshards them.
+        DDP talks to its group from inside forward (bucket rebuild, buffer broadcast) and
+        backward (gradient all-reduce), at points whose timing differs between replicas
+        under RRFP. So RRFP computes on ``ddp.module`` and reduces the gradients itself at
+        REDUCE_GRAD, in fixed stage order, as DDP's default hook does.
         """
-        modules = []
+        wrappers = {}
+        for stage in stages:
+            if isinstance(stage.submod, DistributedDataParallel):
+                ddp = stage.submod
+                if ddp.broadcast_buffers and any(True for _ in ddp.module.buffers()):
+                    raise ValueError(
+                        f"stage {stage.stage_index} is wrapped in DDP with broadcast_buffers="
+                        "True and has buffers, which DDP broadcasts in every forward: under "
+                        "RRFP replicas run forwards at different times; construct "
+                        "DistributedDataParallel(..., broadcast_buffers=False) or use FSDP")
+                wrappers[stage.stage_index] = ddp
+                stage.submod = ddp.module
+        return wrappers
+
+    def _prepare_data_parallel(self) -> list[FSDPModule]:
+        """Unshard the local stages' FSDP modules now, in stage order; return them.
+
+        Data-parallel replicas of a stage interleave its actions differently, so nothing may
+        talk to the DP group at a timing-dependent point. FSDP: every module is unsharded
+        here and stays unsharded for the whole step (its pre-forward/backward hooks would
+        all-gather); REDUCE_GRAD, in fixed stage order, reduces and reshards.
+        """
+        fsdp_modules = []
         for stage in sorted(self._stages, key=lambda s: s.stage_index):
             stage_modules = [m for m in stage.submod.modules() if isinstance(m, FSDPModule)]
             for module in stage_modules:
                 module.set_reshard_after_forward(False, recurse=False)
-            modules.extend(stage_modules)
-        handles = [module.unshard(async_op=True) for module in modules]
+            fsdp_modules.extend(stage_modules)
+        handles = [module.unshard(async_op=True) for module in fsdp_modules]
         for handle in handles:
             if handle is not None:
                 handle.wait()
-        return modules
+        return fsdp_modules
+
+
+def _all_reduce_gradients(module: DistributedDataParallel) -> None:
+    """What DDP's default hook does to its buckets (divide by the replica count, then
+    sum), for the whole stage at once."""
+    grads = [p.grad for p in module.parameters() if p.requires_grad and p.grad is not None]
+    if not grads:
+        return
+    group = module.process_group
+    flat = torch._utils._flatten_dense_tensors(grads)
+    flat.div_(dist.get_world_size(group))
+    dist.all_reduce(flat, group=group)
+    for grad, reduced in zip(grads, torch._utils._unflatten_dense_tensors(flat, grads)):
+        grad.copy_(reduced)
 
 
 class _StepRun:
@@ -248,11 +304,13 @@ class _StepRun:
         self.schedule = schedule
         self.arbiter = arbiter
         self.transport = schedule._transport
+        group = schedule._coordination_group
+        self.coordinator = (make_coordinator(schedule.coordination, group)
+                            if group is not None and dist.get_world_size(group) > 1 else None)
         self.arg_mbs, self.kwarg_mbs, self.target_mbs = arg_mbs, kwarg_mbs, target_mbs
         self.return_outputs = return_outputs
         self.loss_kwargs = loss_kwargs
         self.losses: dict[int, torch.Tensor] = {}
-        self.backward_count: Counter[int] = Counter()
         self.spans: list[Span] = []
         self.idle_time = 0.0
         self.decision_time = 0.0
@@ -265,24 +323,23 @@ class _StepRun:
 
     def execute(self) -> None:
         self.post_receives()
-        arbiter, transport = self.arbiter, self.transport
+        arbiter, coordinator = self.arbiter, self.coordinator
         idle_since: float | None = None
         while not arbiter.finished:
             t0 = time.perf_counter()
-            self.deliver(transport.collect())
-            action = arbiter.choose()
+            self.deliver(self.transport.collect())
+            action = arbiter.choose() if coordinator is None or coordinator.needs_choice else None
+            self.decision_time += time.perf_counter() - t0
+            if coordinator is not None:
+                action = coordinator.settle(action, arbiter, self.wait)
             t1 = time.perf_counter()
-            self.decision_time += t1 - t0
             if action is None:
                 idle_since = t1 if idle_since is None else idle_since
                 waited = t1 - idle_since
                 if waited >= self.schedule.stall_timeout:
                     raise self.stall_error(waited)
-                arrived = transport.collect(timeout=self.schedule.stall_timeout - waited)
-                t2 = time.perf_counter()
-                self.idle_time += t2 - t1
-                self.spans.append(Span("idle", t1 - self.start, t2 - self.start, kind="idle"))
-                self.deliver(arrived)
+                if coordinator is None or coordinator.waits_when_idle:
+                    self.wait(self.schedule.stall_timeout - waited)
                 continue
             idle_since = None
             self.run_action(action)
@@ -296,10 +353,21 @@ class _StepRun:
             self.decision_time += t4 - t3
             self.send_time += time.perf_counter() - t4
         try:
-            transport.finish_sends(self.schedule.stall_timeout)
+            if coordinator is not None:
+                coordinator.finish()
+            self.transport.finish_sends(self.schedule.stall_timeout)
         except TimeoutError as e:
             raise PipelineStallError(f"pipeline rank {self.schedule.rank}: {e}") from e
         self.end = time.perf_counter()
+
+    def wait(self, timeout: float) -> None:
+        """Wait up to ``timeout`` seconds for messages (idle time), and deliver them."""
+        start = time.perf_counter()
+        arrived = self.transport.collect(timeout=timeout)
+        end = time.perf_counter()
+        self.idle_time += end - start
+        self.spans.append(Span("idle", start - self.start, end - self.start, kind="idle"))
+        self.deliver(arrived)
 
     def deliver(self, arrivals) -> None:
         for edge, mb, seen in arrivals:
@@ -345,28 +413,23 @@ class _StepRun:
                 if action.stage_index + 1 in schedule._stage_by_index:
                     schedule._stage_by_index[action.stage_index + 1].set_local_fwd_input(output, mb)
             elif ctype in (B, I):
-                full = ctype == B
-                if full:
-                    self.backward_count[action.stage_index] += 1
+                # last_backward=False everywhere: data-parallel gradient reduction happens
+                # at REDUCE_GRAD, in the hint's fixed stage order, never inside a backward.
                 stage.backward_one_chunk(
                     mb,
                     loss=self.losses.get(mb) if stage.is_last else None,
-                    full_backward=full,
-                    last_backward=full and self.backward_count[action.stage_index]
-                    == schedule._n_microbatches,
+                    full_backward=ctype == B,
+                    last_backward=False,
                 )
                 if action.stage_index - 1 in schedule._stage_by_index:
                     schedule._stage_by_index[action.stage_index - 1].set_local_bwd_input(
                         stage.get_local_bwd_output(mb), mb
                     )
             elif ctype == W:
-                self.backward_count[action.stage_index] += 1
-                stage.backward_weight_one_chunk(
-                    mb,
-                    last_backward=self.backward_count[action.stage_index]
-                    == schedule._n_microbatches,
-                )
+                stage.backward_weight_one_chunk(mb, last_backward=False)
             elif ctype == REDUCE_GRAD:
+                if action.stage_index in schedule._ddp:
+                    _all_reduce_gradients(schedule._ddp[action.stage_index])
                 stage.perform_reduce_grad(schedule._n_microbatches if schedule.scale_grads else 1)
             else:
                 raise AssertionError(f"unexpected action {action}")
@@ -417,6 +480,10 @@ class _StepRun:
             idle_time=self.idle_time,
             decision_time=self.decision_time,
             send_time=self.send_time,
+            coordination=self.coordinator.name if self.coordinator else None,
+            coordination_rounds=self.coordinator.rounds if self.coordinator else 0,
+            coordination_deferrals=self.coordinator.deferrals if self.coordinator else 0,
+            coordination_time=self.coordinator.seconds if self.coordinator else 0.0,
             start_unix=self.start_unix,
             spans=self.spans,
         )

@@ -52,6 +52,14 @@ class StepStats:
     """Seconds spent issuing sends (building them and the backend's isend calls)."""
     start_unix: float
     """Wall-clock time of the step start, to align traces of several ranks."""
+    coordination: str | None = None
+    """How the coordination group settled actions ("leader", "agree"; None: no group)."""
+    coordination_rounds: int = 0
+    """Collectives the coordination made (broadcasts or all-gathers of proposals)."""
+    coordination_deferrals: int = 0
+    """Proposal rounds that ended without agreement (all deferred and retried)."""
+    coordination_time: float = 0.0
+    """Seconds spent settling actions, including the waits after a deferral."""
     spans: list[Span] = field(default_factory=list)
     arrivals: list[tuple[int, int, int, float]] = field(default_factory=list)
     """(source stage, destination stage, microbatch, seconds after start) of each

@@ -346,3 +346,165 @@ def bad_input(rank: int, world_size: int, case: str) -> str:
     except ValueError as e:
         return str(e)
     raise AssertionError(f"no ValueError for {case}")
+
+
+def data_parallel(rank: int, world_size: int, wrapper: str, hint: str, reference: str,
+                  layout: str, delay_seeds: tuple[int, ...]) -> dict:
+    """PP=2 x DP=2 (FSDP2 or DDP per stage); delays differ between the DP replicas."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.nn.parallel import DistributedDataParallel
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "pp"))
+    dp, pp = mesh["dp"].get_local_rank(), mesh["pp"].get_local_rank()
+    num_stages, M, steps = 4, 4, 3
+    chain = make_chain(num_stages)
+    x_all, y_all = make_batch(2 * M)
+    per_replica = M * BATCH_PER_MICROBATCH
+    x, y = x_all[dp * per_replica:(dp + 1) * per_replica], y_all[dp * per_replica:(dp + 1) * per_replica]
+    local = local_stage_indices(pp, 2, num_stages, layout)
+
+    def build(seed: int | None):
+        blocks, stages = [], []
+        for s in local:
+            block = copy.deepcopy(chain[s])
+            module = block if seed is None else random_device_time(seed * 10 + dp, s, M, 0.003)(block)
+            if wrapper == "fsdp":
+                fully_shard(module, mesh=mesh["dp"])
+                module.set_force_sum_reduction_for_comms(True)
+            else:
+                module = DistributedDataParallel(module, process_group=mesh["dp"].get_group())
+            blocks.append(block)
+            stages.append(PipelineStage(module, s, num_stages, torch.device("cpu"),
+                                        group=mesh["pp"].get_group()))
+        return stages, blocks
+
+    def local_grads(history):
+        return [([g.to_local() if hasattr(g, "to_local") else g for g in grads], losses)
+                for grads, losses in history]
+
+    stages, blocks = build(None)
+    if wrapper == "ddp":
+        # torch 2.13's own schedules trip an internal assert of DDP's reducer when a stage
+        # runs several microbatch backwards ("rebuilt parameter indices size is not same as
+        # original"), so the fixed order is run by ScheduleRRFP's "fixed" policy instead.
+        baseline = ScheduleRRFP(stages, M, loss_fn=loss_fn, hint=reference, policy="fixed")
+    else:
+        baseline = torch_schedule(reference, stages, M)
+    fixed = local_grads(run_steps(baseline, stages, blocks, x, y, steps))
+    full = [p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad
+            for b in blocks for p in b.parameters()]
+    ref = reference_steps(chain, x_all, y_all, steps, local)
+    ref_error = max((g - r).abs().max().item() for g, r in zip(full, ref[-1][0]))
+    runs = {}
+    for seed in (None, *delay_seeds):
+        stages, blocks = build(seed)
+        schedule = ScheduleRRFP(stages, M, loss_fn=loss_fn, hint=hint, buffer_limit="hint+1",
+                                stall_timeout=60)
+        history = local_grads(run_steps(schedule, stages, blocks, x, y, steps))
+        runs["plain" if seed is None else f"seed{seed}"] = {
+            "bitwise": bitwise_equal(history, fixed),
+            "realized": schedule.last_step_stats.realized_order,
+        }
+    return {"dp": dp, "pp": pp, "runs": runs, "ref_error": ref_error}
+
+
+class MLPBlock(torch.nn.Module):
+    """Linear up, tanh, linear down: the column-/row-parallel pair of a TP transformer."""
+
+    def __init__(self):
+        super().__init__()
+        self.up = torch.nn.Linear(DIM, 2 * DIM)
+        self.down = torch.nn.Linear(2 * DIM, DIM)
+
+    def forward(self, x):
+        return self.down(torch.tanh(self.up(x)))
+
+
+def tensor_parallel(rank: int, world_size: int, coordination: str, hint: str, reference: str,
+                    layout: str, delay_seeds: tuple[int, ...]) -> dict:
+    """PP=2 x TP=2 with a DTensor MLP per stage; delays differ between the TP ranks."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel, parallelize_module, RowwiseParallel)
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "tp"))
+    pp, tp = mesh["pp"].get_local_rank(), mesh["tp"].get_local_rank()
+    num_stages, M, steps = 4, 4, 3
+    torch.manual_seed(0)
+    chain = [MLPBlock().double() for _ in range(num_stages)]
+    x, y = make_batch(M)
+    local = local_stage_indices(pp, 2, num_stages, layout)
+
+    def build(seed: int | None):
+        blocks, stages = [], []
+        for s in local:
+            block = parallelize_module(copy.deepcopy(chain[s]), mesh["tp"],
+                                       {"up": ColwiseParallel(), "down": RowwiseParallel()})
+            module = block if seed is None else random_device_time(seed * 10 + tp, s, M, 0.003)(block)
+            blocks.append(block)
+            stages.append(PipelineStage(module, s, num_stages, torch.device("cpu"),
+                                        group=mesh["pp"].get_group()))
+        return stages, blocks
+
+    def local_grads(history):
+        return [([g.to_local() for g in grads], losses) for grads, losses in history]
+
+    stages, blocks = build(None)
+    fixed = local_grads(run_steps(torch_schedule(reference, stages, M), stages, blocks, x, y, steps))
+    full = [p.grad.full_tensor() for b in blocks for p in b.parameters()]
+    ref = reference_steps(chain, x, y, steps, local)
+    ref_error = max((g - r).abs().max().item() for g, r in zip(full, ref[-1][0]))
+    runs = {}
+    for seed in (None, *delay_seeds):
+        stages, blocks = build(seed)
+        send_rng = random.Random((seed or 0) * 7919 + rank)
+        schedule = ScheduleRRFP(
+            stages, M, loss_fn=loss_fn, hint=hint, buffer_limit="hint+1", stall_timeout=60,
+            coordination_group=mesh["tp"].get_group(), coordination=coordination,
+            send_delay=None if seed is None else (lambda e, m: send_rng.uniform(0, 0.003)))
+        history = local_grads(run_steps(schedule, stages, blocks, x, y, steps))
+        stats = schedule.last_step_stats
+        runs["plain" if seed is None else f"seed{seed}"] = {
+            "bitwise": bitwise_equal(history, fixed), "realized": stats.realized_order,
+            "rounds": stats.coordination_rounds, "deferrals": stats.coordination_deferrals,
+            "coordination_us": stats.coordination_time * 1e6,
+        }
+    return {"pp": pp, "tp": tp, "runs": runs, "ref_error": ref_error}
+
+
+def compiled_stages(rank: int, world_size: int, hint: str, reference: str, per_rank: int,
+                    layout: str) -> dict:
+    """torch.compile'd stage modules under RRFP vs the uncompiled fixed schedule."""
+    import torch._dynamo
+
+    num_stages, M, steps = world_size * per_rank, 4, 3
+    chain = make_chain(num_stages)
+    x, y = make_batch(M)
+    stages, blocks = build_stages(chain, rank, world_size, layout)
+    fixed = run_steps(torch_schedule(reference, stages, M), stages, blocks, x, y, steps)
+    torch._dynamo.reset()
+    counters = torch._dynamo.utils.counters
+    stages, blocks = build_stages(chain, rank, world_size, layout,
+                                  wrap=lambda s, b: torch.compile(b, backend="aot_eager"))
+    schedule = ScheduleRRFP(stages, M, loss_fn=loss_fn, hint=hint, buffer_limit="hint+1")
+    compiled = run_steps(schedule, stages, blocks, x, y, 1)
+    after_first = (sum(counters["frames"].values()), sum(counters["recompiles"].values()))
+    compiled += run_steps(schedule, stages, blocks, x, y, steps - 1)
+    after_all = (sum(counters["frames"].values()), sum(counters["recompiles"].values()))
+    return {"bitwise": bitwise_equal(compiled, fixed), "after_first": after_first,
+            "after_all": after_all, "unique_graphs": counters["stats"]["unique_graphs"]}
+
+
+def ddp_with_buffers(rank: int, world_size: int) -> str:
+    """A DDP stage with buffers and broadcast_buffers=True: ScheduleRRFP must refuse it."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    block = torch.nn.Sequential(torch.nn.Linear(DIM, DIM), torch.nn.BatchNorm1d(DIM)).double()
+    pp_group = dist.new_group([rank])  # a one-stage pipeline per rank; DDP over both ranks
+    stage = PipelineStage(DistributedDataParallel(block), 0, 1, torch.device("cpu"), group=pp_group)
+    try:
+        ScheduleRRFP(stage, 2, loss_fn=loss_fn, hint="GPipe")
+    except ValueError as e:
+        return str(e)
+    raise AssertionError("no ValueError")

@@ -1,0 +1,141 @@
+"""Agreement inside an intra-stage collective group (tensor parallel, and later EP/CP).
+
+Every rank of such a group must run the same action sequence: the stage's compute issues
+collectives on the group, and they only match if all ranks run the same action. Under
+RRFP each rank would pick from its own ready set, which timing makes differ, so before
+each action the group settles on one. Both mechanisms talk over a CPU (gloo) group, so no
+device synchronization is involved:
+
+* ``AgreeOnProposals`` (the paper's): each rank proposes the action it picked (or none);
+  the group all-gathers the proposals; if they all name the same action it runs,
+  otherwise every rank defers, waits briefly for new arrivals and proposes again.
+* ``LeaderDecides``: the group's first rank picks and broadcasts its choice; the others
+  run that action as soon as it is ready for them.
+
+Both keep the hint's next action always acceptable (the fixed order is a common fallback),
+so they add no deadlock the fixed schedule does not have.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import Protocol
+
+import torch
+import torch.distributed as dist
+
+from rrfp.arbiter import Arbiter
+from rrfp.hints import _Action
+
+COORDINATIONS = ("leader", "agree")
+_NONE = -1
+
+
+class Coordinator(Protocol):
+    needs_choice: bool
+    """Whether this rank's own choice matters (a follower only runs the leader's)."""
+    waits_when_idle: bool
+    """Whether the caller may block for arrivals when ``settle`` returns None (the
+    proposal rounds must keep going instead)."""
+    rounds: int
+    """Collective calls made (all-gathers or broadcasts)."""
+    deferrals: int
+    """Rounds that ended without agreement (AgreeOnProposals only)."""
+    seconds: float
+    """Time spent in the coordination collectives and waits they caused."""
+
+    def settle(self, choice: _Action | None, arbiter: Arbiter,
+               wait_for_arrivals: Callable[[float], None]) -> _Action | None:
+        """The action the whole group runs now, or None (this rank waits/retries)."""
+        ...
+
+    def finish(self) -> None:
+        """Complete any outstanding communication of the step."""
+        ...
+
+
+class AgreeOnProposals:
+    """The paper's coordination: all-gather the proposals; run only on agreement."""
+
+    name = "agree"
+    needs_choice = True
+    waits_when_idle = False
+
+    def __init__(self, group: dist.ProcessGroup, retry_interval: float = 0.002):
+        self.group = group
+        self.size = dist.get_world_size(group)
+        self.retry_interval = retry_interval
+        self.rounds = self.deferrals = 0
+        self.seconds = 0.0
+        self._mine = torch.zeros(1, dtype=torch.int64)
+        self._all = [torch.zeros(1, dtype=torch.int64) for _ in range(self.size)]
+
+    def settle(self, choice, arbiter, wait_for_arrivals):
+        start = time.perf_counter()
+        self._mine.fill_(_NONE if choice is None else arbiter.position(choice))
+        dist.all_gather(self._all, self._mine, group=self.group)
+        self.rounds += 1
+        proposals = {int(t) for t in self._all}
+        if len(proposals) == 1 and _NONE not in proposals:
+            self.seconds += time.perf_counter() - start
+            return choice
+        if proposals != {_NONE}:
+            self.deferrals += 1
+        # Disagreement (or nothing anywhere): wait for something to change, then retry.
+        wait_for_arrivals(self.retry_interval)
+        self.seconds += time.perf_counter() - start
+        return None
+
+    def finish(self) -> None:
+        pass
+
+
+class LeaderDecides:
+    """The group's first rank picks; the others follow its sequence."""
+
+    name = "leader"
+    waits_when_idle = True
+
+    def __init__(self, group: dist.ProcessGroup):
+        self.group = group
+        self.leader = dist.get_global_rank(group, 0)
+        self.is_leader = self.needs_choice = dist.get_rank() == self.leader
+        self.rounds = self.deferrals = 0
+        self.seconds = 0.0
+        self._pending: list[tuple[dist.Work, torch.Tensor]] = []
+        self._decided: _Action | None = None
+
+    def settle(self, choice, arbiter, wait_for_arrivals):
+        start = time.perf_counter()
+        if self.is_leader:
+            if choice is not None:
+                decision = torch.tensor([arbiter.position(choice)], dtype=torch.int64)
+                work = dist.broadcast(decision, src=self.leader, group=self.group, async_op=True)
+                self._pending.append((work, decision))
+                self.rounds += 1
+            self.seconds += time.perf_counter() - start
+            return choice
+        if self._decided is None:
+            decision = torch.zeros(1, dtype=torch.int64)
+            dist.broadcast(decision, src=self.leader, group=self.group)
+            self.rounds += 1
+            self._decided = arbiter.nodes[int(decision)].action
+        self.seconds += time.perf_counter() - start
+        if not arbiter.may_run(self._decided):
+            return None  # the caller waits for arrivals and asks again
+        decided, self._decided = self._decided, None
+        return decided
+
+    def finish(self) -> None:
+        for work, _ in self._pending:
+            work.wait()
+        self._pending.clear()
+
+
+def make_coordinator(kind: str, group: dist.ProcessGroup) -> Coordinator:
+    if kind == "leader":
+        return LeaderDecides(group)
+    if kind == "agree":
+        return AgreeOnProposals(group)
+    raise ValueError(f"unknown coordination {kind!r}: use one of {list(COORDINATIONS)}")
