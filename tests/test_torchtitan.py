@@ -84,7 +84,7 @@ def test_schedule_names():
     (["--rrfp.buffer_limit", "lots"], "is not understood"),
     (["--rrfp.policy", "eager"], "is not one of"),
     (["--parallelism.pipeline_parallel_degree", "1"], "pipeline_parallel_degree >= 2"),
-    (["--parallelism.tensor_parallel_degree", "2"], "needs TP coordination"),
+    (["--rrfp.coordination", "vote"], "is not one of"),
 ])
 def test_bad_rrfp_configs_are_rejected_with_what_to_change(overrides, message):
     config = parse(*overrides)
@@ -136,6 +136,19 @@ def test_pipeline_with_fsdp_trains_and_matches_the_fixed_schedule(tmp_path):
     for schedule in ("Interleaved1F1B", "RRFP-Interleaved1F1B"):
         code, out = run_titan(4, "--training.steps", "3",
                               "--parallelism.data_parallel_shard_degree", "2",
+                              "--parallelism.pipeline_parallel_schedule", schedule,
+                              dump=str(tmp_path / schedule), timeout=400)
+        assert code == 0, out[-3000:]
+        runs[schedule] = logged_losses(out)
+    assert len(runs["RRFP-Interleaved1F1B"]) == 3
+    assert runs["Interleaved1F1B"] == runs["RRFP-Interleaved1F1B"]
+
+
+def test_pipeline_with_tensor_parallel_coordinates_and_matches_the_fixed_schedule(tmp_path):
+    runs = {}
+    for schedule in ("Interleaved1F1B", "RRFP-Interleaved1F1B"):
+        code, out = run_titan(4, "--training.steps", "3",
+                              "--parallelism.tensor_parallel_degree", "2",
                               "--parallelism.pipeline_parallel_schedule", schedule,
                               dump=str(tmp_path / schedule), timeout=400)
         assert code == 0, out[-3000:]

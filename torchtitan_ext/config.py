@@ -17,6 +17,11 @@ class RRFP:
     empty = ScheduleRRFP's default (the rule for BF/BFW; else ``lookahead`` at the hint's
     memory, ``hint`` with slack)."""
 
+    coordination: str = "leader"
+    """With tensor parallelism, how a TP group settles on each action: ``leader`` (its first
+    rank decides and broadcasts) or ``agree`` (all-gather proposals, defer on
+    disagreement). ``leader`` was faster in benchmarks/results/coordination.md."""
+
     stall_timeout: float = 300.0
     """Seconds without any ready action before the step raises, naming what it waits for."""
 

@@ -14,7 +14,9 @@ import dataclasses
 import functools
 import math
 
+import torch.distributed as dist
 from torch.distributed.pipelining.schedules import PipelineScheduleSingle
+from torch.distributed.tensor import DTensor
 
 from rrfp import ScheduleRRFP
 from rrfp.hints import build_hint, HINT_NAMES
@@ -109,12 +111,6 @@ def validate(job_config, n_layers: int) -> None:
     hint = hint_of(parallelism.pipeline_parallel_schedule)
     if hint is None:
         return
-    if parallelism.tensor_parallel_degree > 1:
-        raise ValueError(
-            f"schedule {parallelism.pipeline_parallel_schedule!r} with tensor parallelism "
-            "needs TP coordination (every rank of a TP group must run the same action "
-            "sequence), which rrfp does not implement yet: set tensor_parallel_degree = 1 "
-            "or use torchtitan's fixed schedule")
     pp = parallelism.pipeline_parallel_degree
     if pp < 2:
         raise ValueError(f"schedule {parallelism.pipeline_parallel_schedule!r} needs "
@@ -133,6 +129,37 @@ def validate(job_config, n_layers: int) -> None:
     policy = rrfp_settings(job_config).policy
     if policy and policy not in POLICIES:
         raise ValueError(f"rrfp.policy={policy!r} is not one of {list(POLICIES)}")
+    from rrfp.coordination import COORDINATIONS
+
+    if rrfp_settings(job_config).coordination not in COORDINATIONS:
+        raise ValueError(f"rrfp.coordination={rrfp_settings(job_config).coordination!r} is not "
+                         f"one of {list(COORDINATIONS)}")
+
+
+def coordination_group(stages) -> dist.ProcessGroup | None:
+    """A gloo group over this rank's TP group, if the stages are tensor parallel.
+
+    The TP mesh is read off the stages' DTensor parameters. On GPUs the TP group is NCCL,
+    so gloo twins of all TP groups are created, in the same order on every rank (every
+    rank builds its schedule at the same point of torchtitan's start-up).
+    """
+    tp_mesh = next((p.device_mesh["tp"] for stage in stages for p in stage.submod.parameters()
+                    if isinstance(p, DTensor) and "tp" in (p.device_mesh.mesh_dim_names or ())),
+                   None)
+    if tp_mesh is None or tp_mesh.size() == 1:
+        return None
+    group = tp_mesh.get_group()
+    if "gloo" in str(dist.get_backend(group)):
+        return group
+    mine = dist.get_process_group_ranks(group)
+    everyone: list = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, mine)
+    twin = None
+    for ranks in sorted({tuple(r) for r in everyone}):
+        created = dist.new_group(list(ranks), backend="gloo")
+        if list(ranks) == mine:
+            twin = created
+    return twin
 
 
 def install() -> None:
@@ -169,6 +196,7 @@ def install() -> None:
             stages, n_microbatches(job_config), loss_fn=loss_fn, scale_grads=False,
             hint=hint, buffer_limit=parse_buffer_limit(settings.buffer_limit),
             stall_timeout=settings.stall_timeout, policy=settings.policy or None,
+            coordination_group=coordination_group(stages), coordination=settings.coordination,
         )
         from torchtitan.tools.logging import logger
 
