@@ -118,43 +118,23 @@ def test_main_job_trains_on_cpu_and_logs_rrfp_stats(tmp_path):
         assert len(events.Scalars(tag)) == 8
 
 
-@pytest.mark.parametrize("fixed", ["Interleaved1F1B", "1F1B"])
-def test_rrfp_logs_the_same_losses_as_the_fixed_schedule(fixed, tmp_path):
+@pytest.mark.parametrize("fixed,nproc,steps,parallelism", [
+    ("Interleaved1F1B", 2, 4, []),
+    ("1F1B", 2, 4, []),
+    ("Interleaved1F1B", 4, 3, ["--parallelism.data_parallel_shard_degree", "2"]),
+    ("Interleaved1F1B", 4, 3, ["--parallelism.tensor_parallel_degree", "2"]),
+], ids=["pp-interleaved", "pp-1f1b", "pp-x-fsdp", "pp-x-tp"])
+def test_rrfp_logs_the_same_losses_as_the_fixed_schedule(fixed, nproc, steps, parallelism,
+                                                        tmp_path):
     runs = {}
     for schedule in (fixed, f"RRFP-{fixed}"):
-        code, out = run_titan(2, "--training.steps", "4",
+        code, out = run_titan(nproc, "--training.steps", str(steps), *parallelism,
                               "--parallelism.pipeline_parallel_schedule", schedule,
-                              dump=str(tmp_path / schedule))
+                              dump=str(tmp_path / schedule), timeout=400)
         assert code == 0, out[-3000:]
         runs[schedule] = logged_losses(out)
-    assert len(runs[fixed]) == 4
+    assert len(runs[fixed]) == steps
     assert runs[fixed] == runs[f"RRFP-{fixed}"]
-
-
-def test_pipeline_with_fsdp_trains_and_matches_the_fixed_schedule(tmp_path):
-    runs = {}
-    for schedule in ("Interleaved1F1B", "RRFP-Interleaved1F1B"):
-        code, out = run_titan(4, "--training.steps", "3",
-                              "--parallelism.data_parallel_shard_degree", "2",
-                              "--parallelism.pipeline_parallel_schedule", schedule,
-                              dump=str(tmp_path / schedule), timeout=400)
-        assert code == 0, out[-3000:]
-        runs[schedule] = logged_losses(out)
-    assert len(runs["RRFP-Interleaved1F1B"]) == 3
-    assert runs["Interleaved1F1B"] == runs["RRFP-Interleaved1F1B"]
-
-
-def test_pipeline_with_tensor_parallel_coordinates_and_matches_the_fixed_schedule(tmp_path):
-    runs = {}
-    for schedule in ("Interleaved1F1B", "RRFP-Interleaved1F1B"):
-        code, out = run_titan(4, "--training.steps", "3",
-                              "--parallelism.tensor_parallel_degree", "2",
-                              "--parallelism.pipeline_parallel_schedule", schedule,
-                              dump=str(tmp_path / schedule), timeout=400)
-        assert code == 0, out[-3000:]
-        runs[schedule] = logged_losses(out)
-    assert len(runs["RRFP-Interleaved1F1B"]) == 3
-    assert runs["Interleaved1F1B"] == runs["RRFP-Interleaved1F1B"]
 
 
 def test_bad_config_stops_before_training_with_a_clear_message(tmp_path):
