@@ -187,7 +187,7 @@ class Arbiter:
         self.out_of_order = 0
         self.realized: list[_Action] = []
         self.last_kind: Kind | None = None
-        """Kind of the last compute action run ("F", "BI", "W"; None before any)."""
+        """Kind of the last forward or backward run ("F" or "BI"; None before any)."""
 
     # ----------------------------------------------------------------- queries
     @property
@@ -271,7 +271,10 @@ class Arbiter:
 
     def ready(self) -> list[Node]:
         """Actions that may run now, in hint order."""
-        return sorted((n for n in self.stream_heads() if self._may_run(n)), key=_by_index)
+        ready = [n for n in self.stream_heads() if self._may_run(n)]
+        if len(ready) > 1:
+            ready.sort(key=_by_index)
+        return ready
 
     def waits(self) -> list[Wait]:
         """What every blocked stream head waits for (for stall reports)."""
@@ -284,10 +287,9 @@ class Arbiter:
         ready = self.ready()
         if not ready:
             return None
-        reduce = [n for n in ready if n.kind == "R"]
         # Gradient reduction first: it is cheap to issue and its fixed stage order is
         # what keeps data-parallel collectives matched across replicas.
-        chosen = reduce[0] if reduce else self.policy.choose(ready, self)
+        chosen = next((n for n in ready if n.kind == "R"), None) or self.policy.choose(ready, self)
         return chosen.action if chosen is not None else None
 
     def deliver(self, edge: Edge, microbatch: int, at: float | None = None) -> None:
@@ -310,7 +312,7 @@ class Arbiter:
         while self.first_undone < len(self.nodes) and self._done[self.first_undone]:
             self.first_undone += 1
         self.realized.append(action)
-        if node.kind != "R":
+        if node.kind in ("F", "BI"):
             self.last_kind = node.kind
         if node.kind == "F":
             s = node.stage

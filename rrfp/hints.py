@@ -158,6 +158,15 @@ class Hint:
         """Microbatches in the order the producer sends them over ``edge``."""
         return self._message_orders[edge]
 
+    def message_position(self, edge: Edge, microbatch: int) -> int:
+        """Where ``microbatch`` comes in ``message_order(edge)``."""
+        return self._message_positions[(edge, microbatch)]
+
+    @cached_property
+    def _message_positions(self) -> dict[tuple[Edge, int], int]:
+        return {(edge, mb): i for edge, order in self._message_orders.items()
+                for i, mb in enumerate(order)}
+
     @cached_property
     def _message_orders(self) -> dict[Edge, list[int]]:
         orders = {}

@@ -169,10 +169,10 @@ class Lookahead:
         # The step may run ahead of earlier ones: also expect it one shortest-seen gap
         # after the message before it on the same edge, if that one has arrived.
         edge, mb = message
-        order = arbiter.hint.message_order(edge)
-        position = order.index(mb)
+        position = arbiter.hint.message_position(edge, mb)
         if position > 0:
-            before = arbiter.arrival_times.get((edge, order[position - 1]))
+            before = arbiter.arrival_times.get(
+                (edge, arbiter.hint.message_order(edge)[position - 1]))
             gap = history.gaps.get(message)  # type: ignore[union-attr]
             if before is not None and gap is not None:
                 expected = min(expected, before + gap)

@@ -183,7 +183,7 @@ class ScheduleRRFP(PipelineScheduleMulti):
         logger.info(
             "ScheduleRRFP on pipeline rank %d: hint %s (policy %s, %s placement), "
             "buffer limits %s (hint peaks %s)", self.rank, self._hint.name,
-            self._hint.policy, self._hint.layout, self.buffer_limits,
+            self.policy, self._hint.layout, self.buffer_limits,
             self._hint.peak_in_flight(),
         )
 
@@ -237,7 +237,6 @@ class ScheduleRRFP(PipelineScheduleMulti):
             self._internal_losses = [run.losses[m] for m in range(self._n_microbatches)]
         self._update_losses(self._stages, losses)
 
-
     @staticmethod
     def _unwrap_ddp(stages: list[_PipelineStageBase]) -> dict[int, DistributedDataParallel]:
         """Run DDP-wrapped stages on the wrapped module; return the wrappers by stage.
@@ -285,7 +284,11 @@ class ScheduleRRFP(PipelineScheduleMulti):
 def _all_reduce_gradients(module: DistributedDataParallel) -> None:
     """What DDP's default hook does to its buckets (divide by the replica count, then
     sum), for the whole stage at once."""
-    grads = [p.grad for p in module.parameters() if p.requires_grad and p.grad is not None]
+    params = [p for p in module.parameters() if p.requires_grad]
+    for p in params:
+        if p.grad is None:  # unused here, maybe used on another replica: sizes must match
+            p.grad = torch.zeros_like(p)
+    grads = [p.grad for p in params]
     if not grads:
         return
     group = module.process_group
@@ -325,10 +328,13 @@ class _StepRun:
         self.post_receives()
         arbiter, coordinator = self.arbiter, self.coordinator
         idle_since: float | None = None
+        changed = True  # readiness only changes with arrivals and completions
         while not arbiter.finished:
             t0 = time.perf_counter()
-            self.deliver(self.transport.collect())
-            action = arbiter.choose() if coordinator is None or coordinator.needs_choice else None
+            changed |= self.deliver(self.transport.collect())
+            choose = changed and (coordinator is None or coordinator.needs_choice)
+            action = arbiter.choose() if choose else None
+            changed = False
             self.decision_time += time.perf_counter() - t0
             if coordinator is not None:
                 action = coordinator.settle(action, arbiter, self.wait)
@@ -339,7 +345,9 @@ class _StepRun:
                 if waited >= self.schedule.stall_timeout:
                     raise self.stall_error(waited)
                 if coordinator is None or coordinator.waits_when_idle:
-                    self.wait(self.schedule.stall_timeout - waited)
+                    changed = self.wait(self.schedule.stall_timeout - waited)
+                else:  # proposal rounds go on; settle may have delivered arrivals
+                    changed = True
                 continue
             idle_since = None
             self.run_action(action)
@@ -348,6 +356,7 @@ class _StepRun:
                                    action.stage_index, action.computation_type.value,
                                    action.microbatch_index))
             arbiter.complete(action)
+            changed = True
             t4 = time.perf_counter()
             self.send_outputs(action)
             self.decision_time += t4 - t3
@@ -360,20 +369,23 @@ class _StepRun:
             raise PipelineStallError(f"pipeline rank {self.schedule.rank}: {e}") from e
         self.end = time.perf_counter()
 
-    def wait(self, timeout: float) -> None:
-        """Wait up to ``timeout`` seconds for messages (idle time), and deliver them."""
+    def wait(self, timeout: float) -> bool:
+        """Wait up to ``timeout`` seconds for messages (idle time); deliver them; whether
+        any came."""
         start = time.perf_counter()
         arrived = self.transport.collect(timeout=timeout)
         end = time.perf_counter()
         self.idle_time += end - start
         self.spans.append(Span("idle", start - self.start, end - self.start, kind="idle"))
-        self.deliver(arrived)
+        return self.deliver(arrived)
 
-    def deliver(self, arrivals) -> None:
+    def deliver(self, arrivals) -> bool:
+        """Hand arrived messages to the arbiter; whether there were any."""
         for edge, mb, seen in arrivals:
             offset = seen - self.start
             self.arbiter.deliver(edge, mb, at=offset)
             self.arrivals.append((edge.src, edge.dst, mb, offset))
+        return bool(arrivals)
 
     def teach(self, history: History) -> None:
         """Record this step's durations and arrivals for the next step's policy."""

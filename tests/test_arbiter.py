@@ -32,7 +32,7 @@ def test_a_forward_waits_for_its_activation_and_then_runs():
 def test_streams_keep_hint_order_even_when_later_inputs_arrive_first():
     hint = _hint()
     arbiter = Arbiter(hint, rank=0, limits=resolve_buffer_limits("hint", hint))
-    for mb in (0, 1):
+    for _ in range(2):
         arbiter.complete(arbiter.choose())  # 0F0, 0F1
     arbiter.deliver(Edge(1, 0), 1)  # gradient of microbatch 1 before that of 0
     assert arbiter.choose() is None  # 0B1 must wait for 0B0; 0F2 for backpressure

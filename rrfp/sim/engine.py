@@ -156,17 +156,15 @@ def lower_bounds(hint: Hint, duration: Duration, latency: Latency | None = None)
     """Two makespan lower bounds that hold for any schedule of ``hint``'s actions."""
     lat = latency or (lambda edge, mb: 0.0)
     rank_of = hint.stage_to_rank
-    kinds = {(a.stage_index, a.microbatch_index): set() for acts in hint.orders.values() for a in acts}
-    for acts in hint.orders.values():
-        for a in acts:
-            kinds[(a.stage_index, a.microbatch_index)].add(a.computation_type)
     actions = [a for acts in hint.orders.values() for a in acts if a.computation_type in (F, B, I, W)]
+    present = set(actions)
 
     def edge_delay(src: int, dst: int, mb: int) -> float:
         return 0.0 if rank_of[src] == rank_of[dst] else lat(Edge(src, dst), mb)
 
     def grad_action(s: int, mb: int) -> _Action:
-        return _Action(s, B if B in kinds[(s, mb)] else I, mb)
+        full = _Action(s, B, mb)
+        return full if full in present else _Action(s, I, mb)
 
     def predecessors(a: _Action) -> list[tuple[_Action, float]]:
         s, m, ctype = a.stage_index, a.microbatch_index, a.computation_type
@@ -183,6 +181,7 @@ def lower_bounds(hint: Hint, duration: Duration, latency: Latency | None = None)
     for a in actions:
         for p, delay in predecessors(a):
             successors[p].append((a, delay))
+
     # Per microbatch the DAG is a chain: forwards up the stages, backwards down, each W
     # hanging off its I. This order is topological.
     def topological_key(a: _Action) -> tuple[int, int]:
@@ -197,12 +196,10 @@ def lower_bounds(hint: Hint, duration: Duration, latency: Latency | None = None)
     tail: dict[_Action, float] = {}
     for a in reversed(order):
         tail[a] = max((d + duration(c) + tail[c] for c, d in successors[a]), default=0.0)
-    earliest_start, shortest_tail = head.__getitem__, tail.__getitem__
-
-    critical = max(earliest_start(a) + duration(a) + shortest_tail(a) for a in actions)
+    critical = max(head[a] + duration(a) + tail[a] for a in actions)
     busiest = 0.0
-    for rank, acts in hint.orders.items():
+    for acts in hint.orders.values():
         compute = [a for a in acts if a.computation_type in (F, B, I, W)]
-        busiest = max(busiest, min(map(earliest_start, compute)) + sum(map(duration, compute))
-                      + min(map(shortest_tail, compute)))
+        busiest = max(busiest, min(head[a] for a in compute) + sum(map(duration, compute))
+                      + min(tail[a] for a in compute))
     return LowerBounds(critical, busiest)
