@@ -194,9 +194,6 @@ class Arbiter:
     def finished(self) -> bool:
         return self._remaining == 0
 
-    def is_done(self, index: int) -> bool:
-        return self._done[index]
-
     def position(self, action: _Action) -> int:
         """The action's position in this rank's hint order."""
         return self._node_of(action).index

@@ -23,7 +23,7 @@ from torch.distributed.pipelining.schedules import get_schedule_class, PipelineS
 
 from rrfp import ScheduleRRFP, write_chrome_trace
 from rrfp.emulation import EmulatedDeviceTime
-from rrfp.hints import build_hint, infer_layout
+from rrfp.hints import build_hint, infer_layout, rule_reference
 from rrfp.local import run_local_world
 
 DIM = 64
@@ -60,14 +60,16 @@ def _rank_main(rank: int, world_size: int, args):
                       n_microbatches=args.microbatches,
                       layout=infer_layout(rank, world_size, num_stages,
                                           [s.stage_index for s in fixed_stages]))
-    reference = {"BF": "1F1B" if args.stages_per_rank == 1 else "Interleaved1F1B",
-                 "BFW": "ZBVZeroBubble" if layout == "v" else "InterleavedZeroBubble"}
-    fixed_class = get_schedule_class(reference.get(hint.name, hint.name))
+    fixed_class = (get_schedule_class(hint.name) if hint.policy == "hint"
+                   else rule_reference(hint.name, layout, args.stages_per_rank))
     fixed = fixed_class(fixed_stages[0] if issubclass(fixed_class, PipelineScheduleSingle)
                         else fixed_stages, args.microbatches, loss_fn=loss_fn)
     rrfp_stages = _build(args, rank, world_size, layout)
+    # Plain readiness-first for schedule hints (the default lookahead guard would not bet
+    # on a microbatch that was never slow before); the rules keep their own policy.
+    policy = args.policy or ("hint" if hint.policy == "hint" else hint.policy)
     rrfp = ScheduleRRFP(rrfp_stages, args.microbatches, loss_fn=loss_fn, hint=args.hint,
-                        buffer_limit=args.limit, policy=args.policy)
+                        buffer_limit=args.limit, policy=policy)
     times: dict[str, list[float]] = {"fixed": [], "rrfp": []}
     for step in range(args.steps + 1):  # step 0 warms up (shape inference)
         for name, schedule, stages in (("fixed", fixed, fixed_stages), ("rrfp", rrfp, rrfp_stages)):
@@ -84,7 +86,7 @@ def _rank_main(rank: int, world_size: int, args):
                 times[name].append(time.perf_counter() - start)
     gathered: list = [None] * world_size
     dist.all_gather_object(gathered, rrfp.last_step_stats)
-    return fixed_class.__name__, times, gathered
+    return fixed_class.__name__, rrfp.policy, times, gathered
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -93,9 +95,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--stages-per-rank", type=int, default=1)
     parser.add_argument("--hint", default="GPipe")
     parser.add_argument("--limit", default="hint", help="buffer_limit: hint, hint+k or an int")
-    parser.add_argument("--policy", default="hint",
-                        help="arbitration policy (default here: plain readiness-first; "
-                             "ScheduleRRFP's own default guards against losses instead)")
+    parser.add_argument("--policy", default="",
+                        help="arbitration policy (default here: plain readiness-first, or the "
+                             "rule of a BF/BFW hint)")
     parser.add_argument("--microbatches", type=int, default=8)
     parser.add_argument("--forward-s", type=float, default=0.02,
                         help="emulated forward (and backward) time per microbatch and stage")
@@ -110,14 +112,14 @@ def main(argv: list[str] | None = None) -> None:
     if args.limit.isdigit():
         args.limit = int(args.limit)
 
-    fixed_name, times, stats = run_local_world(args.ranks, _rank_main, args, timeout=600)[0]
+    fixed_name, policy, times, stats = run_local_world(args.ranks, _rank_main, args, timeout=600)[0]
     write_chrome_trace(stats, args.trace)
     fixed_s, rrfp_s = statistics.median(times["fixed"]), statistics.median(times["rrfp"])
     print(f"{args.ranks} ranks x {args.stages_per_rank} stages, {args.microbatches} microbatches, "
           f"stage 0 forward of microbatch {args.slow_mb} takes {args.slow_s} s "
           f"(emulated device time; median of {args.steps} steps)")
     print(f"  torch {fixed_name:<28} {fixed_s * 1e3:8.1f} ms")
-    print(f"  ScheduleRRFP(hint={args.hint!r}, buffer_limit={args.limit!r}, policy={args.policy!r}) "
+    print(f"  ScheduleRRFP(hint={args.hint!r}, buffer_limit={args.limit!r}, policy={policy!r}) "
           f"{rrfp_s * 1e3:8.1f} ms   speedup {fixed_s / rrfp_s:.2f}x")
     for s in stats:
         print("  " + s.summary())

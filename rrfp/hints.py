@@ -254,7 +254,8 @@ def build_hint(
     if isinstance(source, str) and source.upper() in RULE_NAMES:
         policy = source.upper()  # type: ignore[assignment]
         name = policy
-        orders = _rule_reference_orders(policy, layout, **shape)
+        orders = _torch_schedule_orders(
+            rule_reference(policy, layout, num_stages // num_ranks), **shape)
     elif isinstance(source, str) and source.lower() in {n.lower() for n in TORCH_SCHEDULE_NAMES}:
         schedule_class = get_schedule_class(source)
         name = schedule_class.__name__.removeprefix("Schedule")
@@ -358,27 +359,22 @@ def _one_stage_per_rank_check(name: str, num_ranks: int, num_stages: int) -> Non
         )
 
 
-def _rule_reference_orders(
-    rule: Policy, layout: Layout, *, num_ranks: int, num_stages: int, n_microbatches: int
-) -> dict[int, list[_Action | None]]:
-    """The fixed schedule a rule is compared with; it fixes streams and memory budget."""
-    shape = dict(num_ranks=num_ranks, num_stages=num_stages, n_microbatches=n_microbatches)
+def rule_reference(rule: str, layout: Layout, stages_per_rank: int) -> type:
+    """The torch schedule a BF/BFW rule takes its streams and memory budget from (and the
+    fixed schedule it is compared with): 1F1B or Interleaved1F1B for BF,
+    InterleavedZeroBubble (loop) or ZBVZeroBubble (V) for BFW."""
     if layout == "v":
         if rule == "BF":
             raise ValueError(
                 "the BF rule needs a loop placement (stage s on rank s % pp_size); for "
                 "V-placed stages use BFW, ZBVZeroBubble or DualPipeV"
             )
-        return _torch_schedule_orders(ScheduleZBVZeroBubble, **shape)
+        return ScheduleZBVZeroBubble
     if layout != "loop":
-        raise ValueError(
-            f"the {rule} rule needs a loop or V stage placement, not a custom one"
-        )
+        raise ValueError(f"the {rule} rule needs a loop or V stage placement, not a custom one")
     if rule == "BFW":
-        return _torch_schedule_orders(ScheduleInterleavedZeroBubble, **shape)
-    if num_stages == num_ranks:
-        return _torch_schedule_orders(Schedule1F1B, **shape)
-    return _torch_schedule_orders(ScheduleInterleaved1F1B, **shape)
+        return ScheduleInterleavedZeroBubble
+    return Schedule1F1B if stages_per_rank == 1 else ScheduleInterleaved1F1B
 
 
 def _torch_schedule_orders(

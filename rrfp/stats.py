@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import os
 from collections.abc import Iterable
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 
 
 @dataclass(frozen=True)
@@ -90,9 +90,6 @@ class StepStats:
             f"dispatch overhead {self.overhead_per_action * 1e6:.0f} us/action, sends "
             f"{self.send_time * 1e3:.1f} ms"
         )
-
-    def to_dict(self) -> dict:
-        return asdict(self)
 
     def chrome_trace_events(self) -> list[dict]:
         """Chrome/Perfetto trace events: one process per rank, compute and idle spans."""

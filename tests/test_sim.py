@@ -74,7 +74,7 @@ def test_workloads_are_seeded_and_shaped():
 def test_replay_file_round_trip_and_trace_conversion(tmp_path):
     from rrfp.sim.replay import timing_from_trace
     from rrfp.sim.workloads import make_timing, Timing
-    from rrfp.stats import Span, StepStats, write_chrome_trace
+    from rrfp.stats import merge_chrome_traces, Span, StepStats, write_chrome_trace
 
     timing = make_timing("latency", 2, 3, 0)
     timing.save(tmp_path / "t.json")
@@ -96,8 +96,13 @@ def test_replay_file_round_trip_and_trace_conversion(tmp_path):
         stats(1, [Span("1F0", 0.25, 0.3, 1, "F", 0), Span("1B0", 0.3, 0.4, 1, "B", 0)],
               sends=[(1, 0, 0, 0.4)], arrivals=[(0, 1, 0, 0.25)]),
     ]
+    # Per-rank files merged into one trace read the same as a trace written at once.
+    for s in ranks:
+        s.write_chrome_trace(tmp_path / f"rank{s.pp_rank}.json")
+    merge_chrome_traces([tmp_path / "rank0.json", tmp_path / "rank1.json"], tmp_path / "merged.json")
     write_chrome_trace(ranks, tmp_path / "trace.json")
     import json
+    assert json.loads((tmp_path / "merged.json").read_text()) == json.loads((tmp_path / "trace.json").read_text())
     timing = timing_from_trace(json.loads((tmp_path / "trace.json").read_text()))
     assert [row[0] for row in timing.forward] == pytest.approx([0.2, 0.05])
     assert [row[0] for row in timing.backward_input] == pytest.approx([0.2, 0.05])  # B / 2

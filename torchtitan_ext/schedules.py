@@ -19,12 +19,10 @@ from torch.distributed.pipelining.schedules import PipelineScheduleSingle
 from torch.distributed.tensor import DTensor
 
 from rrfp import ScheduleRRFP
-from rrfp.hints import build_hint, HINT_NAMES
+from rrfp.hints import build_hint, HINT_NAMES, rule_reference, RULE_NAMES
 from torchtitan_ext.config import RRFP
 
 PREFIX = "RRFP"
-#: The torch schedule whose placement and stages-per-rank rules a rule-hint uses.
-_RULE_PLACEMENT = {"BF": "Interleaved1F1B", "BFW": "InterleavedZeroBubble"}
 _V_HINTS = {"ZBVZeroBubble", "DualPipeV"}
 _SINGLE_STAGE_HINTS = {"1F1B", "GPipe"}
 
@@ -57,8 +55,11 @@ def hint_of(schedule_name: str) -> str | None:
 
 
 def placement_schedule(hint: str) -> str:
-    """The torch schedule name whose stage placement the hint uses."""
-    return _RULE_PLACEMENT.get(hint, hint)
+    """The torch schedule name whose stage placement (and stages per rank) the hint uses;
+    the BF/BFW rules run on loop placements with 2 or more stages per rank."""
+    if hint in RULE_NAMES:
+        return rule_reference(hint, "loop", stages_per_rank=2).__name__.removeprefix("Schedule")
+    return hint
 
 
 def _torch_view(job_config):
