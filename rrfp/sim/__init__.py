@@ -1,0 +1,4 @@
+"""Discrete-event simulation of pipeline steps that drives the runtime's own arbiter.
+
+CLI: ``python -m rrfp.sim --help``; replay files: ``python -m rrfp.sim.replay``.
+"""
