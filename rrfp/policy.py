@@ -72,11 +72,11 @@ class BackwardFirst:
 
 @dataclass
 class History:
-    """What earlier steps showed one rank, kept on the cautious side.
+    """What earlier steps showed one rank.
 
-    ``durations[(stage, kind)]``: the longest run seen of that stage and kind (seconds);
-    ``arrivals[(edge, microbatch)]``: the earliest arrival seen, in seconds after the
-    step start.
+    ``durations[(stage, kind)]``: a running average of that stage and kind's run time
+    (seconds; each new run weighs one half). ``arrivals[(edge, microbatch)]``: the earliest
+    arrival seen, in seconds after the step start (the cautious side for the guard).
     """
 
     durations: dict[tuple[int, str], float] = field(default_factory=dict)
@@ -89,8 +89,8 @@ class History:
         self._last.clear()
 
     def record_duration(self, stage: int, kind: str, seconds: float) -> None:
-        key = (stage, kind)
-        old = self.durations.get(key); self.durations[key] = seconds if old is None else 0.5 * (seconds + old)
+        previous = self.durations.get((stage, kind))
+        self.durations[(stage, kind)] = seconds if previous is None else 0.5 * (seconds + previous)
 
     def record_arrival(self, edge: Edge, microbatch: int, offset: float) -> None:
         key = (edge, microbatch)
@@ -194,7 +194,7 @@ def default_policy(hint_policy: str, at_hint_memory: bool) -> str:
 
 def make_policy(name: str, *, history: History | None = None,
                 clock: Callable[[], float] | None = None) -> Policy:
-    """A fresh policy (policies may keep per-step state).
+    """A fresh policy for one step.
 
     ``history`` and ``clock`` (seconds since the step start) feed ``"lookahead"``.
     """
