@@ -45,7 +45,7 @@ class Node:
     message: tuple[Edge, int] | None
     """The remote message (edge, microbatch) it consumes, if any."""
     deps: tuple[int, ...]
-    """Indices of this rank's actions that must be done first."""
+    """Indices of this rank's actions that must be launched first."""
     stage: int
     microbatch: int | None
 
@@ -295,11 +295,15 @@ class Arbiter:
         if at is not None:
             self.arrival_times[(edge, microbatch)] = at
 
-    def complete(self, action: _Action) -> None:
-        """``action`` (returned by ``choose``) has run."""
+    def record_launch(self, action: _Action) -> None:
+        """``action`` (returned by ``choose``) has been launched.
+
+        Its local successors may be launched right behind it: the device runs a rank's
+        actions in launch order. Messages it sends count only once they arrive.
+        """
         node = self._node_of(action)
         if self._done[node.index] or not self._may_run(node):
-            raise RuntimeError(f"{action} completed out of turn on rank {self.rank}")
+            raise RuntimeError(f"{action} launched out of turn on rank {self.rank}")
         self._done[node.index] = True
         self._remaining -= 1
         for sid in node.streams:
@@ -402,7 +406,7 @@ def check_deadlock_free(hint: Hint, policy_factory: Callable[[], Policy] = Fixed
         progress = False
         for arbiter in arbiters.values():
             while (action := arbiter.choose()) is not None:
-                arbiter.complete(action)
+                arbiter.record_launch(action)
                 for edge in arbiter.messages_sent_by(action):
                     arbiters[hint.stage_to_rank[edge.dst]].deliver(edge, action.microbatch_index)
                 progress = True

@@ -4,6 +4,11 @@ For studying schedules on a CPU machine: the wrapped module still computes (so r
 are real and comparable), and each microbatch additionally sleeps as if a kernel ran for
 the given time. Sleeping releases the CPU, so several ranks on few cores measure the
 schedule rather than core contention. Any figure obtained this way is *emulated*.
+
+Run it under ``ScheduleRRFP(..., device=rrfp.device.EmulatedDevice())`` to emulate an
+asynchronous accelerator: the compute (and so the sleep) then happens on the emulated
+device's thread, after the launch returned, as a CUDA kernel would. Under torch's own
+schedules (or RRFP's synchronous CPU device) it happens on the calling thread.
 """
 
 from __future__ import annotations
@@ -16,14 +21,15 @@ import torch
 
 class _SleepInBackward(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, tensor: torch.Tensor, seconds: float) -> torch.Tensor:
+    def forward(ctx, tensor: torch.Tensor, seconds: float, owner: EmulatedDeviceTime) -> torch.Tensor:
         ctx.seconds = seconds
+        ctx.owner = owner
         return tensor.clone()  # a view would trip torch's in-place detach of stage outputs
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
-        time.sleep(ctx.seconds)
-        return grad, None
+        ctx.owner.sleep(ctx.seconds)
+        return grad, None, None
 
 
 class EmulatedDeviceTime(torch.nn.Module):
@@ -49,15 +55,23 @@ class EmulatedDeviceTime(torch.nn.Module):
         self.forward_time = forward_time
         self.backward_time = backward_time
         self._calls = 0
+        self.slept = 0.0
+        """Seconds slept since construction or ``reset()``: the emulated busy time."""
 
     def reset(self) -> None:
         self._calls = 0
+        self.slept = 0.0
+
+    def sleep(self, seconds: float) -> None:
+        start = time.perf_counter()
+        time.sleep(seconds)
+        self.slept += time.perf_counter() - start
 
     def forward(self, *args, **kwargs) -> torch.Tensor:
         out = self.inner(*args, **kwargs)
         mb = self._calls % self.n_microbatches
         self._calls += 1
-        time.sleep(self.forward_time(mb))
+        self.sleep(self.forward_time(mb))
         if not out.requires_grad:
             return out
-        return _SleepInBackward.apply(out, self.backward_time(mb))
+        return _SleepInBackward.apply(out, self.backward_time(mb), self)

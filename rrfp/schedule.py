@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import math
+import threading
 import time
 from collections.abc import Callable
 from typing import Any
@@ -42,15 +44,16 @@ from rrfp.hints import (
     W,
 )
 from rrfp.coordination import COORDINATIONS, make_coordinator
+from rrfp.device import CudaDevice, EmulatedDevice, HostDevice, Wakeup
+from rrfp.loop import Arrival, Completion, PipelineStallError, StepLoop
 from rrfp.policy import default_policy, History, make_policy, POLICIES
 from rrfp.stats import Span, StepStats
 from rrfp.transport import create_channels, SendDelay, Transport
 
 logger = logging.getLogger(__name__)
 
-
-class PipelineStallError(RuntimeError):
-    """No action became ready within ``stall_timeout``: a peer never sent, or died."""
+DEFAULT_LAUNCH_DEPTH = 2
+"""Launched-but-incomplete actions a device may hold by default (see ``launch_depth``)."""
 
 
 class ScheduleRRFP(PipelineScheduleMulti):
@@ -84,6 +87,15 @@ class ScheduleRRFP(PipelineScheduleMulti):
             decides) or ``"agree"`` (all-gather proposals, defer on disagreement).
         send_delay: emulated link latency, ``(edge, microbatch) -> seconds`` to hold each
             outgoing message (for studies and tests; messages on a channel stay in order).
+        launch_depth: how many launched actions the device may hold before the rank
+            decides again (``None``: no bound). The rank decides what to run next when its
+            device is free, so that choices see the latest arrivals; a depth above 1 hides
+            the CPU's launch cost behind the device's work, at the price of choosing that
+            much earlier. Default ``DEFAULT_LAUNCH_DEPTH``, from
+            ``benchmarks/results/launch_depth.md``.
+        device: where actions run. ``None``: the stages' CUDA stream for CUDA stages,
+            synchronous execution for CPU stages. ``rrfp.device.EmulatedDevice(...)``: an
+            emulated asynchronous device for CPU stages (tests and studies).
     """
 
     def __init__(
@@ -103,6 +115,8 @@ class ScheduleRRFP(PipelineScheduleMulti):
         coordination_group: dist.ProcessGroup | None = None,
         coordination: str = "leader",
         send_delay: SendDelay | None = None,
+        launch_depth: int | None = DEFAULT_LAUNCH_DEPTH,
+        device: EmulatedDevice | None = None,
     ):
         if policy is not None and policy not in POLICIES:
             raise ValueError(f"unknown policy {policy!r}: use one of {list(POLICIES)} or None")
@@ -117,6 +131,14 @@ class ScheduleRRFP(PipelineScheduleMulti):
             raise ValueError("ScheduleRRFP needs at least one stage")
         if not stall_timeout > 0:
             raise ValueError(f"stall_timeout must be > 0 seconds, got {stall_timeout}")
+        if launch_depth is not None and (isinstance(launch_depth, bool)
+                                         or not isinstance(launch_depth, int) or launch_depth < 1):
+            raise ValueError(f"launch_depth must be an int >= 1 or None (no bound), got "
+                             f"{launch_depth!r}")
+        stage_device = stages[0].device
+        if device is not None and stage_device.type != "cpu":
+            raise ValueError(f"the emulated device runs CPU stages; these stages are on "
+                             f"{stage_device}: pass device=None to run on their stream")
         super().__init__(
             stages=stages,
             n_microbatches=n_microbatches,
@@ -171,20 +193,21 @@ class ScheduleRRFP(PipelineScheduleMulti):
         self._stage_by_index = {stage.stage_index: stage for stage in stages}
         self._global_ranks = dist.get_process_group_ranks(stages[0].group or dist.group.WORLD)
 
-        self._transport = Transport(
-            create_channels(self._hint, stages[0].group),
-            poll_completion=stages[0].device.type == "cuda",
-            send_delay=send_delay,
-        )
+        self.launch_depth = math.inf if launch_depth is None else launch_depth
+        self._device = device if device is not None else (
+            CudaDevice(stage_device) if stage_device.type == "cuda" else HostDevice())
+        self._wakeup = Wakeup()
+        self._transport = Transport(create_channels(self._hint, stages[0].group, stage_device),
+                                    self._wakeup, send_delay=send_delay)
         self._coordination_group = coordination_group
         self.coordination = coordination
         self._failure: str | None = None
         self.last_step_stats: StepStats | None = None
         logger.info(
             "ScheduleRRFP on pipeline rank %d: hint %s (policy %s, %s placement), "
-            "buffer limits %s (hint peaks %s)", self.rank, self._hint.name,
-            self.policy, self._hint.layout, self.buffer_limits,
-            self._hint.peak_in_flight(),
+            "buffer limits %s (hint peaks %s), launch depth %s, %s", self.rank,
+            self._hint.name, self.policy, self._hint.layout, self.buffer_limits,
+            self._hint.peak_in_flight(), self.launch_depth, type(self._device).__name__,
         )
 
     @property
@@ -202,8 +225,9 @@ class ScheduleRRFP(PipelineScheduleMulti):
     ):
         if self._failure is not None:
             raise RuntimeError(
-                f"ScheduleRRFP cannot run another step after a failed one ({self._failure}); "
-                "messages of that step may still be in flight: restart the job"
+                f"this ScheduleRRFP cannot run another step ({self._failure}); its channels "
+                "are closed: build a new ScheduleRRFP on every rank of the pipeline, which "
+                "connects fresh ones"
             )
         arg_mbs, kwarg_mbs = self._check_inputs(arg_mbs, kwarg_mbs, target_mbs, losses)
         self._initialize_stages(
@@ -211,31 +235,86 @@ class ScheduleRRFP(PipelineScheduleMulti):
             loss_kwargs,
         )
         fsdp_modules = self._prepare_data_parallel()
-        start = time.perf_counter()
+        origin = time.perf_counter()
+
+        def clock() -> float:
+            return time.perf_counter() - origin
+
         if self._has_backward:
             hint, limits = self._hint, self.buffer_limits
-            policy = make_policy(self.policy, history=self._history,
-                                 clock=lambda: time.perf_counter() - start)
+            policy = make_policy(self.policy, history=self._history, clock=clock)
         else:  # forward only: no memory to balance, plain readiness-first
             hint, limits, policy = self._forward_only_hint, None, make_policy("hint")
         arbiter = Arbiter(hint, self.rank, limits=limits, policy=policy)
-        run = _StepRun(self, arbiter, start, arg_mbs, kwarg_mbs, target_mbs, return_outputs,
-                       loss_kwargs)
+        executor = _StageExecutor(self, clock, arg_mbs, kwarg_mbs, target_mbs, return_outputs,
+                                  loss_kwargs)
+        group = self._coordination_group
+        coordinator = (make_coordinator(self.coordination, group)
+                       if group is not None and dist.get_world_size(group) > 1 else None)
+        loop = StepLoop(
+            arbiter, self._device, executor,
+            arrivals=lambda: [Arrival(edge, mb, seen - origin)
+                              for edge, mb, seen in self._transport.collect()],
+            clock=clock, launch_depth=self.launch_depth, stall_timeout=self.stall_timeout,
+            describe_rank=f"pipeline rank {self.rank} (global rank {dist.get_rank()})",
+            describe_peer=lambda peer: f"global rank {self._global_ranks[peer]}",
+            coordinator=coordinator, block=self._wakeup.wait,
+        )
+        self._device.begin_step(origin, self._wakeup)
         try:
-            run.execute()
+            self._post_receives(arbiter)
+            for timeout in loop.run():
+                self._wakeup.wait(timeout)
+            if coordinator is not None:
+                coordinator.finish()
+            self._transport.finish_sends(self.stall_timeout)
+        except TimeoutError as e:
+            self._abandon(e)
+            raise PipelineStallError(f"pipeline rank {self.rank}: {e}") from e
         except BaseException as e:
-            self._failure = f"{type(e).__name__} on pipeline rank {self.rank}"
+            self._abandon(e)
             raise
         finally:
-            self.last_step_stats = run.stats()
+            self.last_step_stats = _step_stats(self, loop, executor, coordinator, clock())
         if self._has_backward:
-            run.teach(self._history)
+            loop.teach(self._history)
         else:  # no gradient reduction will reshard them
             for module in fsdp_modules:
                 module.reshard()
         if self._loss_fn is not None and any(s.is_last for s in self._stages):
-            self._internal_losses = [run.losses[m] for m in range(self._n_microbatches)]
+            self._internal_losses = [executor.losses[m] for m in range(self._n_microbatches)]
         self._update_losses(self._stages, losses)
+
+    def _post_receives(self, arbiter: Arbiter) -> None:
+        """Post every receive of the step, each channel in its producer's send order."""
+        for edge in self._transport.channels:
+            stage = self._stage_by_index.get(edge.dst)
+            if stage is None:
+                continue
+            for mb in arbiter.hint.message_order(edge):
+                ops = stage.get_fwd_recv_ops(mb) if edge.is_forward else stage.get_bwd_recv_ops(mb)
+                self._transport.post_receive(edge, mb, [op.tensor for op in ops])
+
+    def _abandon(self, error: BaseException) -> None:
+        """After a failed step: close the channels, so that the peers' pending receives
+        from this rank fail at once instead of waiting for their stall timeout, and stop
+        the device; refuse further steps."""
+        self._failure = f"a step failed with {type(error).__name__} on pipeline rank {self.rank}"
+        try:
+            self.close()
+        except RuntimeError as e:  # the step's own error is the one to raise
+            logger.warning("pipeline rank %d: %s", self.rank, e)
+
+    def close(self, timeout: float = 10.0) -> None:
+        """Stop this schedule's threads and close its channels (idempotent).
+
+        Raises ``RuntimeError`` naming any thread still alive after ``timeout`` seconds.
+        """
+        self._failure = self._failure or "the schedule was closed"
+        alive = self._transport.close(timeout)
+        alive += self._device.close(timeout)
+        if alive:
+            raise RuntimeError(f"threads still running after close(): {[t.name for t in alive]}")
 
     @staticmethod
     def _unwrap_ddp(stages: list[_PipelineStageBase]) -> dict[int, DistributedDataParallel]:
@@ -299,114 +378,28 @@ def _all_reduce_gradients(module: DistributedDataParallel) -> None:
         grad.copy_(reduced)
 
 
-class _StepRun:
-    """One step of the schedule loop: receive, choose, run, send."""
+class _StageExecutor:
+    """What an action does on this rank's stages: compute, then send its outputs."""
 
-    def __init__(self, schedule: ScheduleRRFP, arbiter: Arbiter, start: float, arg_mbs,
-                 kwarg_mbs, target_mbs, return_outputs: bool, loss_kwargs):
+    def __init__(self, schedule: ScheduleRRFP, clock: Callable[[], float], arg_mbs, kwarg_mbs,
+                 target_mbs, return_outputs: bool, loss_kwargs):
         self.schedule = schedule
-        self.arbiter = arbiter
-        self.transport = schedule._transport
-        group = schedule._coordination_group
-        self.coordinator = (make_coordinator(schedule.coordination, group)
-                            if group is not None and dist.get_world_size(group) > 1 else None)
+        self.clock = clock
         self.arg_mbs, self.kwarg_mbs, self.target_mbs = arg_mbs, kwarg_mbs, target_mbs
         self.return_outputs = return_outputs
         self.loss_kwargs = loss_kwargs
         self.losses: dict[int, torch.Tensor] = {}
-        self.spans: list[Span] = []
-        self.idle_time = 0.0
-        self.decision_time = 0.0
-        self.send_time = 0.0
-        self.arrivals: list[tuple[int, int, int, float]] = []
         self.sends: list[tuple[int, int, int, float]] = []
-        self.start = start
-        self.start_unix = time.time() - (time.perf_counter() - start)
-        self.end = self.start
+        """(source stage, destination stage, microbatch, seconds after start) per send."""
 
-    def execute(self) -> None:
-        self.post_receives()
-        arbiter, coordinator = self.arbiter, self.coordinator
-        idle_since: float | None = None
-        changed = True  # readiness only changes with arrivals and completions
-        while not arbiter.finished:
-            t0 = time.perf_counter()
-            changed |= self.deliver(self.transport.collect())
-            choose = changed and (coordinator is None or coordinator.needs_choice)
-            action = arbiter.choose() if choose else None
-            changed = False
-            self.decision_time += time.perf_counter() - t0
-            if coordinator is not None:
-                action = coordinator.settle(action, arbiter, self.wait)
-            t1 = time.perf_counter()
-            if action is None:
-                idle_since = t1 if idle_since is None else idle_since
-                waited = t1 - idle_since
-                if waited >= self.schedule.stall_timeout:
-                    raise self.stall_error(waited)
-                if coordinator is None or coordinator.waits_when_idle:
-                    changed = self.wait(self.schedule.stall_timeout - waited)
-                else:  # proposal rounds go on; settle may have delivered arrivals
-                    changed = True
-                continue
-            idle_since = None
-            self.run_action(action)
-            t3 = time.perf_counter()
-            self.spans.append(Span(str(action), t1 - self.start, t3 - self.start,
-                                   action.stage_index, action.computation_type.value,
-                                   action.microbatch_index))
-            arbiter.complete(action)
-            changed = True
-            t4 = time.perf_counter()
-            self.send_outputs(action)
-            self.decision_time += t4 - t3
-            self.send_time += time.perf_counter() - t4
-        try:
-            if coordinator is not None:
-                coordinator.finish()
-            self.transport.finish_sends(self.schedule.stall_timeout)
-        except TimeoutError as e:
-            raise PipelineStallError(f"pipeline rank {self.schedule.rank}: {e}") from e
-        self.end = time.perf_counter()
+    def work(self, action: _Action, sends: list[Edge]) -> Callable[[], None]:
+        def run() -> None:
+            self.compute(action)
+            for edge in sends:
+                self.send(action, edge)
+        return run
 
-    def wait(self, timeout: float) -> bool:
-        """Wait up to ``timeout`` seconds for messages (idle time); deliver them; whether
-        any came."""
-        start = time.perf_counter()
-        arrived = self.transport.collect(timeout=timeout)
-        end = time.perf_counter()
-        self.idle_time += end - start
-        self.spans.append(Span("idle", start - self.start, end - self.start, kind="idle"))
-        return self.deliver(arrived)
-
-    def deliver(self, arrivals) -> bool:
-        """Hand arrived messages to the arbiter; whether there were any."""
-        for edge, mb, seen in arrivals:
-            offset = seen - self.start
-            self.arbiter.deliver(edge, mb, at=offset)
-            self.arrivals.append((edge.src, edge.dst, mb, offset))
-        return bool(arrivals)
-
-    def teach(self, history: History) -> None:
-        """Record this step's durations and arrivals for the next step's policy."""
-        history.start_step()
-        for span in self.spans:
-            if span.kind != "idle":
-                history.record_duration(span.stage, span.kind, span.end - span.start)
-        for src, dst, mb, offset in self.arrivals:
-            history.record_arrival(Edge(src, dst), mb, offset)
-
-    def post_receives(self) -> None:
-        hint, stages = self.arbiter.hint, self.schedule._stage_by_index
-        for edge in self.transport.channels:
-            if edge.dst not in stages:
-                continue
-            stage = stages[edge.dst]
-            for mb in hint.message_order(edge):
-                ops = stage.get_fwd_recv_ops(mb) if edge.is_forward else stage.get_bwd_recv_ops(mb)
-                self.transport.post_receives(edge, mb, [op.tensor for op in ops])
-
-    def run_action(self, action: _Action) -> None:
+    def compute(self, action: _Action) -> None:
         schedule = self.schedule
         stage = schedule._stage_by_index[action.stage_index]
         mb = action.microbatch_index
@@ -446,56 +439,48 @@ class _StepRun:
             else:
                 raise AssertionError(f"unexpected action {action}")
 
-    def send_outputs(self, action: _Action) -> None:
-        for edge in self.arbiter.messages_sent_by(action):
-            stage = self.schedule._stage_by_index[action.stage_index]
-            mb = action.microbatch_index
-            ops = stage.get_fwd_send_ops(mb) if edge.is_forward else stage.get_bwd_send_ops(mb)
-            self.sends.append((edge.src, edge.dst, mb, time.perf_counter() - self.start))
-            self.transport.send(edge, mb, [op.tensor for op in ops])
+    def send(self, action: _Action, edge: Edge) -> None:
+        stage = self.schedule._stage_by_index[action.stage_index]
+        mb = action.microbatch_index
+        ops = stage.get_fwd_send_ops(mb) if edge.is_forward else stage.get_bwd_send_ops(mb)
+        self.sends.append((edge.src, edge.dst, mb, self.clock()))
+        self.schedule._transport.send(edge, mb, [op.tensor for op in ops])
 
-    def stall_error(self, waited: float) -> PipelineStallError:
-        schedule = self.schedule
-        lines = []
-        for wait in self.arbiter.waits():
-            line = f"  {wait}"
-            if wait.peer_rank is not None:
-                line += f" (global rank {schedule._global_ranks[wait.peer_rank]})"
-            lines.append(line)
-        return PipelineStallError(
-            f"pipeline rank {schedule.rank} (global rank {dist.get_rank()}) stalled: no action "
-            f"became ready for {waited:.1f} s (stall_timeout) with hint "
-            f"{schedule._hint.name!r}; done {len(self.arbiter.realized)} of "
-            f"{len(self.arbiter.nodes)} actions; waiting:\n" + "\n".join(lines)
-        )
 
-    def stats(self) -> StepStats:
-        arbiter, schedule = self.arbiter, self.schedule
-        local = schedule._hint.stages_on(schedule.rank)
-        hint_peaks = arbiter.hint.peak_in_flight()
-        end = self.end if self.end > self.start else time.perf_counter()
-        return StepStats(
-            pp_rank=schedule.rank,
-            global_rank=dist.get_rank(),
-            hint=arbiter.hint.name,
-            policy=arbiter.policy.name,
-            arrivals=self.arrivals,
-            sends=self.sends,
-            buffer_limits={s: arbiter.limits[s] for s in local} if arbiter.limits else None,
-            hint_peak_in_flight={s: hint_peaks[s] for s in local},
-            peak_in_flight=dict(arbiter.peak_in_flight),
-            backpressure_entries=dict(arbiter.backpressure_entries),
-            out_of_hint_order=arbiter.out_of_order,
-            hint_order=[str(n.action) for n in arbiter.nodes],
-            realized_order=[str(a) for a in arbiter.realized],
-            step_time=end - self.start,
-            idle_time=self.idle_time,
-            decision_time=self.decision_time,
-            send_time=self.send_time,
-            coordination=self.coordinator.name if self.coordinator else None,
-            coordination_rounds=self.coordinator.rounds if self.coordinator else 0,
-            coordination_deferrals=self.coordinator.deferrals if self.coordinator else 0,
-            coordination_time=self.coordinator.seconds if self.coordinator else 0.0,
-            start_unix=self.start_unix,
-            spans=self.spans,
-        )
+def _step_stats(schedule: ScheduleRRFP, loop: StepLoop, executor: _StageExecutor,
+                coordinator, end: float) -> StepStats:
+    arbiter = loop.arbiter
+    local = schedule.hint.stages_on(schedule.rank)
+    hint_peaks = arbiter.hint.peak_in_flight()
+    spans = [Span(str(c.action), c.start, c.end, c.action.stage_index,
+                  c.action.computation_type.value, c.action.microbatch_index)
+             for c in loop.completions]
+    spans += [Span("wait", start, stop, kind="wait") for start, stop in loop.waits]
+    return StepStats(
+        pp_rank=schedule.rank,
+        global_rank=dist.get_rank(),
+        hint=arbiter.hint.name,
+        policy=arbiter.policy.name,
+        device=type(schedule._device).__name__,
+        launch_depth=schedule.launch_depth,
+        arrivals=[(a.edge.src, a.edge.dst, a.microbatch, a.at) for a in loop.received],
+        sends=list(executor.sends),
+        buffer_limits={s: arbiter.limits[s] for s in local} if arbiter.limits else None,
+        hint_peak_in_flight={s: hint_peaks[s] for s in local},
+        peak_in_flight=dict(arbiter.peak_in_flight),
+        backpressure_entries=dict(arbiter.backpressure_entries),
+        out_of_hint_order=arbiter.out_of_order,
+        hint_order=[str(n.action) for n in arbiter.nodes],
+        realized_order=[str(a) for a in arbiter.realized],
+        step_time=end,
+        device_busy_time=loop.busy_time,
+        wait_time=loop.wait_time,
+        decision_time=loop.decision_time,
+        launch_time=loop.launch_time,
+        coordination=coordinator.name if coordinator else None,
+        coordination_rounds=coordinator.rounds if coordinator else 0,
+        coordination_deferrals=coordinator.deferrals if coordinator else 0,
+        coordination_time=coordinator.seconds if coordinator else 0.0,
+        start_unix=time.time() - end,
+        spans=spans,
+    )

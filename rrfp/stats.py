@@ -10,14 +10,15 @@ from dataclasses import dataclass, field
 
 @dataclass(frozen=True)
 class Span:
-    """An interval of the compute thread, in seconds from the step's start."""
+    """An interval in seconds from the step's start: an action on the device, or the CPU
+    waiting with nothing to launch."""
 
     name: str
     start: float
     end: float
     stage: int | None = None
     kind: str | None = None
-    """``"F"``, ``"B"``, ``"I"``, ``"W"``, ``"REDUCE_GRAD"``, or ``"idle"``."""
+    """``"F"``, ``"B"``, ``"I"``, ``"W"``, ``"REDUCE_GRAD"`` (device), or ``"wait"`` (CPU)."""
     microbatch: int | None = None
 
 
@@ -29,6 +30,10 @@ class StepStats:
     global_rank: int
     hint: str
     policy: str
+    device: str
+    """The device actions ran on (``CudaDevice``, ``HostDevice``, ``EmulatedDevice``)."""
+    launch_depth: float
+    """Launched-but-incomplete actions the device could hold (``inf``: no bound)."""
     buffer_limits: dict[int, int] | None
     """Per-stage cap on forwards in flight (None in forward-only steps)."""
     hint_peak_in_flight: dict[int, int]
@@ -42,14 +47,17 @@ class StepStats:
     hint_order: list[str]
     realized_order: list[str]
     step_time: float
-    """Seconds from the start of the step's schedule loop to its end (sends waited)."""
-    idle_time: float
-    """Seconds the compute thread waited with no action ready."""
+    """Seconds from the start of the step's schedule loop to its end (sends completed)."""
+    device_busy_time: float
+    """Seconds the device spent running the step's actions (device timing: CUDA events,
+    or the emulated device's clock)."""
+    wait_time: float
+    """CPU seconds waiting for a message or a completion with nothing to launch."""
     decision_time: float
-    """Seconds spent choosing actions: the arbiter and arrival bookkeeping (dispatch
-    overhead; the time to issue sends is ``send_time``)."""
-    send_time: float
-    """Seconds spent issuing sends (building them and the backend's isend calls)."""
+    """CPU seconds choosing actions: the arbiter and the bookkeeping of arrivals and
+    completions (the dispatch overhead)."""
+    launch_time: float
+    """CPU seconds launching actions (on a synchronous device this includes the compute)."""
     start_unix: float
     """Wall-clock time of the step start, to align traces of several ranks."""
     coordination: str | None = None
@@ -72,6 +80,11 @@ class StepStats:
         return len(self.realized_order)
 
     @property
+    def idle_time(self) -> float:
+        """Seconds the device had nothing to run during the step."""
+        return max(0.0, self.step_time - self.device_busy_time)
+
+    @property
     def idle_fraction(self) -> float:
         return self.idle_time / self.step_time if self.step_time > 0 else 0.0
 
@@ -87,22 +100,25 @@ class StepStats:
             f"{self.idle_fraction:.1%}, out-of-hint-order {self.out_of_hint_order}/"
             f"{self.dispatched}, peak in flight {self.peak_in_flight} (hint "
             f"{self.hint_peak_in_flight}), backpressure entries {self.backpressure_entries}, "
-            f"dispatch overhead {self.overhead_per_action * 1e6:.0f} us/action, sends "
-            f"{self.send_time * 1e3:.1f} ms"
+            f"dispatch overhead {self.overhead_per_action * 1e6:.0f} us/action, launch depth "
+            f"{self.launch_depth} on {self.device}"
         )
 
     def chrome_trace_events(self) -> list[dict]:
-        """Chrome/Perfetto trace events: one process per rank, compute and idle spans."""
+        """Chrome/Perfetto trace events: one process per rank; the device's actions on one
+        track, the CPU's waits on another, messages as instants."""
         pid = self.global_rank
         events: list[dict] = [
             {"ph": "M", "name": "process_name", "pid": pid,
              "args": {"name": f"rank {self.global_rank} (pp {self.pp_rank})"}},
-            {"ph": "M", "name": "thread_name", "pid": pid, "tid": 0, "args": {"name": "compute"}},
+            {"ph": "M", "name": "thread_name", "pid": pid, "tid": 0, "args": {"name": "device"}},
+            {"ph": "M", "name": "thread_name", "pid": pid, "tid": 1,
+             "args": {"name": "cpu (waiting)"}},
         ]
         base_us = self.start_unix * 1e6
         for span in self.spans:
             events.append({
-                "ph": "X", "pid": pid, "tid": 0, "name": span.name,
+                "ph": "X", "pid": pid, "tid": 1 if span.kind == "wait" else 0, "name": span.name,
                 "cat": span.kind or "", "ts": base_us + span.start * 1e6,
                 "dur": (span.end - span.start) * 1e6,
                 "args": {"stage": span.stage, "microbatch": span.microbatch},

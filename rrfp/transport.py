@@ -1,16 +1,30 @@
 """Message-driven point-to-point transport between pipeline stages.
 
-* One process group per channel, i.e. per (producer stage, consumer stage, direction),
-  created once, in the same order on every rank. NCCL matches P2P in posting order per
-  communicator: on a shared communicator a receive posted ahead would block later sends to
-  the same peer (pytorch#172668). With a channel each, receives can be posted ahead safely.
-* Receives are posted for a whole step at its start, in the order the producer sends
-  (fixed by the hint's streams). Arrivals are reported as ``(edge, microbatch)``.
-* Arrival detection depends on the backend, behind one interface (``collect``): gloo's
+* **One channel per (producer stage, consumer stage, direction)**, each its own 2-rank
+  communicator. NCCL matches P2P in posting order per communicator: on a shared one, a
+  receive posted ahead would block later sends to the same peer (pytorch#172668). With a
+  channel each, receives can be posted ahead safely.
+* **Only the two ranks of a channel create it**, under a deterministic name in the default
+  store (``rrfp/<pipeline ranks>/<generation>/<edge>``), so a rank's set-up cost does not
+  grow with the number of pipelines, and a new schedule gets fresh channels (a new
+  generation) that no stale receive of an earlier one can consume. ``dist.new_group``
+  would make every rank of the world take part in every channel's creation (and, with a
+  bound NCCL device, run a world-wide communicator split for each).
+* **Connected before use**: a channel's ranks exchange one message on it right after
+  creating it, channel by channel in one canonical order on every rank. NCCL creates a
+  communicator lazily at its first operation and blocks until the peer joins; if receives
+  were posted first, rank 0 would wait on the gradient channel 1->0 while rank 1 waits on
+  the activation channel 0->1, each touching the other only when it sends. An order
+  cannot cycle.
+* **Arrival detection by backend**, behind one interface (``collect``): gloo's
   ``Work.is_completed()`` stays False until ``wait()`` is called, so a waiter thread per
-  channel calls ``wait()`` (it releases the GIL); NCCL's ``is_completed()`` is a CUDA
-  event query, so it is polled.
-* Sends are issued as soon as the producing action has run, and waited for at step end.
+  channel calls ``wait()`` (it releases the GIL) and wakes the step loop; NCCL's
+  ``is_completed()`` is a CUDA event query, so it is polled, and ``wait()`` then only
+  orders the compute stream after the receive.
+* **Sends** are issued as soon as the producing action has run on the device (on CUDA, as
+  soon as it is enqueued: NCCL orders its stream after the compute stream). At step end,
+  gloo sends are waited for with a timeout; NCCL sends only order the compute stream after
+  them (a timeout would make ``wait`` block the CPU until the send completes).
 """
 
 from __future__ import annotations
@@ -26,141 +40,212 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from rrfp.device import Wakeup
 from rrfp.hints import Edge, Hint
 
 Arrival = tuple[Edge, int, float]
 """(edge, microbatch, ``time.perf_counter()`` when the message was seen complete)."""
 SendDelay = Callable[[Edge, int], float]
 """Emulated link latency: seconds to hold the message for ``(edge, microbatch)``."""
+GroupFactory = Callable[[str, dist.Store, int, datetime.timedelta], dist.ProcessGroup]
+"""``(backend name, store, rank in the channel, timeout) -> a 2-rank process group``."""
+
+CHANNEL_TIMEOUT = datetime.timedelta(minutes=30)
+"""The channels' own timeout; ``stall_timeout`` normally reports a silent peer first."""
+
+
+def make_channel_group(name: str, store: dist.Store, rank: int,
+                       timeout: datetime.timedelta) -> dist.ProcessGroup:
+    """A 2-rank gloo or NCCL process group over ``store`` (all its keys are under it).
+
+    Built as ``dist.new_group`` builds one, minus the world-wide registration: a backend
+    inside a ``ProcessGroup``, whose calls go through the dispatcher, so tensor subclasses
+    (e.g. the ``AsyncCollectiveTensor`` a tensor-parallel layer returns) are waited for
+    and unwrapped before they are sent.
+    """
+    group = dist.ProcessGroup(store, rank, 2)
+    if name == "nccl":
+        options = dist.ProcessGroupNCCL.Options()
+        options._timeout = timeout
+        backend_type, device = dist.ProcessGroup.BackendType.NCCL, torch.device("cuda")
+        backend = dist.ProcessGroupNCCL(store, rank, 2, options)
+    elif name == "gloo":
+        backend_type, device = dist.ProcessGroup.BackendType.GLOO, torch.device("cpu")
+        backend = dist.ProcessGroupGloo(store, rank, 2, timeout)
+    else:
+        raise ValueError(f"no channel backend {name!r}: rrfp channels use gloo (CPU) or "
+                         "nccl (CUDA)")
+    group._set_default_backend(backend_type)
+    group._register_backend(device, backend_type, backend)
+    return group
+
+
+_MESSAGE_TAG = 0
+_CLOSE_TAG = 1  # never sent: a receive on it only serves to close a gloo connection
 
 
 @dataclass(frozen=True)
 class Channel:
+    """One direction of one stage edge: the producer is rank 0 of its group."""
+
     edge: Edge
     src_rank: int
     """Global rank of the producer."""
     dst_rank: int
     """Global rank of the consumer."""
+    rank: int
+    """This process's rank in the channel: 0 producer, 1 consumer."""
+    backend_name: str
+    """``"gloo"`` or ``"nccl"``: how arrivals are detected and sends completed."""
     group: dist.ProcessGroup
+    """The channel's own process group of the two ranks."""
+
+    def send(self, tensor: torch.Tensor) -> dist.Work:
+        return self.group.send([tensor], 1, _MESSAGE_TAG)
+
+    def recv(self, tensor: torch.Tensor) -> dist.Work:
+        return self.group.recv([tensor], 0, _MESSAGE_TAG)
+
+    def close(self) -> None:
+        """Fail every pending operation on the channel, at both ends; it is not used again."""
+        if self.backend_name == "nccl":
+            self.group.abort()
+            return
+        # gloo cannot cancel a receive, but a receive that times out closes the connection,
+        # which fails every pending operation on it at once (here and at the peer).
+        try:
+            work = self.group.recv([torch.zeros(1)], 1 - self.rank, _CLOSE_TAG)
+            work.wait(datetime.timedelta(milliseconds=1))
+        except RuntimeError:
+            pass
 
 
-# Channel groups are reused by later schedules over the same default process group:
-# creating groups is a world-wide collective, and every rank builds the same schedules in
-# the same order, so all ranks hit or miss this cache alike.
-_channel_groups: dict[tuple[int, int, Edge], dist.ProcessGroup] = {}
-_channel_groups_world: list[dist.ProcessGroup] = []
+_generations: dict[tuple[int, ...], int] = {}
 
 
-def _channel_group(src: int, dst: int, edge: Edge) -> dist.ProcessGroup:
-    world = dist.distributed_c10d._get_default_group()
-    if _channel_groups_world != [world]:
-        _channel_groups.clear()
-        _channel_groups_world[:] = [world]
-    key = (src, dst, edge)
-    if key not in _channel_groups:
-        _channel_groups[key] = dist.new_group(ranks=sorted({src, dst}))
-    return _channel_groups[key]
+def create_channels(
+    hint: Hint,
+    pp_group: dist.ProcessGroup | None,
+    device: torch.device,
+    *,
+    group_factory: GroupFactory = make_channel_group,
+    connect: bool = True,
+    timeout: datetime.timedelta = CHANNEL_TIMEOUT,
+) -> dict[Edge, Channel]:
+    """Create and connect this rank's channels: one per remote edge of the hint touching it.
 
-
-def create_channels(hint: Hint, pp_group: dist.ProcessGroup | None) -> dict[Edge, Channel]:
-    """This rank's channels, one per remote edge of the hint that touches it.
-
-    Collective over the whole world (it creates process groups): every rank must call it,
-    in the same order relative to other group creations. With data or tensor parallelism
-    there are several pipeline groups; all ranks create the channels of all of them.
+    Every rank of the pipeline group calls it when it builds its schedule (each builds as
+    many schedules over the group as the others); only the two ranks of a channel
+    communicate to create it. ``connect=False`` skips the exchange that connects each
+    channel (only to show what happens without it).
     """
     pp_ranks = tuple(dist.get_process_group_ranks(pp_group or dist.group.WORLD))
-    world_size = dist.get_world_size()
-    if len(pp_ranks) == world_size:
-        all_pp_groups = [pp_ranks]
-    else:
-        gathered: list = [None] * world_size
-        dist.all_gather_object(gathered, pp_ranks)
-        all_pp_groups = sorted({tuple(g) for g in gathered})
-        if any(len(g) != len(pp_ranks) for g in all_pp_groups):
-            raise ValueError(f"pipeline groups differ in size: {all_pp_groups}")
+    generation = _generations.get(pp_ranks, 0)
+    _generations[pp_ranks] = generation + 1
+    backend_name = "nccl" if device.type == "cuda" else "gloo"
+    base = dist.PrefixStore(f"rrfp/{'-'.join(map(str, pp_ranks))}/{generation}/",
+                            dist.distributed_c10d._get_default_store())
     me = dist.get_rank()
     channels: dict[Edge, Channel] = {}
-    for group_ranks in all_pp_groups:
-        for edge in hint.remote_edges():
-            src = group_ranks[hint.stage_to_rank[edge.src]]
-            dst = group_ranks[hint.stage_to_rank[edge.dst]]
-            group = _channel_group(src, dst, edge)
-            if group_ranks == pp_ranks and me in (src, dst):
-                channels[edge] = Channel(edge, src, dst, group)
+    for edge in hint.remote_edges():  # one canonical order on every rank
+        src = pp_ranks[hint.stage_to_rank[edge.src]]
+        dst = pp_ranks[hint.stage_to_rank[edge.dst]]
+        if me not in (src, dst):
+            continue
+        store = dist.PrefixStore(f"{edge.src}-{edge.dst}/", base)
+        rank = 0 if me == src else 1
+        channel = Channel(edge, src, dst, rank, backend_name,
+                          group_factory(backend_name, store, rank, timeout))
+        if connect:
+            _connect(channel, device, timeout)
+        channels[edge] = channel
     return channels
+
+
+def _connect(channel: Channel, device: torch.device, timeout: datetime.timedelta) -> None:
+    """One message from producer to consumer, so the communicator exists before use."""
+    token = torch.zeros(1, device=device)
+    work = channel.send(token) if channel.rank == 0 else channel.recv(token)
+    if channel.backend_name == "nccl":
+        work.wait()  # communicator creation blocked the CPU; the transfer is stream-ordered
+    else:
+        work.wait(timeout)
 
 
 class _WaiterThreads:
     """Arrival detection by waiting: a thread per channel calls ``wait()`` in order."""
 
-    def __init__(self) -> None:
+    def __init__(self, wakeup: Wakeup) -> None:
+        self._wakeup = wakeup
         self._arrived: queue.SimpleQueue = queue.SimpleQueue()
         self._jobs: dict[Edge, queue.SimpleQueue] = {}
+        self._threads: list[threading.Thread] = []
 
     def watch(self, edge: Edge, microbatch: int, works: Sequence[dist.Work]) -> None:
         if edge not in self._jobs:
             self._jobs[edge] = queue.SimpleQueue()
-            threading.Thread(
-                target=self._wait_in_order, args=(self._jobs[edge],),
-                name=f"rrfp-recv-{edge.src}-{edge.dst}", daemon=True,
-            ).start()
+            thread = threading.Thread(target=self._wait_in_order, args=(self._jobs[edge],),
+                                      name=f"rrfp-recv-{edge.src}-{edge.dst}", daemon=True)
+            thread.start()
+            self._threads.append(thread)
         self._jobs[edge].put((edge, microbatch, works))
 
     def _wait_in_order(self, jobs: queue.SimpleQueue) -> None:
-        while True:
-            edge, microbatch, works = jobs.get()
+        while (job := jobs.get()) is not None:
+            edge, microbatch, works = job
             try:
                 for work in works:
                     work.wait()
-            except Exception as e:  # reported to the compute thread, which raises it
+            except Exception as e:  # reported to the step loop, which raises it
                 self._arrived.put((edge, microbatch, e))
             else:
                 self._arrived.put((edge, microbatch, time.perf_counter()))
+            self._wakeup.notify()
 
-    def collect(self, timeout: float) -> list[Arrival]:
-        if timeout <= 0 and self._arrived.empty():
-            return []
+    def collect(self) -> list[Arrival]:
         arrived = []
-        try:
-            item = self._arrived.get(timeout=timeout) if timeout > 0 else self._arrived.get_nowait()
-            while True:
-                edge, microbatch, outcome = item
-                if isinstance(outcome, BaseException):
-                    raise RuntimeError(f"receive of {edge} microbatch {microbatch} failed") from outcome
-                arrived.append((edge, microbatch, outcome))
-                item = self._arrived.get_nowait()
-        except queue.Empty:
-            pass
-        return arrived
+        while True:
+            try:
+                edge, microbatch, outcome = self._arrived.get_nowait()
+            except queue.Empty:
+                return arrived
+            if isinstance(outcome, BaseException):
+                raise RuntimeError(f"receive of {edge} microbatch {microbatch} failed") from outcome
+            arrived.append((edge, microbatch, outcome))
+
+    def close(self, timeout: float) -> list[threading.Thread]:
+        """Stop the threads once their current wait returns; the ones still alive."""
+        for jobs in self._jobs.values():
+            jobs.put(None)
+        deadline = time.perf_counter() + timeout
+        for thread in self._threads:
+            thread.join(max(0.0, deadline - time.perf_counter()))
+        return [t for t in self._threads if t.is_alive()]
 
 
 class _Polling:
     """Arrival detection by polling ``is_completed()`` (NCCL: a CUDA event query)."""
 
-    _POLL_INTERVAL_S = 20e-6
-
-    def __init__(self) -> None:
+    def __init__(self, wakeup: Wakeup) -> None:
+        wakeup.polled = True
         self._pending: dict[Edge, deque] = {}
 
     def watch(self, edge: Edge, microbatch: int, works: Sequence[dist.Work]) -> None:
         self._pending.setdefault(edge, deque()).append((microbatch, works))
 
-    def _poll(self) -> list[Arrival]:
+    def collect(self) -> list[Arrival]:
         arrived = []
         for edge, pending in self._pending.items():
             while pending and all(w.is_completed() for w in pending[0][1]):
                 microbatch, works = pending.popleft()
                 for work in works:
-                    work.wait()  # orders the compute stream after the receive
+                    work.wait()  # orders the compute stream after the receive; no CPU wait
                 arrived.append((edge, microbatch, time.perf_counter()))
         return arrived
 
-    def collect(self, timeout: float) -> list[Arrival]:
-        deadline = time.perf_counter() + timeout
-        while not (arrived := self._poll()) and time.perf_counter() < deadline:
-            time.sleep(self._POLL_INTERVAL_S)
-        return arrived
+    def close(self, timeout: float) -> list[threading.Thread]:
+        self._pending.clear()
+        return []
 
 
 class _DelayedSender:
@@ -173,9 +258,11 @@ class _DelayedSender:
         self._works: list[tuple[int, list[dist.Work], list[torch.Tensor]]] = []
         self._last_release = 0.0
         self._busy = False
+        self._closed = False
         self._error: BaseException | None = None
-        threading.Thread(target=self._run, daemon=True,
-                         name=f"rrfp-send-{channel.edge.src}-{channel.edge.dst}").start()
+        self.thread = threading.Thread(target=self._run, daemon=True,
+                                       name=f"rrfp-send-{channel.edge.src}-{channel.edge.dst}")
+        self.thread.start()
 
     def submit(self, microbatch: int, tensors: list[torch.Tensor], delay: float) -> None:
         with self._cond:
@@ -186,14 +273,15 @@ class _DelayedSender:
     def _run(self) -> None:
         while True:
             with self._cond:
-                while not self._queue:
+                while not self._queue and not self._closed:
                     self._cond.wait()
+                if self._closed:
+                    return
                 release, microbatch, tensors = self._queue[0]
                 self._busy = True
             time.sleep(max(0.0, release - time.perf_counter()))
             try:
-                works = [dist.isend(t, dst=self._channel.dst_rank, group=self._channel.group)
-                         for t in tensors]
+                works = [self._channel.send(t) for t in tensors]
             except BaseException as e:  # surfaced by drain()
                 works, self._error = [], e
             with self._cond:
@@ -214,62 +302,77 @@ class _DelayedSender:
             works, self._works = self._works, []
         return works
 
+    def close(self) -> None:
+        with self._cond:
+            self._closed = True
+            self._cond.notify_all()
+
 
 class Transport:
     """Sends and receives of one rank's stages over their channels."""
 
-    def __init__(
-        self,
-        channels: dict[Edge, Channel],
-        *,
-        poll_completion: bool,
-        send_delay: SendDelay | None = None,
-    ):
+    def __init__(self, channels: dict[Edge, Channel], wakeup: Wakeup, *,
+                 send_delay: SendDelay | None = None):
         self.channels = channels
-        self._arrivals = _Polling() if poll_completion else _WaiterThreads()
+        polled = any(c.backend_name == "nccl" for c in channels.values())
+        self._arrivals = _Polling(wakeup) if polled else _WaiterThreads(wakeup)
         self._send_delay = send_delay
-        self._delayed = (
-            {e: _DelayedSender(c) for e, c in channels.items() if c.src_rank == dist.get_rank()}
-            if send_delay is not None else {}
-        )
+        self._delayed = ({e: _DelayedSender(c) for e, c in channels.items() if c.rank == 0}
+                         if send_delay is not None else {})
         self._sends: list[tuple[Edge, int, list[dist.Work], list[torch.Tensor]]] = []
+        self._lock = threading.Lock()  # sends may be issued from a device thread
 
-    def post_receives(self, edge: Edge, microbatch: int, buffers: Sequence[torch.Tensor]) -> None:
+    def post_receive(self, edge: Edge, microbatch: int, buffers: Sequence[torch.Tensor]) -> None:
         """Post the receive of ``microbatch`` on ``edge`` into ``buffers``.
 
         Call in the producer's send order: messages on a channel match in posting order.
         """
         channel = self.channels[edge]
-        works = [dist.irecv(b, src=channel.src_rank, group=channel.group) for b in buffers]
-        self._arrivals.watch(edge, microbatch, works)
+        self._arrivals.watch(edge, microbatch, [channel.recv(b) for b in buffers])
 
     def send(self, edge: Edge, microbatch: int, tensors: list[torch.Tensor]) -> None:
         if self._send_delay is not None:
             self._delayed[edge].submit(microbatch, tensors, self._send_delay(edge, microbatch))
             return
-        channel = self.channels[edge]
-        works = [dist.isend(t, dst=channel.dst_rank, group=channel.group) for t in tensors]
-        self._sends.append((edge, microbatch, works, tensors))
+        works = [self.channels[edge].send(t) for t in tensors]
+        with self._lock:
+            self._sends.append((edge, microbatch, works, tensors))
 
-    def collect(self, timeout: float = 0.0) -> list[Arrival]:
-        """Messages that arrived since the last call; waits up to ``timeout`` for one."""
-        return self._arrivals.collect(timeout)
+    def collect(self) -> list[Arrival]:
+        """Messages that arrived since the last call; never blocks."""
+        return self._arrivals.collect()
 
     def finish_sends(self, timeout: float) -> None:
-        """Wait until every send of the step has completed; TimeoutError if one does not."""
+        """Complete every send of the step; TimeoutError if a gloo send does not."""
         deadline = time.perf_counter() + timeout
         for edge, sender in self._delayed.items():
             self._sends.extend((edge, mb, works, tensors)
                                for mb, works, tensors in sender.drain(deadline))
-        sends, self._sends = self._sends, []
+        with self._lock:
+            sends, self._sends = self._sends, []
         for edge, microbatch, works, _ in sends:
+            channel = self.channels[edge]
             for work in works:
+                if channel.backend_name == "nccl":
+                    work.wait()
+                    continue
                 left = max(deadline - time.perf_counter(), 1e-3)
                 try:
                     work.wait(datetime.timedelta(seconds=left))
                 except RuntimeError as e:
-                    channel = self.channels[edge]
                     raise TimeoutError(
                         f"the send of {edge} microbatch {microbatch} to global rank "
                         f"{channel.dst_rank} did not complete: {e}"
                     ) from e
+
+    def close(self, timeout: float = 10.0) -> list[threading.Thread]:
+        """Close the channels (pending receives fail, here and at the peers) and stop the
+        helper threads; return the threads still alive after ``timeout`` seconds."""
+        for channel in self.channels.values():
+            channel.close()
+        for sender in self._delayed.values():
+            sender.close()
+        alive = self._arrivals.close(timeout)
+        for sender in self._delayed.values():
+            sender.thread.join(timeout)
+        return alive + [s.thread for s in self._delayed.values() if s.thread.is_alive()]

@@ -33,7 +33,7 @@ def test_streams_keep_hint_order_even_when_later_inputs_arrive_first():
     hint = _hint()
     arbiter = Arbiter(hint, rank=0, limits=resolve_buffer_limits("hint", hint))
     for _ in range(2):
-        arbiter.complete(arbiter.choose())  # 0F0, 0F1
+        arbiter.record_launch(arbiter.choose())  # 0F0, 0F1
     arbiter.deliver(Edge(1, 0), 1)  # gradient of microbatch 1 before that of 0
     assert arbiter.choose() is None  # 0B1 must wait for 0B0; 0F2 for backpressure
     arbiter.deliver(Edge(1, 0), 0)
@@ -43,24 +43,24 @@ def test_streams_keep_hint_order_even_when_later_inputs_arrive_first():
 def test_backpressure_holds_forwards_until_a_backward_runs():
     hint = _hint()
     arbiter = Arbiter(hint, rank=0, limits={0: 1, 1: 1})
-    arbiter.complete(arbiter.choose())  # 0F0
+    arbiter.record_launch(arbiter.choose())  # 0F0
     assert arbiter.choose() is None
     assert any("backpressure" in w.reason for w in arbiter.waits())
     assert arbiter.backpressure_entries[0] == 1
     arbiter.deliver(Edge(1, 0), 0)
-    arbiter.complete(arbiter.choose())  # 0B0
+    arbiter.record_launch(arbiter.choose())  # 0B0
     assert arbiter.choose() == _Action(0, F, 1)
-    with pytest.raises(RuntimeError, match="out of turn"):
-        arbiter.complete(_Action(0, F, 3))
+    with pytest.raises(RuntimeError, match="launched out of turn"):
+        arbiter.record_launch(_Action(0, F, 3))
 
 
 def test_ready_lower_ranked_action_runs_when_the_next_one_is_not_ready():
     # Rank 1 of GPipe: F0..F3 then B0..B3. B0 is ready as soon as F0 ran (last stage).
     arbiter = Arbiter(_hint("GPipe"), rank=1)
     arbiter.deliver(Edge(0, 1), 0)
-    arbiter.complete(arbiter.choose())  # 1F0
+    arbiter.record_launch(arbiter.choose())  # 1F0
     assert arbiter.choose() == _Action(1, B, 0)
-    arbiter.complete(_Action(1, B, 0))
+    arbiter.record_launch(_Action(1, B, 0))
     assert arbiter.out_of_order == 1
 
 

@@ -85,10 +85,11 @@ def test_replay_file_round_trip_and_trace_conversion(tmp_path):
 
     def stats(rank, spans, sends, arrivals):
         return StepStats(pp_rank=rank, global_rank=rank, hint="1F1B", policy="hint",
-                         buffer_limits=None, hint_peak_in_flight={}, peak_in_flight={},
-                         backpressure_entries={}, out_of_hint_order=0, hint_order=[],
-                         realized_order=[], step_time=1.0, idle_time=0.0, decision_time=0.0,
-                         send_time=0.0, start_unix=100.0, spans=spans, arrivals=arrivals,
+                         device="HostDevice", launch_depth=1, buffer_limits=None,
+                         hint_peak_in_flight={}, peak_in_flight={}, backpressure_entries={},
+                         out_of_hint_order=0, hint_order=[], realized_order=[], step_time=1.0,
+                         device_busy_time=0.6, wait_time=0.0, decision_time=0.0,
+                         launch_time=0.0, start_unix=100.0, spans=spans, arrivals=arrivals,
                          sends=sends)
     ranks = [
         stats(0, [Span("0F0", 0.0, 0.2, 0, "F", 0), Span("0B0", 0.5, 0.9, 0, "B", 0)],

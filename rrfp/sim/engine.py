@@ -1,19 +1,23 @@
-"""Discrete-event simulation of one training step, driving the runtime's own Arbiter.
+"""Discrete-event simulation of one training step, driving the runtime's own step loop.
 
-Each rank runs one action at a time (non-preemptive compute); messages arrive after a
-per-message latency. The fixed schedule is the same arbiter with the ``"fixed"`` policy,
-so fixed and readiness-first runs differ only in the policy.
+Each rank runs ``rrfp.loop.StepLoop`` (the very loop ``ScheduleRRFP`` runs) on a simulated
+device: launched actions run one at a time in launch order for their durations; a launch
+may cost CPU time (``launch_cost``), during which the rank decides nothing; messages
+arrive after a per-message latency. The fixed schedule is the same loop with the
+``"fixed"`` policy, so fixed and readiness-first runs differ only in the policy.
 """
 
 from __future__ import annotations
 
 import copy
 import heapq
-from collections.abc import Callable, Mapping
+import math
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 
 from rrfp.arbiter import Arbiter
 from rrfp.hints import _Action, B, Edge, F, Hint, I, W
+from rrfp.loop import Arrival, Completion, StepLoop
 from rrfp.policy import History, make_policy
 from rrfp.stats import Span
 
@@ -27,7 +31,7 @@ Latency = Callable[[Edge, int], float]
 class SimResult:
     makespan: float
     busy: dict[int, float]
-    """Per rank: time spent computing."""
+    """Per rank: time its device spent computing."""
     spans: dict[int, list[Span]] = field(repr=False)
     realized: dict[int, list[_Action]] = field(repr=False)
     peak_in_flight: dict[int, int]
@@ -38,12 +42,119 @@ class SimResult:
 
     @property
     def idle(self) -> dict[int, float]:
-        """Per rank: time not computing before the step ends."""
+        """Per rank: time its device did not compute before the step ends."""
         return {r: self.makespan - b for r, b in self.busy.items()}
 
 
 class SimulationDeadlock(RuntimeError):
     pass
+
+
+class _Simulation:
+    """The event queue and the simulated ranks' devices, messages and CPU clocks."""
+
+    def __init__(self, hint: Hint, duration: Duration, latency: Latency | None,
+                 launch_cost: float):
+        self.hint, self.duration, self.latency = hint, duration, latency
+        self.launch_cost = launch_cost
+        self.now = 0.0
+        self._events: list[tuple[float, int, int, object]] = []  # (time, seq, rank, payload)
+        self._seq = 0
+        self.cpu_free = {r: 0.0 for r in range(hint.num_ranks)}
+        self.devices = {r: _SimDevice(self, r) for r in range(hint.num_ranks)}
+        self.inbox: dict[int, list[Arrival]] = {r: [] for r in range(hint.num_ranks)}
+
+    def push(self, time: float, rank: int, payload: object) -> None:
+        heapq.heappush(self._events, (time, self._seq, rank, payload))
+        self._seq += 1
+
+    def clock(self, rank: int) -> Callable[[], float]:
+        return lambda: max(self.now, self.cpu_free[rank])
+
+    def arrivals(self, rank: int) -> Callable[[], list[Arrival]]:
+        def take() -> list[Arrival]:
+            arrived, self.inbox[rank] = self.inbox[rank], []
+            return arrived
+        return take
+
+    def work(self, action: _Action, sends: list[Edge]) -> Callable[[], None]:
+        """Run at the action's end: its messages leave then."""
+        def send() -> None:
+            for edge in sends:
+                mb = action.microbatch_index
+                delay = self.latency(edge, mb) if self.latency is not None else 0.0
+                self.push(self.now + delay, self.hint.stage_to_rank[edge.dst], (edge, mb))
+        return send
+
+    def run(self, loops: Mapping[int, StepLoop]) -> None:
+        steps: dict[int, Iterator[float]] = {r: loop.run() for r, loop in loops.items()}
+
+        def resume(rank: int) -> None:
+            try:
+                next(steps[rank])
+            except StopIteration:
+                del steps[rank]
+                return
+            if self.cpu_free[rank] > self.now:  # still launching: it sees events after
+                self.push(self.cpu_free[rank], rank, None)
+
+        for rank in sorted(steps):
+            resume(rank)
+        while self._events:
+            self.now = self._events[0][0]
+            touched = set()
+            # Apply everything that happens at this instant before any rank decides.
+            while self._events and self._events[0][0] == self.now:
+                _, _, rank, payload = heapq.heappop(self._events)
+                touched.add(rank)
+                if isinstance(payload, _Completing):
+                    self.devices[rank].finish(payload)
+                elif payload is not None:
+                    edge, mb = payload  # type: ignore[misc]
+                    self.inbox[rank].append(Arrival(edge, mb, self.now))
+            for rank in sorted(touched):
+                if rank in steps and self.cpu_free[rank] <= self.now:
+                    resume(rank)
+        if steps:
+            raise SimulationDeadlock("; ".join(
+                f"rank {r}: {', '.join(map(str, loops[r].arbiter.waits()[:2]))}"
+                for r in sorted(steps)))
+
+
+@dataclass(frozen=True)
+class _Completing:
+    action: _Action
+    start: float
+    end: float
+    work: Callable[[], None]
+
+
+class _SimDevice:
+    """One rank's device in simulated time (the ``rrfp.loop.Device`` interface)."""
+
+    def __init__(self, sim: _Simulation, rank: int):
+        self._sim, self._rank = sim, rank
+        self.outstanding = 0
+        self.free_at = 0.0
+        self._done: list[Completion] = []
+
+    def launch(self, action: _Action, work: Callable[[], None]) -> None:
+        sim = self._sim
+        launched = max(sim.now, sim.cpu_free[self._rank]) + sim.launch_cost
+        sim.cpu_free[self._rank] = launched
+        start = max(self.free_at, launched)
+        self.free_at = start + sim.duration(action)
+        self.outstanding += 1
+        sim.push(self.free_at, self._rank, _Completing(action, start, self.free_at, work))
+
+    def finish(self, completing: _Completing) -> None:
+        completing.work()
+        self._done.append(Completion(completing.action, completing.start, completing.end))
+
+    def completed(self) -> list[Completion]:
+        done, self._done = self._done, []
+        self.outstanding -= len(done)
+        return done
 
 
 def simulate(
@@ -54,88 +165,41 @@ def simulate(
     policy: str = "hint",
     limits: Mapping[int, int] | None = None,
     histories: Mapping[int, History] | None = None,
+    launch_depth: float = 1,
+    launch_cost: float = 0.0,
 ) -> SimResult:
     """Simulate one step of ``hint`` under ``policy`` ("fixed" is the fixed schedule).
 
     ``histories``: per rank, what earlier steps showed (``SimResult.histories`` of the
-    previous step), for the ``"lookahead"`` policy.
+    previous step), for the ``"lookahead"`` policy. ``launch_depth``: actions a device may
+    hold launched but incomplete (``math.inf``: no bound); ``launch_cost``: CPU time of
+    each launch, in the unit of ``duration``.
     """
-    now = 0.0
+    sim = _Simulation(hint, duration, latency, launch_cost)
     previous = histories or {}
-    arbiters = {
-        r: Arbiter(hint, r, limits=limits,
-                   policy=make_policy(policy, history=previous.get(r), clock=lambda: now))
+    loops = {
+        r: StepLoop(
+            Arbiter(hint, r, limits=limits,
+                    policy=make_policy(policy, history=previous.get(r), clock=sim.clock(r))),
+            sim.devices[r], sim, sim.arrivals(r), sim.clock(r), launch_depth=launch_depth)
         for r in range(hint.num_ranks)
     }
-    learned = {r: copy.deepcopy(previous[r]) if r in previous else History()
-               for r in arbiters}
-    for history in learned.values():
-        history.start_step()
-    events: list[tuple[float, int, int, object]] = []  # (time, seq, rank, payload)
-    seq = 0
-    running: dict[int, tuple[float, _Action] | None] = {r: None for r in arbiters}
-    spans: dict[int, list[Span]] = {r: [] for r in arbiters}
-    busy = {r: 0.0 for r in arbiters}
-
-    def push(time: float, rank: int, payload: object) -> None:
-        nonlocal seq
-        heapq.heappush(events, (time, seq, rank, payload))
-        seq += 1
-
-    def dispatch(ranks) -> None:
-        for rank in ranks:
-            arbiter = arbiters[rank]
-            if running[rank] is None and not arbiter.finished:
-                action = arbiter.choose()
-                if action is not None:
-                    running[rank] = (now, action)
-                    push(now + duration(action), rank, action)
-
-    # A rank's choice changes only when something happens to it (policies decide from
-    # state and the clock, and waiting longer never makes a declined action acceptable).
-    dispatch(arbiters)
-    while events:
-        now = events[0][0]
-        touched = set()
-        # Apply everything that happens at this instant before any rank decides.
-        while events and events[0][0] == now:
-            _, _, rank, payload = heapq.heappop(events)
-            touched.add(rank)
-            if isinstance(payload, _Action):
-                start, action = running[rank]  # type: ignore[misc]
-                running[rank] = None
-                arbiter = arbiters[rank]
-                arbiter.complete(action)
-                busy[rank] += now - start
-                spans[rank].append(Span(str(action), start, now, action.stage_index,
-                                        action.computation_type.value, action.microbatch_index))
-                learned[rank].record_duration(action.stage_index,
-                                              action.computation_type.value, now - start)
-                for edge in arbiter.messages_sent_by(action):
-                    mb = action.microbatch_index
-                    delay = latency(edge, mb) if latency is not None else 0.0
-                    push(now + delay, hint.stage_to_rank[edge.dst], (edge, mb))
-            else:
-                edge, mb = payload  # type: ignore[misc]
-                arbiters[rank].deliver(edge, mb, at=now)
-                learned[rank].record_arrival(edge, mb, now)
-        dispatch(sorted(touched))
-
-    stuck = {r: a.waits() for r, a in arbiters.items() if not a.finished}
-    if stuck:
-        raise SimulationDeadlock(
-            "; ".join(f"rank {r}: {', '.join(map(str, w[:2]))}" for r, w in stuck.items())
-        )
+    sim.run(loops)
+    learned = {r: copy.deepcopy(previous[r]) if r in previous else History() for r in loops}
+    for r, loop in loops.items():
+        loop.teach(learned[r])
     peak: dict[int, int] = {}
-    for arbiter in arbiters.values():
-        peak.update(arbiter.peak_in_flight)
+    for loop in loops.values():
+        peak.update(loop.arbiter.peak_in_flight)
     return SimResult(
-        makespan=now,
-        busy=busy,
-        spans=spans,
-        realized={r: a.realized for r, a in arbiters.items()},
+        makespan=max((c.end for loop in loops.values() for c in loop.completions), default=0.0),
+        busy={r: loop.busy_time for r, loop in loops.items()},
+        spans={r: [Span(str(c.action), c.start, c.end, c.action.stage_index,
+                        c.action.computation_type.value, c.action.microbatch_index)
+                   for c in loop.completions] for r, loop in loops.items()},
+        realized={r: loop.arbiter.realized for r, loop in loops.items()},
         peak_in_flight=dict(sorted(peak.items())),
-        out_of_order={r: a.out_of_order for r, a in arbiters.items()},
+        out_of_order={r: loop.arbiter.out_of_order for r, loop in loops.items()},
         histories=learned,
     )
 

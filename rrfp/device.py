@@ -1,0 +1,216 @@
+"""Devices the step loop (``rrfp.loop``) launches actions on.
+
+* ``CudaDevice``: the current CUDA stream. A launch enqueues the action's kernels between
+  two timing events and returns; completion is an event query, never a synchronize.
+* ``HostDevice``: plain CPU tensors. CPU ops are synchronous, so an action is complete
+  when its launch returns.
+* ``EmulatedDevice``: an asynchronous device for CPU tests and studies. A launch returns at
+  once (after an optional emulated launch cost, spent on the calling thread); a device
+  thread runs launched work in order and completes it, as a CUDA stream would. Combined
+  with ``rrfp.emulation.EmulatedDeviceTime`` (stage compute that sleeps for a chosen time)
+  it makes schedules measurable on a CPU machine. Figures obtained with it are *emulated*.
+
+All report ``Completion`` s with device start and end times in seconds from the step start:
+those durations, not launch times, feed the policies' history, the stats and the traces.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+
+import torch
+
+from rrfp.hints import _Action
+from rrfp.loop import Completion
+
+
+class Wakeup:
+    """Wakes the step loop's driver when a message arrives or the device completes work.
+
+    Sources that can notify (waiter threads, the emulated device's thread) call
+    ``notify``; sources that must be polled (NCCL works, CUDA events) make ``wait`` poll.
+    """
+
+    POLL_INTERVAL_S = 20e-6
+
+    def __init__(self) -> None:
+        self._event = threading.Event()
+        self.polled = False
+        """Whether some source is only observable by polling."""
+
+    def notify(self) -> None:
+        self._event.set()
+
+    def wait(self, timeout: float) -> None:
+        """Return after a notification (or, when polling, a short interval), or ``timeout``."""
+        if self.polled:
+            self._event.wait(min(timeout, self.POLL_INTERVAL_S))
+        else:
+            self._event.wait(timeout)
+        # Clearing after the wait may drop a notification that raced with it, but the
+        # loop collects every source right after, so nothing is lost.
+        self._event.clear()
+
+
+class HostDevice:
+    """Synchronous execution on the calling thread (CPU tensors)."""
+
+    outstanding = 0
+
+    def __init__(self) -> None:
+        self._origin = time.perf_counter()
+        self._done: list[Completion] = []
+
+    def begin_step(self, origin: float, wakeup: Wakeup) -> None:
+        self._origin = origin
+
+    def launch(self, action: _Action, work: Callable[[], None]) -> None:
+        start = time.perf_counter()
+        work()
+        self._done.append(Completion(action, start - self._origin, time.perf_counter() - self._origin))
+
+    def completed(self) -> list[Completion]:
+        done, self._done = self._done, []
+        return done
+
+    def close(self, timeout: float) -> list[threading.Thread]:
+        return []
+
+
+_STOP = object()
+
+
+class EmulatedDevice:
+    """An asynchronous device emulated on the CPU: a thread runs launched work in order.
+
+    ``launch_cost``: seconds each launch takes on the calling thread before it returns (the
+    CPU cost of enqueueing an action's kernels on a real accelerator). Launched work runs
+    with the grad mode of the launching thread. A failure in launched work is raised by
+    the next ``completed`` call; later work is skipped, as on a faulted stream.
+    """
+
+    def __init__(self, launch_cost: float = 0.0):
+        if not launch_cost >= 0:
+            raise ValueError(f"launch_cost must be >= 0 seconds, got {launch_cost}")
+        self.launch_cost = float(launch_cost)
+        self._origin = time.perf_counter()
+        self._wakeup: Wakeup | None = None
+        self._work: queue.SimpleQueue = queue.SimpleQueue()
+        self._done: queue.SimpleQueue = queue.SimpleQueue()
+        self._outstanding = 0
+        self._error: BaseException | None = None
+        self._skip = False
+        self._thread: threading.Thread | None = None
+
+    @property
+    def outstanding(self) -> int:
+        return self._outstanding
+
+    def begin_step(self, origin: float, wakeup: Wakeup) -> None:
+        if self._outstanding:
+            raise RuntimeError(f"{self._outstanding} actions of an earlier step are still running")
+        self._origin = origin
+        self._wakeup = wakeup
+
+    def launch(self, action: _Action, work: Callable[[], None]) -> None:
+        if self.launch_cost:
+            time.sleep(self.launch_cost)
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._run, name="rrfp-emulated-device",
+                                            daemon=True)
+            self._thread.start()
+        self._outstanding += 1
+        self._work.put((action, work, torch.is_grad_enabled()))
+
+    def completed(self) -> list[Completion]:
+        done = []
+        while True:
+            try:
+                item = self._done.get_nowait()
+            except queue.Empty:
+                break
+            self._outstanding -= 1
+            if isinstance(item, BaseException):
+                raise RuntimeError("an action failed on the emulated device") from item
+            done.append(item)
+        return done
+
+    def close(self, timeout: float) -> list[threading.Thread]:
+        """Stop the device thread after its current work; skip work not yet started.
+        Returns the thread if it is still running after ``timeout`` seconds."""
+        thread, self._thread = self._thread, None
+        if thread is None:
+            return []
+        self._skip = True
+        self._work.put(_STOP)
+        thread.join(timeout)
+        self._skip = False
+        self._error = None
+        self._outstanding = 0
+        self._done = queue.SimpleQueue()
+        return [thread] if thread.is_alive() else []
+
+    def _run(self) -> None:
+        while (item := self._work.get()) is not _STOP:
+            action, work, grad_enabled = item
+            if self._skip:
+                continue
+            if self._error is not None:
+                outcome: Completion | BaseException = self._error
+            else:
+                start = time.perf_counter()
+                try:
+                    with torch.set_grad_enabled(grad_enabled):
+                        work()
+                except BaseException as e:  # raised on the launching thread by completed()
+                    self._error = outcome = e
+                else:
+                    outcome = Completion(action, start - self._origin,
+                                         time.perf_counter() - self._origin)
+            self._done.put(outcome)
+            if self._wakeup is not None:
+                self._wakeup.notify()
+
+
+class CudaDevice:
+    """The current CUDA stream of ``device``: launches enqueue, completion is polled."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self._pending: deque[tuple[_Action, torch.cuda.Event, torch.cuda.Event]] = deque()
+        self._origin_event: torch.cuda.Event | None = None
+
+    @property
+    def outstanding(self) -> int:
+        return len(self._pending)
+
+    def begin_step(self, origin: float, wakeup: Wakeup) -> None:
+        wakeup.polled = True
+        # Device times are measured from when the stream reaches the step start.
+        self._origin_event = torch.cuda.Event(enable_timing=True)
+        self._origin_event.record(torch.cuda.current_stream(self.device))
+
+    def launch(self, action: _Action, work: Callable[[], None]) -> None:
+        stream = torch.cuda.current_stream(self.device)
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record(stream)
+        work()
+        end.record(stream)
+        self._pending.append((action, start, end))
+
+    def completed(self) -> list[Completion]:
+        done = []
+        while self._pending and self._pending[0][2].query():
+            action, start, end = self._pending.popleft()
+            # Both events are complete: elapsed_time reads them without synchronizing.
+            done.append(Completion(action, self._origin_event.elapsed_time(start) / 1e3,
+                                   self._origin_event.elapsed_time(end) / 1e3))
+        return done
+
+    def close(self, timeout: float) -> list[threading.Thread]:
+        self._pending.clear()
+        return []
