@@ -213,6 +213,7 @@ def test_bad_config_stops_before_training_with_a_clear_message(module, tmp_path)
 def test_stock_torchtitan_train_with_custom_import(tmp_path):
     code, out = run_titan(2, "--training.steps", "2",
                           "--parallelism.pipeline_parallel_schedule", "RRFP-ZBVZeroBubble",
+                          "--rrfp.trace_folder", "traces",
                           dump=str(tmp_path), module="torchtitan.train")
     assert code == 0, out[-3000:]
     assert_one_rank_prints(out)
@@ -220,6 +221,8 @@ def test_stock_torchtitan_train_with_custom_import(tmp_path):
     assert sorted(logged_losses(out)) == [1, 2]
     assert re.search(STATS_LINE.format(step=2, label=""), out)
     assert tensorboard_scalars(tmp_path).get("rrfp/dispatch_overhead_us/pp1") == 2
+    (run_traces,) = (tmp_path / "traces").iterdir()
+    assert sorted(p.name for p in run_traces.iterdir()) == ["step1.json", "step2.json"]
 
 
 def test_log_rank_chooses_the_ranks_that_print(monkeypatch, caplog):

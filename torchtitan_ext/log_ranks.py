@@ -4,8 +4,8 @@ torchtitan logs on every rank and leaves the filtering to its ``run_train.sh``
 (``torchrun --local-ranks-filter $LOG_RANK``); with pipeline parallelism the other ranks
 print ``loss: -1``, and torchtitan warns unless ``LOG_RANK`` names the loss rank. Here the
 process itself keeps quiet instead: only the ranks in ``LOG_RANK`` (torchtitan's variable;
-comma-separated ranks) print info and warning lines, by default the rank torchtitan picks
-to log metrics (``_get_metrics_rank``: the one with the loss). Errors print everywhere.
+comma-separated global ranks) print info and warning lines, by default the rank torchtitan
+picks to log metrics (``_get_metrics_rank``: the one with the loss). Errors print everywhere.
 """
 
 from __future__ import annotations
