@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import dataclasses
+import re
+
 import pytest
 
 from rrfp.arbiter import resolve_buffer_limits
@@ -105,6 +108,10 @@ def test_replay_file_round_trip_and_trace_conversion(tmp_path):
     import json
     assert json.loads((tmp_path / "merged.json").read_text()) == json.loads((tmp_path / "trace.json").read_text())
     timing = timing_from_trace(json.loads((tmp_path / "trace.json").read_text()))
+    from rrfp.sim.replay import main as replay_main
+
+    replay_main([str(tmp_path / "trace.json"), "-o", str(tmp_path / "outputs" / "timings.json")])
+    assert Timing.load(tmp_path / "outputs" / "timings.json") == timing
     assert [row[0] for row in timing.forward] == pytest.approx([0.2, 0.05])
     assert [row[0] for row in timing.backward_input] == pytest.approx([0.2, 0.05])  # B / 2
     assert timing.activation_latency[0][0] == pytest.approx(0.05)
@@ -114,13 +121,90 @@ def test_replay_file_round_trip_and_trace_conversion(tmp_path):
 def test_cli_prints_a_table_and_draws_charts(tmp_path, capsys):
     from rrfp.sim.__main__ import main
 
+    charts = tmp_path / "outputs" / "charts"  # made by the CLI
     main(["--pp", "4", "--microbatches", "8", "--hint", "BFW", "--workload", "latency",
-          "--limit", "32", "--seeds", "2", "--plot", str(tmp_path / "t.png"),
-          "--sweep", str(tmp_path / "s.png")])
+          "--limit", "32", "--seeds", "2", "--plot", str(charts / "t.png"),
+          "--sweep", str(charts / "s.png")])
     out = capsys.readouterr().out
     assert "speedup mean" in out and "policy BFW" in out and "limit       32" in out
-    assert (tmp_path / "t.png").stat().st_size > 10_000
-    assert (tmp_path / "s.png").stat().st_size > 10_000
+    assert (charts / "t.png").stat().st_size > 10_000
+    assert (charts / "s.png").stat().st_size > 10_000
+
+
+def test_cli_replays_measured_timings(tmp_path, capsys):
+    from rrfp.sim.__main__ import main
+    from rrfp.sim.workloads import make_timing
+
+    make_timing("latency", 2, 8, 0).save(tmp_path / "timings.json")
+    main(["--replay", str(tmp_path / "timings.json"), "--hint", "GPipe", "--pp", "2",
+          "--microbatches", "8", "--policy", "hint"])
+    out = capsys.readouterr().out
+    assert f"replay {tmp_path / 'timings.json'}, limit 'hint', policy hint" in out
+    assert "for 1 seeds" in out
+
+
+def _cli_error(argv: list[str], capsys) -> str:
+    from rrfp.sim.__main__ import main
+
+    with pytest.raises(SystemExit) as exit_info:
+        main(argv)
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert err.startswith("usage: python -m rrfp.sim ")
+    return err.splitlines()[-1]
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--pp", "0"], "argument --pp: must be an integer >= 1, got 0"),
+    (["--microbatches", "-1"], "argument --microbatches: must be an integer >= 1, got -1"),
+    (["--seeds", "0"], "argument --seeds: must be an integer >= 1, got 0"),
+    (["--stages-per-rank", "two"], "argument --stages-per-rank: must be an integer >= 1, got 'two'"),
+    (["--hint", "Zigzag"], "unknown hint 'Zigzag'"),
+    (["--hint", "ZBVZeroBubble", "--layout", "loop"],
+     "--layout loop does not fit hint ZBVZeroBubble, which places its stages in a v layout: "
+     "drop --layout (only the BF and BFW rules take a placement)"),
+    (["--hint", "DualPipeV", "--layout", "loop"], "--layout loop does not fit hint DualPipeV"),
+    (["--hint", "1F1B", "--layout", "v"], "--layout v does not fit hint 1F1B"),
+    (["--limit", "lots"], "--limit lots: buffer_limit='lots' is not understood"),
+    (["--replay", "{tmp}/timings.json", "--seeds", "3"],
+     "--replay simulates one measured step, so --seeds would be ignored: drop them, or drop "
+     "--replay to simulate a workload"),
+    (["--replay", "{tmp}/timings.json", "--workload", "jitter", "--jitter-sigma", "0.5"],
+     "so --workload, --jitter-sigma would be ignored"),
+    (["--replay", "{tmp}/missing.json"],
+     "--replay {tmp}/missing.json: no such file; write one from a run's trace with "
+     "python -m rrfp.sim.replay TRACE_JSON -o {tmp}/missing.json"),
+    (["--replay", "{tmp}/timings.json", "--pp", "4", "--microbatches", "8"],
+     "replayed timings are for 2 stages x 8 microbatches, the hint has 4 x 8"),
+])
+def test_cli_refuses_bad_or_contradictory_options_saying_what_to_change(argv, message, tmp_path,
+                                                                         capsys):
+    from rrfp.sim.workloads import make_timing
+
+    make_timing("uniform", 2, 8, 0).save(tmp_path / "timings.json")
+    argv = [arg.format(tmp=tmp_path) for arg in argv]
+    assert message.format(tmp=tmp_path) in _cli_error(argv, capsys)
+
+
+def test_cli_documents_every_option(capsys):
+    from rrfp.sim.__main__ import main
+    from rrfp.sim.workloads import WorkloadParams
+
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--help"])
+    assert exit_info.value.code == 0
+    help_text = capsys.readouterr().out
+    assert help_text.startswith("usage: python -m rrfp.sim ")
+    lines = help_text.splitlines()
+    entries = [i for i, line in enumerate(lines) if line.startswith("  -")]
+    usage = help_text.split("\n\n")[0]
+    assert {lines[i].split()[0] for i in entries} >= set(re.findall(r"\[(--[\w-]+)", usage))
+    for i in entries:
+        # "  --opt METAVAR   help", or the help on the next, indented line.
+        _, _, same_line_help = lines[i].strip().partition("  ")
+        assert same_line_help.strip() or lines[i + 1].startswith(" " * 20), lines[i]
+    for field in dataclasses.fields(WorkloadParams):
+        assert " ".join(field.metadata["help"].split()) in " ".join(help_text.split())
 
 
 def test_sixty_four_ranks_and_256_microbatches_simulate_quickly():

@@ -18,7 +18,9 @@ pytest.importorskip("torchtitan")
 from torchtitan.config import ConfigManager  # noqa: E402
 from torchtitan.protocols import train_spec  # noqa: E402
 
-from torchtitan_ext.schedules import hint_of, placement_schedule, validate  # noqa: E402
+from torchtitan_ext.log_ranks import log_ranks, print_only_on, warn_if_loss_hidden  # noqa: E402
+from torchtitan_ext.schedules import (  # noqa: E402
+    hint_of, parse_buffer_limit, placement_schedule, validate)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CONFIG = "train_configs/llama3_debug_cpu.toml"
@@ -26,14 +28,15 @@ LOSS_LINE = re.compile(r"step:\s+(\d+)\s+(?:\x1b\[[0-9;]*m)?loss:\s+(-?[0-9.]+)"
 
 
 def run_titan(nproc: int, *overrides: str, dump: str, module: str = "torchtitan_ext.train",
-              timeout: float = 300) -> tuple[int, str]:
+              timeout: float = 300, env: dict[str, str] | None = None) -> tuple[int, str]:
     cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}",
            "--standalone", "-m", module, "--job.config_file", CONFIG,
            "--job.dump_folder", dump, "--rrfp.trace_folder", "", *overrides]
+    environment = {key: value for key, value in os.environ.items() if key != "LOG_RANK"}
     # A session of its own, so a hang kills torchrun's workers too.
     proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             text=True, start_new_session=True,
-                            env={**os.environ, "PYTHONUNBUFFERED": "1"})
+                            env={**environment, "PYTHONUNBUFFERED": "1", **(env or {})})
     try:
         out, _ = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
@@ -44,13 +47,17 @@ def run_titan(nproc: int, *overrides: str, dump: str, module: str = "torchtitan_
 
 
 def logged_losses(output: str) -> dict[int, str]:
-    """Step -> the loss string the last pipeline stage logged (other ranks log -1)."""
-    losses: dict[int, set[str]] = {}
-    for step, loss in LOSS_LINE.findall(output):
-        if not loss.startswith("-"):
-            losses.setdefault(int(step), set()).add(loss)
-    assert all(len(v) == 1 for v in losses.values()), losses
-    return {step: v.pop() for step, v in sorted(losses.items())}
+    """Step -> the loss string logged; only the rank that has the loss prints it, once."""
+    lines = LOSS_LINE.findall(output)
+    losses = {int(step): loss for step, loss in lines}
+    assert len(losses) == len(lines), f"a step's loss was logged more than once: {lines}"
+    assert not any(loss.startswith("-") for loss in losses.values()), losses
+    return dict(sorted(losses.items()))
+
+
+def assert_one_rank_prints(output: str) -> None:
+    assert output.count("Training starts at step 1") == 1, output[-3000:]
+    assert "run_train.sh" not in output
 
 
 def parse(*overrides: str):
@@ -85,6 +92,15 @@ def test_schedule_names():
     (["--rrfp.policy", "eager"], "is not one of"),
     (["--parallelism.pipeline_parallel_degree", "1"], "pipeline_parallel_degree >= 2"),
     (["--rrfp.coordination", "vote"], "is not one of"),
+    (["--parallelism.context_parallel_degree", "2"],
+     r"cannot run with parallelism.context_parallel_degree=2: .* set "
+     r"parallelism.context_parallel_degree = 1, or use torch's fixed schedule "
+     r"pipeline_parallel_schedule = 'Interleaved1F1B'"),
+    (["--parallelism.pipeline_parallel_schedule", "RRFP-ZBVZeroBubble",
+      "--parallelism.expert_parallel_degree", "2"],
+     r"cannot run with parallelism.expert_parallel_degree=2: .* set "
+     r"parallelism.expert_parallel_degree = 1, or use torch's fixed schedule "
+     r"pipeline_parallel_schedule = 'ZBVZeroBubble'"),
 ])
 def test_bad_rrfp_configs_are_rejected_with_what_to_change(overrides, message):
     config = parse(*overrides)
@@ -96,26 +112,72 @@ def test_good_configs_pass_validation():
     for schedule in ("RRFP", "RRFP-Interleaved1F1B", "RRFP-ZBVZeroBubble", "RRFP-BFW"):
         config = parse("--parallelism.pipeline_parallel_schedule", schedule)
         validate(config, n_layers(config))
+    # Context and expert parallelism stay available to torch's fixed schedules.
+    config = parse("--parallelism.pipeline_parallel_schedule", "Interleaved1F1B",
+                   "--parallelism.context_parallel_degree", "2",
+                   "--parallelism.expert_parallel_degree", "2")
+    validate(config, n_layers(config))
+
+
+@pytest.mark.parametrize("toml_value,cli_value,expected", [
+    ("2", None, 2),
+    ('"2"', None, 2),
+    ('"hint+2"', None, "hint+2"),
+    (None, "2", 2),
+    (None, "hint", "hint"),
+    (None, "hint+1", "hint+1"),
+    ("3", "hint", "hint"),
+])
+def test_buffer_limit_is_an_int_or_a_string_in_toml_and_on_the_command_line(
+        toml_value, cli_value, expected, tmp_path):
+    with open(os.path.join(ROOT, CONFIG)) as f:
+        text = f.read()
+    assert 'buffer_limit = "hint"' in text
+    if toml_value is not None:
+        text = text.replace('buffer_limit = "hint"', f"buffer_limit = {toml_value}")
+    config_file = tmp_path / "train.toml"
+    config_file.write_text(text)
+    args = ["--job.config_file", str(config_file)]
+    if cli_value is not None:
+        args += ["--rrfp.buffer_limit", cli_value]
+    config = ConfigManager().parse_args(args)
+    assert parse_buffer_limit(config.rrfp.buffer_limit) == expected
+    validate(config, n_layers(config))
+
+
+def tensorboard_scalars(dump) -> dict[str, int]:
+    """Tag -> number of values, of the one TensorBoard run under ``dump``."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    (run_dir,) = (dump / "tb").iterdir()
+    events = EventAccumulator(str(run_dir))
+    events.Reload()
+    return {tag: len(events.Scalars(tag)) for tag in events.Tags()["scalars"]}
+
+
+STATS_LINE = (r"rrfp step {step:2}: {label}pp0 idle \d+% out-of-hint \d+ backpressure \d+ peak \d+ "
+              r"dispatch \d+ us/action \| {label}pp1 idle")
 
 
 def test_main_job_trains_on_cpu_and_logs_rrfp_stats(tmp_path):
-    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-
-    code, out = run_titan(2, "--training.steps", "8", dump=str(tmp_path))
+    code, out = run_titan(2, "--training.steps", "8", "--rrfp.trace_folder", "traces",
+                          dump=str(tmp_path))
     assert code == 0, out[-3000:]
+    assert_one_rank_prints(out)
     losses = logged_losses(out)
     assert sorted(losses) == list(range(1, 9))
     assert float(losses[8]) < float(losses[1]) - 2.0
     assert "ScheduleRRFP with hint BF (loop placement), policy BF, buffer limit 'hint'" in out
-    assert re.search(r"rrfp step  8: pp0 idle \d+% out-of-hint \d+ backpressure \d+", out)
-    (run_dir,) = (tmp_path / "tb").iterdir()
-    events = EventAccumulator(str(run_dir))
-    events.Reload()
-    tags = events.Tags()["scalars"]
+    assert re.search(STATS_LINE.format(step=8, label=""), out)
+    scalars = tensorboard_scalars(tmp_path)
     for tag in ("rrfp/idle_fraction/pp0", "rrfp/out_of_hint_order/pp1",
-                "rrfp/backpressure_entries/pp0"):
-        assert tag in tags
-        assert len(events.Scalars(tag)) == 8
+                "rrfp/backpressure_entries/pp0", "rrfp/peak_in_flight/pp1",
+                "rrfp/dispatch_overhead_us/pp0"):
+        assert scalars.get(tag) == 8, (tag, scalars)
+    # Each run's traces go to a folder of their own.
+    (run_traces,) = (tmp_path / "traces").iterdir()
+    assert re.fullmatch(r"\d{8}-\d{6}", run_traces.name)
+    assert sorted(p.name for p in run_traces.iterdir()) == sorted(f"step{n}.json" for n in range(1, 9))
 
 
 @pytest.mark.parametrize("fixed,nproc,steps,parallelism", [
@@ -133,13 +195,16 @@ def test_rrfp_logs_the_same_losses_as_the_fixed_schedule(fixed, nproc, steps, pa
                               dump=str(tmp_path / schedule), timeout=400)
         assert code == 0, out[-3000:]
         runs[schedule] = logged_losses(out)
+    if "--parallelism.data_parallel_shard_degree" in parallelism:
+        assert re.search(STATS_LINE.format(step=steps, label="dp0/"), out), out[-3000:]
     assert len(runs[fixed]) == steps
     assert runs[fixed] == runs[f"RRFP-{fixed}"]
 
 
-def test_bad_config_stops_before_training_with_a_clear_message(tmp_path):
+@pytest.mark.parametrize("module", ["torchtitan_ext.train", "torchtitan.train"])
+def test_bad_config_stops_before_training_with_a_clear_message(module, tmp_path):
     code, out = run_titan(2, "--parallelism.pipeline_parallel_schedule", "RRFP-Zigzag",
-                          dump=str(tmp_path))
+                          dump=str(tmp_path), module=module)
     assert code != 0
     assert "rrfp: bad configuration: unknown RRFP schedule 'RRFP-Zigzag'" in out
     assert "Training starts" not in out
@@ -148,7 +213,38 @@ def test_bad_config_stops_before_training_with_a_clear_message(tmp_path):
 def test_stock_torchtitan_train_with_custom_import(tmp_path):
     code, out = run_titan(2, "--training.steps", "2",
                           "--parallelism.pipeline_parallel_schedule", "RRFP-ZBVZeroBubble",
+                          "--rrfp.trace_folder", "traces",
                           dump=str(tmp_path), module="torchtitan.train")
     assert code == 0, out[-3000:]
+    assert_one_rank_prints(out)
     assert "ScheduleRRFP with hint ZBVZeroBubble (v placement)" in out
     assert sorted(logged_losses(out)) == [1, 2]
+    assert re.search(STATS_LINE.format(step=2, label=""), out)
+    assert tensorboard_scalars(tmp_path).get("rrfp/dispatch_overhead_us/pp1") == 2
+    (run_traces,) = (tmp_path / "traces").iterdir()
+    assert sorted(p.name for p in run_traces.iterdir()) == ["step1.json", "step2.json"]
+
+
+def test_log_rank_chooses_the_ranks_that_print(monkeypatch, caplog):
+    import logging
+
+    monkeypatch.delenv("LOG_RANK", raising=False)
+    assert log_ranks(3) == {3}
+    warn_if_loss_hidden(3)
+    assert not caplog.records
+    monkeypatch.setenv("LOG_RANK", "0,2")
+    assert log_ranks(3) == {0, 2}
+    warn_if_loss_hidden(3)
+    assert "the loss is logged by rank 3 only, and LOG_RANK=0,2 leaves it out" in caplog.text
+    monkeypatch.setenv("LOG_RANK", "last")
+    with pytest.raises(ValueError, match="LOG_RANK='last' must list ranks separated by commas"):
+        log_ranks(3)
+
+    handler = logging.Handler()
+    monkeypatch.setattr(logging.getLogger(), "handlers", [handler])
+    print_only_on({0, 2}, 2)
+    assert not handler.filters
+    print_only_on({0, 2}, 1)
+    info, error = (logging.LogRecord("root", level, __file__, 1, "m", None, None)
+                   for level in (logging.INFO, logging.ERROR))
+    assert not handler.filter(info) and handler.filter(error)

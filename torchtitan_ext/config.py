@@ -8,9 +8,10 @@ from dataclasses import dataclass, field
 class RRFP:
     """Readiness-first pipeline schedule settings (used by ``RRFP`` / ``RRFP-<hint>`` schedules)."""
 
-    buffer_limit: str = "hint"
+    buffer_limit: int | str = "hint"
     """Cap on forwards in flight per stage (activation memory): ``"hint"`` = the fixed
-    schedule's own peak (no extra memory), ``"hint+k"``, or an integer such as ``"4"``."""
+    schedule's own peak (no extra memory), ``"hint+k"``, or an integer >= 1 (``4`` or
+    ``"4"`` in TOML, ``--rrfp.buffer_limit 4`` on the command line)."""
 
     policy: str = ""
     """Arbitration policy: ``hint``, ``lookahead``, ``window``, ``BF``, ``BFW``, ``fixed``;
@@ -26,12 +27,14 @@ class RRFP:
     """Seconds without any ready action before the step raises, naming what it waits for."""
 
     log_stats: bool = True
-    """Log per-rank idle fraction, out-of-hint dispatches and backpressure entries at each
-    metrics step (console, and TensorBoard when enabled)."""
+    """Log per pipeline rank the idle fraction, out-of-hint dispatches, backpressure entries,
+    peak forwards in flight and dispatch overhead at each metrics step (console, and
+    TensorBoard ``rrfp/...`` when enabled)."""
 
     trace_folder: str = ""
-    """If set (relative to ``job.dump_folder``), write the realized timeline of every rank as
-    a Chrome/Perfetto trace at each metrics step: ``<folder>/step<N>.json``."""
+    """If set (relative to ``job.dump_folder``), write the realized timeline of the pipeline
+    that logs the loss as a Chrome/Perfetto trace at each metrics step, in a folder of its
+    own per run named by its start time: ``<folder>/<YYYYmmdd-HHMMSS>/step<N>.json``."""
 
 
 @dataclass

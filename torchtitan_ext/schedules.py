@@ -102,8 +102,12 @@ def stages_per_rank(job_config, n_layers: int) -> int:
     return max(1, stages // parallelism.pipeline_parallel_degree)
 
 
-def parse_buffer_limit(text: str) -> str | int:
-    return int(text) if text.strip().isdigit() else text
+def parse_buffer_limit(value: int | str) -> int | str:
+    """``[rrfp] buffer_limit`` as ScheduleRRFP takes it: an int as given or written as a
+    string ("4"), anything else ("hint", "hint+2") unchanged for ScheduleRRFP to check."""
+    if isinstance(value, str) and value.strip().isdigit():
+        return int(value)
+    return value
 
 
 def validate(job_config, n_layers: int) -> None:
@@ -112,6 +116,19 @@ def validate(job_config, n_layers: int) -> None:
     hint = hint_of(parallelism.pipeline_parallel_schedule)
     if hint is None:
         return
+    # Their collectives run inside a stage's compute, so all ranks of such a group must run
+    # the same action sequence; RRFP coordinates only tensor-parallel groups.
+    intra_stage_degrees = {"context_parallel_degree": parallelism.context_parallel_degree,
+                           "expert_parallel_degree": parallelism.expert_parallel_degree}
+    for field_name, degree in intra_stage_degrees.items():
+        if degree > 1:
+            raise ValueError(
+                f"schedule {parallelism.pipeline_parallel_schedule!r} cannot run with "
+                f"parallelism.{field_name}={degree}: those collectives run inside each "
+                "stage's compute, and RRFP lets the ranks of that group run their actions in "
+                "different orders (mismatched collectives hang or give wrong results); set "
+                f"parallelism.{field_name} = 1, or use torch's fixed schedule "
+                f"pipeline_parallel_schedule = {placement_schedule(hint)!r}")
     pp = parallelism.pipeline_parallel_degree
     if pp < 2:
         raise ValueError(f"schedule {parallelism.pipeline_parallel_schedule!r} needs "
@@ -167,7 +184,6 @@ def install() -> None:
     """Make torchtitan accept RRFP schedule names (idempotent)."""
     import torchtitan.components.metrics as metrics
     import torchtitan.distributed.pipeline_parallel as pipeline_parallel
-    import torchtitan.train as train
 
     if getattr(pipeline_parallel, "_rrfp_installed", False):
         return
@@ -213,15 +229,8 @@ def install() -> None:
     def get_metrics_rank(parallel_dims, job_config):
         return torch_metrics_rank(parallel_dims, _torch_view(job_config))
 
-    @functools.wraps(metrics.ensure_pp_loss_visible)
-    def ensure_pp_loss_visible(parallel_dims, job_config, color):
-        return torch_loss_visible(parallel_dims, _torch_view(job_config), color)
-
     torch_metrics_rank = metrics._get_metrics_rank
-    torch_loss_visible = metrics.ensure_pp_loss_visible
     pipeline_parallel.get_schedule_class = get_schedule_class
     pipeline_parallel.pipeline_module_split = pipeline_module_split
     pipeline_parallel.build_pipeline_schedule = build_pipeline_schedule
     metrics._get_metrics_rank = get_metrics_rank
-    metrics.ensure_pp_loss_visible = ensure_pp_loss_visible
-    train.ensure_pp_loss_visible = ensure_pp_loss_visible

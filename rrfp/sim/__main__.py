@@ -1,7 +1,7 @@
 """Simulate fixed schedule vs RRFP on seeded workloads (or replayed timings).
 
     python -m rrfp.sim --pp 8 --microbatches 64 --hint 1F1B --workload multimodal \\
-        --limit hint+2 --seeds 10 [--plot timeline.png] [--sweep tradeoff.png]
+        --limit hint+2 --seeds 10 [--plot outputs/timeline.png] [--sweep outputs/tradeoff.png]
 
 Times are in units of one mean forward. Every figure is simulated.
 """
@@ -10,47 +10,96 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import importlib.util
+import os
 import statistics
-import sys
 import time
 
-from rrfp.hints import build_hint, HINT_NAMES
+from rrfp.hints import build_hint, Hint, HINT_NAMES, RULE_NAMES
 from rrfp.policy import POLICIES
-from rrfp.sim.study import compare, SWEEP_LIMITS, sweep_limits
+from rrfp.sim.study import compare, resolve_limit, SWEEP_LIMITS, sweep_limits, timing_for
 from rrfp.sim.workloads import Timing, WORKLOADS, WorkloadParams
 
+PROG = "python -m rrfp.sim"
 TWO_CHUNK_HINTS = {"interleaved1f1b", "loopedbfs", "interleavedzerobubble", "zbvzerobubble",
                    "dualpipev"}
 V_HINTS = {"zbvzerobubble", "dualpipev"}
+DEFAULT_WORKLOAD = "jitter"
+DEFAULT_SEEDS = 5
 
 
 def _limit(text: str) -> str | int:
     return int(text) if text.isdigit() else text
 
 
-def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--pp", type=int, default=8, help="pipeline ranks")
-    parser.add_argument("--microbatches", type=int, default=32)
-    parser.add_argument("--hint", default="1F1B", help=f"one of {list(HINT_NAMES)} or a CSV")
-    parser.add_argument("--stages-per-rank", type=int,
-                        help="default: 2 for interleaved and V hints, else 1")
-    parser.add_argument("--layout", choices=("loop", "v"),
-                        help="stage placement (default: v for ZBVZeroBubble/DualPipeV)")
-    parser.add_argument("--workload", default="jitter", choices=WORKLOADS)
-    parser.add_argument("--replay", help="timings JSON (see python -m rrfp.sim.replay)")
-    parser.add_argument("--limit", type=_limit, default="hint",
-                        help="buffer limit: hint, hint+k, '2x hint' or an int")
-    parser.add_argument("--policy", choices=POLICIES,
-                        help="arbitration policy (default: what ScheduleRRFP would pick)")
-    parser.add_argument("--seeds", type=int, default=5)
-    parser.add_argument("--plot", help="PNG of fixed vs RRFP timelines (first seed)")
-    parser.add_argument("--sweep", help=f"PNG of speedup and memory for limits {SWEEP_LIMITS}")
-    for f in dataclasses.fields(WorkloadParams):
-        parser.add_argument("--" + f.name.replace("_", "-"), type=type(f.default),
-                            default=f.default, help=f.metadata.get("help"))
-    args = parser.parse_args(argv)
+def _at_least_one(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be an integer >= 1, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be an integer >= 1, got {value}")
+    return value
 
+
+def _option(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog=PROG, description=__doc__.split("\n")[0],
+                                     epilog="Times are in units of one mean forward; every "
+                                            "figure is simulated.")
+    pipeline = parser.add_argument_group("pipeline")
+    pipeline.add_argument("--pp", type=_at_least_one, default=8,
+                          help="pipeline ranks (default: %(default)s)")
+    pipeline.add_argument("--microbatches", type=_at_least_one, default=32,
+                          help="microbatches per step (default: %(default)s)")
+    pipeline.add_argument("--hint", default="1F1B",
+                          help=f"the schedule RRFP takes as its hint and compares with: one of "
+                               f"{', '.join(HINT_NAMES)}, or a CSV in torch's compute-only "
+                               f"format (default: %(default)s)")
+    pipeline.add_argument("--stages-per-rank", type=_at_least_one,
+                          help="model chunks per rank (default: 2 for interleaved and V "
+                               "hints, else 1)")
+    pipeline.add_argument("--layout", choices=("loop", "v"),
+                          help=f"stage placement for the {' and '.join(RULE_NAMES)} rules "
+                               "(default: loop); other hints fix their own (V for "
+                               "ZBVZeroBubble and DualPipeV, else loop)")
+
+    timings = parser.add_argument_group("timings")
+    timings.add_argument("--workload", choices=WORKLOADS,
+                         help=f"seeded timing model (default: {DEFAULT_WORKLOAD})")
+    timings.add_argument("--seeds", type=_at_least_one,
+                         help=f"simulate the steps drawn with seeds 0..N-1 (default: "
+                              f"{DEFAULT_SEEDS})")
+    timings.add_argument("--replay", metavar="TIMINGS_JSON",
+                         help="simulate one measured step instead of a workload: a timings "
+                              "file from python -m rrfp.sim.replay (not with --workload, "
+                              "--seeds or the workload knobs)")
+
+    rrfp = parser.add_argument_group("RRFP")
+    rrfp.add_argument("--limit", type=_limit, default="hint",
+                      help="buffer limit (forwards in flight per stage): hint, hint+k, "
+                           "'2x hint' or an integer (default: %(default)s)")
+    rrfp.add_argument("--policy", choices=POLICIES,
+                      help="arbitration policy (default: what ScheduleRRFP would pick)")
+
+    charts = parser.add_argument_group("charts (need the [sim] extra: matplotlib)")
+    charts.add_argument("--plot", metavar="PNG",
+                        help="write fixed vs RRFP timelines of the first seed to this file")
+    charts.add_argument("--sweep", metavar="PNG",
+                        help=f"write speedup and memory for the limits {SWEEP_LIMITS} to "
+                             "this file")
+
+    knobs = parser.add_argument_group("workload knobs (the workload each shapes in brackets)")
+    for f in dataclasses.fields(WorkloadParams):
+        knobs.add_argument(_option(f.name), type=type(f.default),
+                           help=f"{f.metadata['help']} (default: {f.default})")
+    return parser
+
+
+def _hint(parser: argparse.ArgumentParser, args: argparse.Namespace) -> Hint:
     name = args.hint.lower()
     per_rank = args.stages_per_rank or (2 if name in TWO_CHUNK_HINTS else 1)
     layout = args.layout or ("v" if name in V_HINTS else "loop")
@@ -58,17 +107,63 @@ def main(argv: list[str] | None = None) -> None:
         hint = build_hint(args.hint, num_ranks=args.pp, num_stages=args.pp * per_rank,
                           n_microbatches=args.microbatches, layout=layout)
     except ValueError as e:
-        sys.exit(f"error: {e}")
-    params = WorkloadParams(**{f.name: getattr(args, f.name) for f in dataclasses.fields(WorkloadParams)})
-    workload = Timing.load(args.replay) if args.replay else args.workload
-    seeds = 1 if args.replay else args.seeds
-    label = f"replay {args.replay}" if args.replay else f"workload {args.workload}"
+        parser.error(str(e))
+    try:
+        resolve_limit(args.limit, hint)
+    except ValueError as e:
+        parser.error(f"--limit {args.limit}: {e}")
+    if args.layout and args.layout != hint.layout:
+        parser.error(f"--layout {args.layout} does not fit hint {hint.name}, which places its "
+                     f"stages in a {hint.layout} layout: drop --layout (only the "
+                     f"{' and '.join(RULE_NAMES)} rules take a placement)")
+    return hint
+
+
+def _workload(parser: argparse.ArgumentParser, args: argparse.Namespace,
+              hint: Hint) -> str | Timing:
+    """The workload name, or the replayed timings."""
+    if not args.replay:
+        return args.workload or DEFAULT_WORKLOAD
+    workload_options = [_option(name) for name in ("workload", "seeds")
+                        + tuple(f.name for f in dataclasses.fields(WorkloadParams))
+                        if getattr(args, name) is not None]
+    if workload_options:
+        parser.error(f"--replay simulates one measured step, so {', '.join(workload_options)} "
+                     "would be ignored: drop them, or drop --replay to simulate a workload")
+    if not os.path.isfile(args.replay):
+        parser.error(f"--replay {args.replay}: no such file; write one from a run's trace "
+                     f"with python -m rrfp.sim.replay TRACE_JSON -o {args.replay}")
+    try:
+        return timing_for(hint, Timing.load(args.replay), seed=0)
+    except ValueError as e:
+        parser.error(f"--replay {args.replay}: {e}")
+
+
+def _make_chart_folders(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    charts = [path for path in (args.plot, args.sweep) if path]
+    if charts and importlib.util.find_spec("matplotlib") is None:
+        parser.error("--plot and --sweep draw with matplotlib: pip install -e '.[sim]'")
+    for path in charts:
+        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    hint = _hint(parser, args)
+    workload = _workload(parser, args, hint)
+    _make_chart_folders(parser, args)
+    params = WorkloadParams(**{f.name: getattr(args, f.name)
+                               for f in dataclasses.fields(WorkloadParams)
+                               if getattr(args, f.name) is not None})
+    seeds = 1 if args.replay else args.seeds or DEFAULT_SEEDS
+    label = f"replay {args.replay}" if args.replay else f"workload {workload}"
 
     start = time.perf_counter()
     rows = [compare(hint, workload, seed, limit=args.limit, policy=args.policy, params=params)
             for seed in range(seeds)]
     elapsed = time.perf_counter() - start
-    print(f"{hint.name}: {args.pp} ranks x {per_rank} stages ({hint.layout}), "
+    print(f"{hint.name}: {args.pp} ranks x {hint.num_stages // args.pp} stages ({hint.layout}), "
           f"{args.microbatches} microbatches, {label}, limit {args.limit!r}, "
           f"policy {rows[0].policy} (simulated)")
     print(f"{'seed':>4} {'fixed':>9} {'rrfp':>9} {'speedup':>8} {'bound':>9} "

@@ -1,7 +1,7 @@
 """Turn a runtime trace into a replay file: "what would RRFP gain on my timings?"
 
-    python -m rrfp.sim.replay rrfp_demo_trace.json -o timings.json
-    python -m rrfp.sim --replay timings.json --hint GPipe --pp 2 --microbatches 8
+    python -m rrfp.sim.replay rrfp_demo_trace.json -o outputs/timings.json
+    python -m rrfp.sim --replay outputs/timings.json --hint GPipe --pp 2 --microbatches 8
 
 The trace is the Chrome trace ``ScheduleRRFP`` writes (``rrfp.write_chrome_trace`` of all
 ranks' ``last_step_stats``, or ``rrfp.merge_chrome_traces`` of per-rank files). Durations
@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 from collections import defaultdict
 
@@ -66,6 +67,7 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     with open(args.trace) as f:
         timing = timing_from_trace(json.load(f))
+    os.makedirs(os.path.dirname(os.path.abspath(args.output)), exist_ok=True)
     timing.save(args.output)
     print(f"{args.output}: {timing.num_stages} stages x {timing.n_microbatches} microbatches "
           "(seconds)")

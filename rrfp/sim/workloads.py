@@ -11,7 +11,7 @@ import json
 import math
 import os
 import random
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 
 from rrfp.hints import _Action, B, Edge, F, I, REDUCE_GRAD, W
 
@@ -77,23 +77,27 @@ class Timing:
         return timing
 
 
+def _knob(default: float, doc: str):
+    """A WorkloadParams field documented by ``doc`` (also the CLI's help text)."""
+    return field(default=default, metadata={"help": doc})
+
+
 @dataclass(frozen=True)
 class WorkloadParams:
     """Knobs of the workload models (defaults are the ones the results page uses)."""
 
-    jitter_sigma: float = 0.3
-    """Lognormal sigma of per-action compute noise (jitter workload)."""
-    vision_stage_fraction: float = 0.25
-    """Share of the first stages that hold the vision encoder (multimodal)."""
-    max_images: int = 8
-    """Images per microbatch are uniform in 0..max_images (multimodal)."""
-    straggler_probability: float = 0.2
-    """Chance that an action of the straggling stage is slow (straggler)."""
-    straggler_slowdown: float = 3.0
-    latency_mean: float = 0.5
-    """Mean P2P latency, in forwards (latency workload)."""
-    latency_sigma: float = 1.2
-    """Lognormal sigma of the latency (1.2: p95/p5 about 50, as on the paper's PCIe cards)."""
+    jitter_sigma: float = _knob(0.3, "lognormal sigma of per-action compute noise (jitter)")
+    vision_stage_fraction: float = _knob(
+        0.25, "share of the first stages that hold the vision encoder (multimodal)")
+    max_images: int = _knob(8, "images per microbatch are uniform in 0..max_images (multimodal)")
+    straggler_probability: float = _knob(
+        0.2, "chance that an action of the straggling stage is slow (straggler)")
+    straggler_slowdown: float = _knob(
+        3.0, "how many times longer a slow action of the straggling stage takes (straggler)")
+    latency_mean: float = _knob(0.5, "mean P2P latency, in forwards (latency)")
+    latency_sigma: float = _knob(
+        1.2, "lognormal sigma of the latency (1.2: p95/p5 about 50, as on the paper's PCIe "
+             "cards) (latency)")
 
 
 def make_timing(workload: str, num_stages: int, n_microbatches: int, seed: int,

@@ -1,0 +1,80 @@
+"""ScheduleRRFP's step statistics next to torchtitan's metrics: a console line, TensorBoard
+scalars ``rrfp/<metric>/<rank label>`` and Perfetto traces, at each metrics step."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch.distributed as dist
+from torchtitan.tools.logging import logger
+
+from rrfp import ScheduleRRFP, StepStats, write_chrome_trace
+
+
+@dataclass(frozen=True)
+class Metric:
+    """One statistic of a rank's step, logged to the console and to TensorBoard."""
+
+    name: str
+    """TensorBoard tag: ``rrfp/<name>/<rank label>``."""
+    value: Callable[[StepStats], float]
+    """Reads it off the rank's ``StepStats`` (public fields only)."""
+    console: str
+    """Its field in the console line, a ``str.format`` pattern of the value."""
+
+
+METRICS: tuple[Metric, ...] = (
+    Metric("idle_fraction", lambda s: s.idle_fraction, "idle {:.0%}"),
+    Metric("out_of_hint_order", lambda s: s.out_of_hint_order, "out-of-hint {}"),
+    Metric("backpressure_entries", lambda s: sum(s.backpressure_entries.values()),
+           "backpressure {}"),
+    Metric("peak_in_flight", lambda s: max(s.peak_in_flight.values(), default=0), "peak {}"),
+    Metric("dispatch_overhead_us", lambda s: s.overhead_per_action * 1e6,
+           "dispatch {:.0f} us/action"),
+)
+
+
+class StepStatsLog:
+    """Logs ``last_step_stats`` of every rank of this rank's pipeline.
+
+    Every rank of the pipeline group must call :meth:`log` at the same steps (it gathers
+    the stats over that group); which of them print is up to the log handlers.
+    """
+
+    def __init__(self, schedule: ScheduleRRFP, pp_group: dist.ProcessGroup, *,
+                 replica: int | None, log_stats: bool, trace_folder: str | None):
+        """``replica``: this pipeline's data-parallel index (None without data parallelism),
+        shown in labels as ``dp<replica>/pp<rank>``; ``trace_folder``: where this rank writes
+        ``step<N>.json`` (None: it writes no traces)."""
+        self.schedule = schedule
+        self.pp_group = pp_group
+        self.replica = replica
+        self.log_stats = log_stats
+        self.trace_folder = trace_folder
+        if trace_folder:
+            logger.info(f"rrfp: Perfetto traces of each metrics step go to {trace_folder}")
+
+    def label(self, stats: StepStats) -> str:
+        pipeline_rank = f"pp{stats.pp_rank}"
+        return pipeline_rank if self.replica is None else f"dp{self.replica}/{pipeline_rank}"
+
+    def log(self, step: int) -> dict[str, float]:
+        """Gather the pipeline's stats of the last step, log the console line and write the
+        trace; returns the TensorBoard scalars."""
+        gathered: list = [None] * dist.get_world_size(self.pp_group)
+        dist.all_gather_object(gathered, self.schedule.last_step_stats, group=self.pp_group)
+        scalars: dict[str, float] = {}
+        if self.log_stats:
+            for stats in gathered:
+                for metric in METRICS:
+                    scalars[f"rrfp/{metric.name}/{self.label(stats)}"] = metric.value(stats)
+            logger.info(f"rrfp step {step:2}: " + " | ".join(
+                f"{self.label(stats)} " + " ".join(metric.console.format(metric.value(stats))
+                                                   for metric in METRICS)
+                for stats in gathered))
+        if self.trace_folder:
+            os.makedirs(self.trace_folder, exist_ok=True)
+            write_chrome_trace(gathered, os.path.join(self.trace_folder, f"step{step}.json"))
+        return scalars

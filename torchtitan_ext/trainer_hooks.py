@@ -1,0 +1,119 @@
+"""What torchtitan_ext adds to torchtitan's Trainer, the same for both launch paths.
+
+``torchrun -m torchtitan_ext.train`` runs torchtitan's own Trainer with these hooks; stock
+``torchrun -m torchtitan.train`` with ``[experimental] custom_import =
+"torchtitan_ext.register"`` imports them at the start of ``Trainer.__init__``, before it
+calls ``init_distributed``. That launch runs torchtitan/train.py as ``__main__``, a second
+copy of ``torchtitan.train``, so both copies are hooked:
+
+* ``init_distributed``: the RRFP configuration is checked first (``rrfp: bad
+  configuration: ...`` before anything is built); afterwards only the rank that logs the
+  loss prints log lines (``torchtitan_ext.log_ranks``).
+* ``ensure_pp_loss_visible`` (torchtitan's check for its ``run_train.sh``): replaced by a
+  check of ``LOG_RANK`` against the loss rank.
+* ``train``: FSDP2 sum reductions on CPU, and ScheduleRRFP's stats next to torchtitan's
+  metrics at each metrics step (``torchtitan_ext.stats_logging``).
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import sys
+from datetime import datetime
+from types import ModuleType
+
+import torch.distributed as dist
+import torchtitan.components.metrics as metrics
+from torchtitan.protocols import train_spec as train_spec_module
+
+from rrfp import ScheduleRRFP
+from torchtitan_ext.cpu import force_sum_reductions
+from torchtitan_ext.log_ranks import log_ranks, print_only_on, warn_if_loss_hidden
+from torchtitan_ext.schedules import rrfp_settings, validate
+from torchtitan_ext.stats_logging import StepStatsLog
+
+_HOOKED = "_rrfp_hooks_installed"
+
+
+def trainer_modules() -> list[ModuleType]:
+    """``torchtitan.train``, and the copy of it that ``python -m torchtitan.train`` runs."""
+    import torchtitan.train
+
+    modules = [torchtitan.train]
+    main = sys.modules.get("__main__")
+    if getattr(getattr(main, "__spec__", None), "name", None) == "torchtitan.train":
+        modules.append(main)
+    return modules
+
+
+def install(on_cpu: bool) -> None:
+    """Hook torchtitan's Trainer (idempotent). ``on_cpu``: torchtitan runs on the CPU."""
+    for module in trainer_modules():
+        if not getattr(module, _HOOKED, False):
+            _hook(module, on_cpu)
+            setattr(module, _HOOKED, True)
+
+
+def _hook(module: ModuleType, on_cpu: bool) -> None:
+    trainer_class = module.Trainer
+    torch_init_distributed = trainer_class.init_distributed
+    torch_train = trainer_class.train
+
+    @functools.wraps(torch_init_distributed)
+    def init_distributed(trainer):
+        job_config = trainer.job_config
+        model_args = train_spec_module.get_train_spec(job_config.model.name).model_args
+        try:
+            validate(job_config, model_args[job_config.model.flavor].n_layers)
+        except ValueError as e:
+            raise SystemExit(f"rrfp: bad configuration: {e}") from None
+        parallel_dims = torch_init_distributed(trainer)
+        loss_rank = metrics._get_metrics_rank(parallel_dims, job_config)
+        print_only_on(log_ranks(loss_rank), dist.get_rank())
+        return parallel_dims
+
+    def ensure_pp_loss_visible(parallel_dims, job_config, color) -> None:
+        warn_if_loss_hidden(metrics._get_metrics_rank(parallel_dims, job_config))
+
+    @functools.wraps(torch_train)
+    def train(trainer):
+        if on_cpu:
+            force_sum_reductions(trainer.model_parts)
+        schedule = getattr(trainer, "pp_schedule", None)
+        if isinstance(schedule, ScheduleRRFP):
+            _log_step_stats(trainer, schedule)
+        return torch_train(trainer)
+
+    trainer_class.init_distributed = init_distributed
+    trainer_class.train = train
+    module.ensure_pp_loss_visible = ensure_pp_loss_visible
+
+
+def _log_step_stats(trainer, schedule: ScheduleRRFP) -> None:
+    """Add the pipeline's RRFP stats to each ``metrics_processor.log`` call of ``trainer``."""
+    job_config, parallel_dims = trainer.job_config, trainer.parallel_dims
+    settings = rrfp_settings(job_config)
+    if not (settings.log_stats or settings.trace_folder):
+        return
+    # The rank that logs the loss (and writes TensorBoard) writes its pipeline's traces,
+    # each run into a folder of its own.
+    trace_folder = None
+    if settings.trace_folder and (
+            dist.get_rank() == metrics._get_metrics_rank(parallel_dims, job_config)):
+        trace_folder = os.path.join(job_config.job.dump_folder, settings.trace_folder,
+                                    datetime.now().strftime("%Y%m%d-%H%M%S"))
+    batch_mesh = parallel_dims.get_optional_mesh("batch")
+    stats_log = StepStatsLog(
+        schedule, parallel_dims.get_mesh("pp").get_group(),
+        replica=None if batch_mesh is None else batch_mesh.get_local_rank(),
+        log_stats=settings.log_stats, trace_folder=trace_folder)
+    torch_log = trainer.metrics_processor.log
+
+    @functools.wraps(torch_log)
+    def log(step, global_avg_loss, global_max_loss, grad_norm, extra_metrics=None):
+        rrfp_metrics = stats_log.log(step)
+        torch_log(step, global_avg_loss, global_max_loss, grad_norm,
+                  extra_metrics={**(extra_metrics or {}), **rrfp_metrics})
+
+    trainer.metrics_processor.log = log
