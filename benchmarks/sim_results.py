@@ -34,7 +34,7 @@ def _job(args):
     name, pp, m, workload, seed, limit, policy = args
     c = compare(_hint(name, pp, m), workload, seed, limit=limit, policy=policy)
     return args, c.speedup, c.memory_ratio, c.rrfp.makespan / c.bounds.tighter, \
-        c.fixed.makespan / c.bounds.tighter, c.policy
+        c.fixed.makespan / c.bounds.tighter, c.policy, c.worst_rank_memory_ratio
 
 
 def _run(jobs, pool):
@@ -88,11 +88,15 @@ def main(argv=None) -> None:
     out("")
     out("Regenerate with `python -m benchmarks.sim_results` (this run: "
         f"{args.seeds} seeds per cell, {time.time() - started:.0f} s on this machine). Every "
-        "figure is **simulated** by `rrfp.sim`, which drives the runtime's own arbiter; time "
-        "unit one mean forward; I = W = F, B = I + W. Cells: speedup of RRFP over the fixed "
-        "schedule with the same hint, `mean [min, max]` over seeds. *Memory*: activation "
-        "memory of the most loaded rank (sum of its stages' peak in-flight forwards) over the "
-        "fixed schedule's. Workloads (`rrfp/sim/workloads.py`): **uniform**; **jitter** "
+        "figure is **simulated** by `rrfp.sim`, which runs the runtime's own step loop and "
+        "arbiter (launch depth 2, no launch cost); time unit one mean forward; I = W = F, "
+        "B = I + W. Cells: speedup of RRFP over the fixed schedule with the same hint, `mean "
+        "[min, max]` over seeds. *Memory*: microbatches of activations held (from a "
+        "microbatch's F until its last backward piece, B or W) by the busiest rank, at the "
+        "moment it holds most (the maximum over time of the sum over its stages, not a sum of "
+        "per-stage peaks), over the fixed schedule's busiest rank; *worst rank*: the largest "
+        "ratio of a rank's own peak to the same rank's peak under the fixed schedule. "
+        "Workloads (`rrfp/sim/workloads.py`): **uniform**; **jitter** "
         "(lognormal sigma 0.3 per action); **multimodal** (first quarter of the stages is a "
         "vision encoder whose cost scales with 0-8 images per microbatch); **straggler** (one "
         "stage 3x slower on 20% of its actions); **latency** (P2P latency lognormal, mean half "
@@ -125,7 +129,9 @@ def main(argv=None) -> None:
     out("")
     out("Default policy per limit, as `ScheduleRRFP` picks it: `lookahead` at the hint's "
         "memory, plain readiness-first with slack; BF/BFW keep their rules. Cells: speedup "
-        "`mean [min, max]`, then memory.")
+        "`mean [min, max]`, then memory of the busiest rank and of the worst rank (means over "
+        "seeds). Limits count per stage and per rank: `hint+k` allows k microbatches more on "
+        "each stage and on each rank.")
     out("")
     for h in HINTS:
         out(f"**{h}**")
@@ -137,7 +143,9 @@ def main(argv=None) -> None:
             cells = []
             for w in WORKLOADS:
                 rs = rows_for(limit_rows, hint=h, workload=w, limit=limit)
-                cells.append(f"{_cell([r[0] for r in rs])}, mem {statistics.mean(r[1] for r in rs):.2f}x")
+                cells.append(f"{_cell([r[0] for r in rs])}, mem "
+                             f"{statistics.mean(r[1] for r in rs):.2f}x (worst rank "
+                             f"{statistics.mean(r[5] for r in rs):.2f}x)")
             out(f"| {limit} | " + " | ".join(cells) + " |")
         out("")
         png = f"tradeoff_{h}.png"

@@ -89,11 +89,26 @@ def _kind_of(action: _Action) -> Kind:
     raise ValueError(f"the arbiter does not run {action}")
 
 
+@dataclass(frozen=True)
+class MemoryLimits:
+    """Microbatches of activations a rank may hold (see ``resolve_buffer_limits``).
+
+    A microbatch's activations on a stage are held from its F until its last backward
+    piece: B, or W when backward is split.
+    """
+
+    per_stage: Mapping[int, int]
+    """Per stage: microbatches held at once."""
+    per_rank: Mapping[int, int]
+    """Per pipeline rank: microbatches held at once by all its stages together."""
+
+
 class Arbiter:
     """Ready-set bookkeeping and choice for one rank during one step.
 
-    ``limits``: per-stage cap on forwards done minus backwards (B/I) done, i.e. on
-    activations held; ``None`` for no cap (forward-only steps).
+    ``limits``: microbatches of activations the rank may hold, per stage and in all (see
+    ``resolve_buffer_limits`` for why any accepted limit is deadlock-free); ``None`` for no
+    cap (forward-only steps).
     """
 
     def __init__(
@@ -101,12 +116,14 @@ class Arbiter:
         hint: Hint,
         rank: int,
         *,
-        limits: Mapping[int, int] | None = None,
+        limits: MemoryLimits | None = None,
         policy: Policy | None = None,
     ):
         self.hint = hint
         self.rank = rank
-        self.limits = dict(limits) if limits is not None else None
+        local = set(hint.stages_on(rank))
+        self.limits = {s: limits.per_stage[s] for s in local} if limits is not None else None
+        self.rank_limit = limits.per_rank[rank] if limits is not None else None
         peaks = hint.peak_in_flight()
         # Below the hint's own peak the fixed order itself would stall on backpressure,
         # so "the hint's next action is always allowed" no longer guarantees progress.
@@ -116,7 +133,6 @@ class Arbiter:
         actions = hint.orders[rank]
         position = {(a.stage_index, a.computation_type, a.microbatch_index): i
                     for i, a in enumerate(actions)}
-        local = set(hint.stages_on(rank))
 
         def find(stage: int, kinds, mb: int | None) -> int:
             for kind in kinds:
@@ -180,7 +196,14 @@ class Arbiter:
         self.first_undone = 0
         self._pending_backward = 0
         self.in_flight = {s: 0 for s in local}
+        """Per stage: microbatches held (forwards launched, last backward piece not)."""
         self.peak_in_flight = {s: 0 for s in local}
+        self.held = 0
+        """Microbatches held by all the rank's stages."""
+        self.peak_held = 0
+        self._future_peak = hint.future_rank_peak(rank)
+        self._forwards_ahead = 0
+        """Forwards launched at hint positions after ``first_undone``."""
         self._forwards_left = {s: sum(1 for n in self.nodes if n.kind == "F" and n.stage == s)
                                for s in local}
         self.backpressure_entries = {s: 0 for s in local}
@@ -243,12 +266,29 @@ class Arbiter:
             peer = self.hint.stage_to_rank[edge.src]
             return Wait(node.action, f"its {what} from stage {edge.src} on pipeline rank {peer}",
                         peer_stage=edge.src, peer_rank=peer)
-        if node.kind == "F" and self.limits is not None:
+        if node.kind == "F" and self.limits is not None and not self._fits(node):
             limit = self.limits[node.stage]
-            if self.in_flight[node.stage] >= limit:
-                return Wait(node.action, f"a backward of stage {node.stage} (backpressure: "
-                            f"{self.in_flight[node.stage]} forwards in flight, limit {limit})")
+            return Wait(node.action, f"a backward of stage {node.stage} or another of this "
+                        f"rank's stages (backpressure: the stage holds "
+                        f"{self.in_flight[node.stage]} microbatches, limit {limit}; the rank "
+                        f"{self.held}, limit {self.rank_limit}; "
+                        f"{self._forwards_ahead} forwards ahead of the hint)")
         return None
+
+    def _fits(self, node: Node) -> bool:
+        """Whether forward ``node`` may run within the memory limits.
+
+        Per stage and per rank under the limit; and a forward ahead of the hint's next
+        action only if the forwards run ahead, one more, still leave the rank room for the
+        most the fixed order will hold from that next action on (so that the hint's next
+        action always fits: see ``resolve_buffer_limits``).
+        """
+        if self.in_flight[node.stage] >= self.limits[node.stage]:  # type: ignore[index]
+            return False
+        if self.held >= self.rank_limit:  # type: ignore[operator]
+            return False
+        return node.index == self.first_undone or (
+            self._forwards_ahead + 1 <= self.rank_limit - self._future_peak[self.first_undone])
 
     def _may_run(self, node: Node) -> bool:
         """``_blocked_by(node) is None``, without building the explanation (hot path)."""
@@ -263,7 +303,7 @@ class Arbiter:
         if node.message is not None and node.message not in self._arrived:
             return False
         if node.kind == "F" and self.limits is not None:
-            return self.in_flight[node.stage] < self.limits[node.stage]
+            return self._fits(node)
         return True
 
     def ready(self) -> list[Node]:
@@ -310,21 +350,29 @@ class Arbiter:
             self._heads[sid] += 1
         if node.index != self.first_undone and node.kind != "R":
             self.out_of_order += 1
+        if node.kind == "F" and node.index != self.first_undone:
+            self._forwards_ahead += 1
         while self.first_undone < len(self.nodes) and self._done[self.first_undone]:
             self.first_undone += 1
+            passed = self.nodes[self.first_undone - 1]
+            if passed.kind == "F" and passed is not node:
+                self._forwards_ahead -= 1
         self.realized.append(action)
         if node.kind in ("F", "BI"):
             self.last_kind = node.kind
         if node.kind == "F":
             s = node.stage
             self.in_flight[s] += 1
+            self.held += 1
             self._forwards_left[s] -= 1
             self.peak_in_flight[s] = max(self.peak_in_flight[s], self.in_flight[s])
+            self.peak_held = max(self.peak_held, self.held)
             if (self.limits is not None and self._forwards_left[s] > 0
                     and self.in_flight[s] == self.limits[s]):
                 self.backpressure_entries[s] += 1
-        elif node.kind == "BI":
+        elif node.action.computation_type in WEIGHT_GRAD_KINDS:  # the last backward piece
             self.in_flight[node.stage] -= 1
+            self.held -= 1
 
     def messages_sent_by(self, action: _Action) -> list[Edge]:
         """Remote edges ``action`` sends a message on once it has run."""
@@ -347,29 +395,48 @@ class Arbiter:
             raise KeyError(f"{action} is not in rank {self.rank}'s hint") from None
 
 
-def resolve_buffer_limits(spec: str | int | Mapping[int, int], hint: Hint) -> dict[int, int]:
-    """Per-stage forward-in-flight limits from ``"hint"``, ``"hint+k"``, an int, or an
-    explicit ``{stage: limit}`` for every stage.
+def resolve_buffer_limits(spec: str | int, hint: Hint) -> MemoryLimits:
+    """Memory limits from ``"hint"``, ``"hint+k"`` or an int, in microbatches of activations
+    held (from a microbatch's F until its last backward piece, B or W):
 
-    Raises ``ValueError`` for a malformed spec, a limit below 1, or a limit below what the
-    hint's stream orders can run with.
+    * ``"hint"``: per stage, the fixed schedule's own peak; per rank, its per-rank peak (the
+      most the rank's stages hold together at any moment of the fixed order). So RRFP never
+      holds more, on any stage or rank, than the fixed schedule holds at some moment.
+    * ``"hint+k"``: ``k`` more per stage and ``k`` more per rank.
+    * an int ``n``: ``n`` per stage and ``n`` per rank.
+
+    Deadlock-freedom. (1) At limits no lower than the hint's own peaks, the hint's next
+    action (``first_undone``) always fits. Per stage: streams run in hint order, so when
+    that action is a forward of stage s no later forward of s has been launched, and the
+    stage holds at most what the fixed order holds at that point, below its peak. Per rank:
+    the arbiter lets a forward run ahead of the hint's next action only while the forwards
+    run ahead (A) stay within ``rank limit - M``, where M is the most the fixed order holds
+    from the next action on. The rank holds at most ``h + A`` (h: what the fixed order
+    holds at that point; backward pieces run ahead only lower it), so the next forward
+    brings it to ``h + 1 + A <= M + (limit - M)``; and the invariant survives every launch
+    (A grows only under the rule, and when the next action moves on, A can only shrink
+    while M can only fall). The fixed order itself completes (``check_deadlock_free``), so
+    the earliest action of its dependency order not yet launched is always launchable:
+    RRFP always progresses, whatever the timing, under any policy that accepts the hint's
+    next action when it is ready (every policy here does; the BF/BFW rules run whatever is
+    ready). (2) Below the hint's peak on a stage that is alone on its rank, when every
+    stage's F and B/I streams follow one common microbatch order: the earliest microbatch in
+    flight can always move, since every forward it still needs is the hint's next action on
+    its rank and its stage holds nothing older. Limits below the hint's peak elsewhere (a
+    rank holding several stages, or streams in different orders as in LoopedBFS) are
+    refused with ``ValueError``. ``tests/test_arbiter.py`` checks this in the simulator for
+    thousands of random timings, every hint, every policy and a range of limits.
     """
-    peaks = hint.peak_in_flight()
-    if isinstance(spec, Mapping):
-        if sorted(spec) != sorted(peaks) or any(
-                isinstance(v, bool) or not isinstance(v, int) or v < 1 for v in spec.values()):
-            raise ValueError(f"buffer_limit as a dict needs an int >= 1 for each of the stages "
-                             f"{sorted(peaks)}, got {dict(spec)}")
-        limits = dict(spec)
-    elif isinstance(spec, bool) or not isinstance(spec, (int, str)):
+    peaks, rank_peaks = hint.peak_in_flight(), hint.rank_peaks()
+    if isinstance(spec, bool) or not isinstance(spec, (int, str)):
         raise ValueError(f"buffer_limit must be 'hint', 'hint+k' or an int >= 1, got {spec!r}")
-    elif isinstance(spec, int):
+    if isinstance(spec, int):
         if spec < 1:
             raise ValueError(
-                f"buffer_limit={spec} is below 1: at least one forward per stage must be "
+                f"buffer_limit={spec} is below 1: at least one microbatch per stage must be "
                 "allowed in flight; use an int >= 1, 'hint' or 'hint+k'"
             )
-        limits = {s: spec for s in peaks}
+        limits = MemoryLimits({s: spec for s in peaks}, {r: spec for r in rank_peaks})
     else:
         text = spec.replace(" ", "").lower()
         extra = 0
@@ -378,20 +445,38 @@ def resolve_buffer_limits(spec: str | int | Mapping[int, int], hint: Hint) -> di
         elif text != "hint":
             raise ValueError(
                 f"buffer_limit={spec!r} is not understood: use 'hint' (the fixed schedule's "
-                "own peak per stage), 'hint+k' with k >= 0, or an int >= 1"
+                "own peaks per stage and per rank), 'hint+k' with k >= 0, or an int >= 1"
             )
-        limits = {s: peak + extra for s, peak in peaks.items()}
+        limits = MemoryLimits({s: peak + extra for s, peak in peaks.items()},
+                              {r: peak + extra for r, peak in rank_peaks.items()})
+    check_limits(limits, hint, spec)
+    return limits
+
+
+def check_limits(limits: MemoryLimits, hint: Hint, spec: object) -> None:
+    """``ValueError`` unless ``limits`` are deadlock-free for ``hint`` (see
+    ``resolve_buffer_limits``); ``spec``: how the user wrote them, for the message."""
+    peaks, rank_peaks = hint.peak_in_flight(), hint.rank_peaks()
+    for rank, peak in rank_peaks.items():
+        stages = hint.stages_on(rank)
+        if len(stages) > 1 and limits.per_rank[rank] < peak:
+            raise ValueError(
+                f"buffer_limit={spec!r} allows {limits.per_rank[rank]} microbatches of "
+                f"activations on pipeline rank {rank}, which holds stages {list(stages)}: "
+                f"below the {peak} that hint {hint.name!r} itself holds there at once, which "
+                "a rank with several stages needs to be deadlock-free; use 'hint', 'hint+k' "
+                f"or an int >= {max(rank_peaks.values())}")
     if not hint.streams_share_one_order():
-        short = {s: (limits[s], peaks[s]) for s in peaks if limits[s] < peaks[s]}
+        short = {s: (limits.per_stage[s], peaks[s]) for s in peaks
+                 if limits.per_stage[s] < peaks[s]}
         if short:
             s, (got, need) = next(iter(short.items()))
             raise ValueError(
-                f"buffer_limit={spec!r} allows {got} forwards in flight on stage {s}, but "
-                f"hint {hint.name!r} runs its backwards in a different microbatch order "
+                f"buffer_limit={spec!r} allows {got} microbatches in flight on stage {s}, "
+                f"but hint {hint.name!r} runs its backwards in a different microbatch order "
                 f"than its forwards, which needs its own peak ({need}) to be deadlock-free: "
                 "use 'hint', 'hint+k' or a larger int"
             )
-    return limits
 
 
 def check_deadlock_free(hint: Hint, policy_factory: Callable[[], Policy] = FixedOrder) -> None:

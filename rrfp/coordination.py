@@ -13,11 +13,14 @@ device synchronization is involved:
   run that action as soon as it is ready for them.
 
 Both keep the hint's next action always acceptable (the fixed order is a common fallback),
-so they add no deadlock the fixed schedule does not have.
+so they add no deadlock the fixed schedule does not have. Every collective is waited for at
+most ``stall_timeout`` seconds: a peer that stopped or failed makes the others raise
+``PipelineStallError`` naming it, instead of waiting for gloo's own timeout.
 """
 
 from __future__ import annotations
 
+import datetime
 import time
 from collections.abc import Callable
 from typing import Protocol
@@ -27,6 +30,7 @@ import torch.distributed as dist
 
 from rrfp.arbiter import Arbiter
 from rrfp.hints import _Action
+from rrfp.loop import PipelineStallError
 
 COORDINATIONS = ("leader", "agree")
 _NONE = -1
@@ -55,6 +59,14 @@ class Coordinator(Protocol):
         ...
 
 
+def _wait(work: dist.Work, stall_timeout: float, what: str) -> None:
+    try:
+        work.wait(datetime.timedelta(seconds=stall_timeout))
+    except RuntimeError as e:
+        raise PipelineStallError(f"{what} did not complete within stall_timeout "
+                                 f"({stall_timeout:g} s): {e}") from e
+
+
 class AgreeOnProposals:
     """The paper's coordination: all-gather the proposals; run only on agreement."""
 
@@ -62,8 +74,10 @@ class AgreeOnProposals:
     needs_choice = True
     waits_when_idle = False
 
-    def __init__(self, group: dist.ProcessGroup, retry_interval: float = 0.002):
+    def __init__(self, group: dist.ProcessGroup, stall_timeout: float,
+                 retry_interval: float = 0.002):
         self.group = group
+        self.stall_timeout = stall_timeout
         self.size = dist.get_world_size(group)
         self.retry_interval = retry_interval
         self.rounds = self.deferrals = 0
@@ -74,7 +88,10 @@ class AgreeOnProposals:
     def settle(self, choice, arbiter, wait_for_arrivals):
         start = time.perf_counter()
         self._mine.fill_(_NONE if choice is None else arbiter.position(choice))
-        dist.all_gather(self._all, self._mine, group=self.group)
+        work = dist.all_gather(self._all, self._mine, group=self.group, async_op=True)
+        peers = [r for r in dist.get_process_group_ranks(self.group) if r != dist.get_rank()]
+        _wait(work, self.stall_timeout, "all-gathering the proposals of this rank's "
+              f"coordination group with global rank {', '.join(map(str, peers))}")
         self.rounds += 1
         proposals = {int(t) for t in self._all}
         if len(proposals) == 1 and _NONE not in proposals:
@@ -97,8 +114,9 @@ class LeaderDecides:
     name = "leader"
     waits_when_idle = True
 
-    def __init__(self, group: dist.ProcessGroup):
+    def __init__(self, group: dist.ProcessGroup, stall_timeout: float):
         self.group = group
+        self.stall_timeout = stall_timeout
         self.leader = dist.get_global_rank(group, 0)
         self.is_leader = self.needs_choice = dist.get_rank() == self.leader
         self.rounds = self.deferrals = 0
@@ -118,7 +136,9 @@ class LeaderDecides:
             return choice
         if self._decided is None:
             decision = torch.zeros(1, dtype=torch.int64)
-            dist.broadcast(decision, src=self.leader, group=self.group)
+            work = dist.broadcast(decision, src=self.leader, group=self.group, async_op=True)
+            _wait(work, self.stall_timeout,
+                  f"the decision of coordination leader global rank {self.leader}")
             self.rounds += 1
             self._decided = arbiter.nodes[int(decision)].action
         self.seconds += time.perf_counter() - start
@@ -129,13 +149,14 @@ class LeaderDecides:
 
     def finish(self) -> None:
         for work, _ in self._pending:
-            work.wait()
+            _wait(work, self.stall_timeout, "broadcasting this leader's decisions to "
+                  f"global ranks {dist.get_process_group_ranks(self.group)}")
         self._pending.clear()
 
 
-def make_coordinator(kind: str, group: dist.ProcessGroup) -> Coordinator:
+def make_coordinator(kind: str, group: dist.ProcessGroup, stall_timeout: float) -> Coordinator:
     if kind == "leader":
-        return LeaderDecides(group)
+        return LeaderDecides(group, stall_timeout)
     if kind == "agree":
-        return AgreeOnProposals(group)
+        return AgreeOnProposals(group, stall_timeout)
     raise ValueError(f"unknown coordination {kind!r}: use one of {list(COORDINATIONS)}")

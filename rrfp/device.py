@@ -102,7 +102,7 @@ class EmulatedDevice:
         self._work: queue.SimpleQueue = queue.SimpleQueue()
         self._done: queue.SimpleQueue = queue.SimpleQueue()
         self._outstanding = 0
-        self._error: BaseException | None = None
+        self._error: tuple[_Action, BaseException] | None = None
         self._skip = False
         self._thread: threading.Thread | None = None
 
@@ -134,8 +134,9 @@ class EmulatedDevice:
             except queue.Empty:
                 break
             self._outstanding -= 1
-            if isinstance(item, BaseException):
-                raise RuntimeError("an action failed on the emulated device") from item
+            if isinstance(item, tuple):
+                action, error = item
+                raise RuntimeError(f"{action} failed on the emulated device: {error}") from error
             done.append(item)
         return done
 
@@ -160,14 +161,14 @@ class EmulatedDevice:
             if self._skip:
                 continue
             if self._error is not None:
-                outcome: Completion | BaseException = self._error
+                outcome: Completion | tuple[_Action, BaseException] = self._error
             else:
                 start = time.perf_counter()
                 try:
                     with torch.set_grad_enabled(grad_enabled):
                         work()
                 except BaseException as e:  # raised on the launching thread by completed()
-                    self._error = outcome = e
+                    self._error = outcome = (action, e)
                 else:
                     outcome = Completion(action, start - self._origin,
                                          time.perf_counter() - self._origin)

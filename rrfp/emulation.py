@@ -19,19 +19,6 @@ from collections.abc import Callable
 import torch
 
 
-class _SleepInBackward(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, tensor: torch.Tensor, seconds: float, owner: EmulatedDeviceTime) -> torch.Tensor:
-        ctx.seconds = seconds
-        ctx.owner = owner
-        return tensor.clone()  # a view would trip torch's in-place detach of stage outputs
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        ctx.owner.sleep(ctx.seconds)
-        return grad, None, None
-
-
 class EmulatedDeviceTime(torch.nn.Module):
     """Wraps a stage module whose output is one tensor.
 
@@ -72,6 +59,9 @@ class EmulatedDeviceTime(torch.nn.Module):
         mb = self._calls % self.n_microbatches
         self._calls += 1
         self.sleep(self.forward_time(mb))
-        if not out.requires_grad:
-            return out
-        return _SleepInBackward.apply(out, self.backward_time(mb), self)
+        if out.requires_grad:
+            # A hook, not a custom autograd Function: under torch's split backward (I/W)
+            # a custom Function keeps its input alive after W, which would skew memory.
+            seconds = self.backward_time(mb)
+            out.register_hook(lambda grad: self.sleep(seconds))
+        return out

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import csv
 import os
-from collections import defaultdict
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from functools import cached_property
@@ -177,21 +176,53 @@ class Hint:
         return orders
 
     def peak_in_flight(self) -> dict[int, int]:
-        """Per stage, the fixed order's peak of forwards done minus backwards (B/I) done."""
+        """Per stage, the fixed order's peak of microbatches held (see ``held_after``)."""
         return dict(self._peaks)
+
+    def rank_peaks(self) -> dict[int, int]:
+        """Per rank, the fixed order's peak of microbatches held by all the rank's stages
+        together (the maximum over time of their sum, not the sum of their peaks)."""
+        return {r: max(total for total, _ in self._held[r]) for r in self.orders}
+
+    def future_rank_peak(self, rank: int) -> tuple[int, ...]:
+        """``[p]``: the most the rank's stages hold together from position ``p`` of its
+        fixed order on (positions ``0..len(order)``)."""
+        return self._future_peaks[rank]
+
+    @cached_property
+    def _held(self) -> dict[int, list[tuple[int, dict[int, int]]]]:
+        """Per rank, after each prefix of its fixed order (``0..len``): (total, per stage)
+        microbatches held. A microbatch's activations on a stage are held from its F until
+        its last backward piece: B, or W when backward is split (after I the autograd
+        state stays alive until W)."""
+        held: dict[int, list[tuple[int, dict[int, int]]]] = {}
+        for rank, acts in self.orders.items():
+            per_stage = {s: 0 for s in self.stages_on(rank)}
+            history = [(0, dict(per_stage))]
+            for a in acts:
+                if a.computation_type == F:
+                    per_stage[a.stage_index] += 1
+                elif a.computation_type in WEIGHT_GRAD_KINDS:  # the last backward piece
+                    per_stage[a.stage_index] -= 1
+                history.append((sum(per_stage.values()), dict(per_stage)))
+            held[rank] = history
+        return held
 
     @cached_property
     def _peaks(self) -> dict[int, int]:
-        peak: dict[int, int] = defaultdict(int)
-        for acts in self.orders.values():
-            in_flight: dict[int, int] = defaultdict(int)
-            for a in acts:
-                if a.computation_type == F:
-                    in_flight[a.stage_index] += 1
-                    peak[a.stage_index] = max(peak[a.stage_index], in_flight[a.stage_index])
-                elif a.computation_type in INPUT_GRAD_KINDS:
-                    in_flight[a.stage_index] -= 1
-        return {s: peak[s] for s in range(self.num_stages)}
+        return {s: max(stages[s] for _, stages in self._held[self.stage_to_rank[s]])
+                for s in range(self.num_stages)}
+
+    @cached_property
+    def _future_peaks(self) -> dict[int, tuple[int, ...]]:
+        future = {}
+        for rank, history in self._held.items():
+            peaks, running = [], 0
+            for total, _ in reversed(history):
+                running = max(running, total)
+                peaks.append(running)
+            future[rank] = tuple(reversed(peaks))
+        return future
 
     def streams_share_one_order(self) -> bool:
         """Whether every stage's F and B/I streams list microbatches in one common order.

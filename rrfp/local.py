@@ -8,6 +8,7 @@ from __future__ import annotations
 import datetime
 import os
 import queue
+import socket
 import tempfile
 import time
 import traceback
@@ -19,18 +20,29 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 
-def run_local_world(world_size: int, fn: Callable[..., Any], *args: Any, timeout: float = 120.0) -> list[Any]:
+def run_local_world(world_size: int, fn: Callable[..., Any], *args: Any, timeout: float = 120.0,
+                    store: str = "file") -> list[Any]:
     """Run ``fn(rank, world_size, *args)`` on every rank; return the per-rank results.
 
     Fails (and kills every rank) if any rank raises or the world runs past ``timeout``.
-    ``fn`` must be importable (module level), as ranks are spawned processes.
+    ``fn`` must be importable (module level), as ranks are spawned processes. ``store``:
+    ``"file"`` (a FileStore in a temporary folder) or ``"tcp"`` (a TCPStore on a free
+    local port, as torchrun uses).
     """
     ctx = mp.get_context("spawn")
     with tempfile.TemporaryDirectory() as tmp:
+        if store == "tcp":
+            with socket.socket() as probe:
+                probe.bind(("127.0.0.1", 0))
+                init_method = f"tcp://127.0.0.1:{probe.getsockname()[1]}"
+        elif store == "file":
+            init_method = f"file://{tmp}/store"
+        else:
+            raise ValueError(f"store must be 'file' or 'tcp', got {store!r}")
         results: queue.Queue = ctx.Queue()
         procs = [
             ctx.Process(target=_rank_main, daemon=True,
-                        args=(rank, world_size, f"file://{tmp}/store", results, fn, args))
+                        args=(rank, world_size, init_method, results, fn, args))
             for rank in range(world_size)
         ]
         for p in procs:

@@ -4,7 +4,9 @@ A rank decides what to run next when its *device* is free, not when its CPU retu
 launch: it is free while fewer than ``launch_depth`` of its launched actions are incomplete
 on the device. On CUDA a launch returns once kernels are enqueued, so deciding at launch
 time would enqueue every ready action at once and freeze the order long before the device
-gets to it.
+gets to it. Ahead of a busy device only the hint's next action may be launched (to hide
+the CPU's launch cost, as a fixed schedule does); an action out of hint order is chosen
+only when the device is idle, on the latest arrivals.
 
 What differs between a CUDA device, the emulated asynchronous device of the CPU tests and
 the simulator sits behind two small interfaces: ``Device`` (launch work behind earlier
@@ -28,6 +30,11 @@ from typing import Protocol
 from rrfp.arbiter import Arbiter, describe
 from rrfp.hints import _Action, Edge
 from rrfp.policy import History
+
+
+DEFAULT_LAUNCH_DEPTH = 2
+"""Launched-but-incomplete actions a device may hold by default: one queued behind the
+running one hides the CPU's launch cost; see ``benchmarks/results/launch_depth.md``."""
 
 
 class PipelineStallError(RuntimeError):
@@ -78,6 +85,10 @@ class Executor(Protocol):
         """The action's compute, then the messages it sends on ``sends``."""
         ...
 
+    def completed(self, action: _Action) -> None:
+        """``action`` has completed on the device (e.g. its buffers may be reused)."""
+        ...
+
 
 @dataclass
 class StepLoop:
@@ -90,8 +101,13 @@ class StepLoop:
     """Messages that arrived since the last call; never blocks."""
     clock: Callable[[], float]
     """Seconds since the step start."""
-    launch_depth: float = 1
+    launch_depth: float = DEFAULT_LAUNCH_DEPTH
     """Launched-but-incomplete actions the device may hold (``math.inf``: no bound)."""
+    reorder_ahead: bool = False
+    """Whether an action out of hint order may be launched onto a busy device. False (what
+    ``ScheduleRRFP`` does): ahead of the device only the hint's next action is launched,
+    and deviations are chosen when the device is idle, on the latest arrivals. True with
+    no depth bound models a runtime that decides when its launches return (for studies)."""
     stall_timeout: float = math.inf
     """Seconds without a launch, an arrival or a completion before the step raises."""
     describe_rank: str = "rank"
@@ -153,16 +169,23 @@ class StepLoop:
         self.received.extend(arrived)
         done = self.device.completed()
         self.completions.extend(done)
-        for _ in done:
+        for completion in done:
             self._on_device.popleft()
+            self.executor.completed(completion.action)
         return bool(arrived or done)
 
     def _choose(self) -> _Action | None:
-        coordinator = self.coordinator
+        arbiter, coordinator = self.arbiter, self.coordinator
+        proposal = arbiter.choose() if coordinator is None or coordinator.needs_choice else None
+        if (proposal is not None and self.device.outstanding and not self.reorder_ahead
+                and arbiter.position(proposal) != arbiter.first_undone):
+            # Ahead of a busy device only the hint's own next action is launched (hiding
+            # the launch cost, as a fixed schedule would); a deviation from the hint waits
+            # for an idle device, so that it is chosen on the latest arrivals.
+            proposal = None
         if coordinator is None:
-            return self.arbiter.choose()
-        proposal = self.arbiter.choose() if coordinator.needs_choice else None
-        return coordinator.settle(proposal, self.arbiter, self._block_and_take_events)
+            return proposal
+        return coordinator.settle(proposal, arbiter, self._block_and_take_events)
 
     def _block_and_take_events(self, timeout: float) -> None:
         start = self.clock()

@@ -11,14 +11,15 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
-import threading
 import time
+import warnings
 from collections.abc import Callable
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch.distributed.fsdp import FSDPModule
+from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel
 from torch.distributed.pipelining.schedules import (
     _check_torch_compile_compatibility,
@@ -45,15 +46,15 @@ from rrfp.hints import (
 )
 from rrfp.coordination import COORDINATIONS, make_coordinator
 from rrfp.device import CudaDevice, EmulatedDevice, HostDevice, Wakeup
-from rrfp.loop import Arrival, Completion, PipelineStallError, StepLoop
+from rrfp.loop import Arrival, DEFAULT_LAUNCH_DEPTH, PipelineStallError, StepLoop
+from rrfp.memory import ActivationMeter
 from rrfp.policy import default_policy, History, make_policy, POLICIES
+from rrfp.receives import ReceiveRings
 from rrfp.stats import Span, StepStats
 from rrfp.transport import create_channels, SendDelay, Transport
 
 logger = logging.getLogger(__name__)
 
-DEFAULT_LAUNCH_DEPTH = 2
-"""Launched-but-incomplete actions a device may hold by default (see ``launch_depth``)."""
 
 
 class ScheduleRRFP(PipelineScheduleMulti):
@@ -71,9 +72,11 @@ class ScheduleRRFP(PipelineScheduleMulti):
             compute-only format, a ``{rank: [_Action | None, ...]}`` dict, or the paper's
             rules ``"BF"``/``"BFW"``. ``None``: the fixed schedule torch would use for the
             placement (1F1B, Interleaved1F1B, or ZBVZeroBubble for V).
-        buffer_limit: cap on forwards done minus backwards done per stage, i.e. on
-            activations held: ``"hint"`` (the fixed schedule's own peak per stage: no more
-            activation memory than the hint), ``"hint+k"``, or an int >= 1.
+        buffer_limit: microbatches of activations held (from a microbatch's F until its
+            last backward piece, B or W), per stage and per rank: ``"hint"`` (the fixed
+            schedule's own peaks, per stage and per rank: no more activation memory than
+            the hint), ``"hint+k"`` (k more of each), or an int n (n per stage and per
+            rank); see ``rrfp.arbiter.resolve_buffer_limits``.
         stall_timeout: seconds without any ready action before the step raises
             ``PipelineStallError`` naming what each stream waits for.
         scale_grads, args_chunk_spec, kwargs_chunk_spec, output_merge_spec: as in torch's
@@ -93,6 +96,10 @@ class ScheduleRRFP(PipelineScheduleMulti):
             the CPU's launch cost behind the device's work, at the price of choosing that
             much earlier. Default ``DEFAULT_LAUNCH_DEPTH``, from
             ``benchmarks/results/launch_depth.md``.
+        reorder_ahead: let an action out of hint order be launched onto a busy device
+            (default False: ahead of the device only the hint's next action is launched;
+            deviations are chosen when the device is idle, on the latest arrivals). With
+            ``launch_depth=None`` this decides whenever a launch returns: for studies.
         device: where actions run. ``None``: the stages' CUDA stream for CUDA stages,
             synchronous execution for CPU stages. ``rrfp.device.EmulatedDevice(...)``: an
             emulated asynchronous device for CPU stages (tests and studies).
@@ -116,6 +123,7 @@ class ScheduleRRFP(PipelineScheduleMulti):
         coordination: str = "leader",
         send_delay: SendDelay | None = None,
         launch_depth: int | None = DEFAULT_LAUNCH_DEPTH,
+        reorder_ahead: bool = False,
         device: EmulatedDevice | None = None,
     ):
         if policy is not None and policy not in POLICIES:
@@ -178,8 +186,19 @@ class ScheduleRRFP(PipelineScheduleMulti):
             except RuntimeError as e:
                 raise ValueError(f"{e}; use a hint without split backward (I/W)") from None
         self.buffer_limits = resolve_buffer_limits(buffer_limit, self._hint)
-        self.policy = policy or default_policy(
-            self._hint.policy, self.buffer_limits == self._hint.peak_in_flight())
+        at_hint_memory = self.buffer_limits == resolve_buffer_limits("hint", self._hint)
+        self.policy = policy or default_policy(self._hint.policy, at_hint_memory)
+        if self.policy == "fixed":
+            short = {s: (limit, self._hint.peak_in_flight()[s])
+                     for s, limit in self.buffer_limits.per_stage.items()
+                     if limit < self._hint.peak_in_flight()[s]}
+            if short:
+                s, (got, need) = next(iter(short.items()))
+                raise ValueError(
+                    f"policy='fixed' runs hint {self._hint.name!r} in its own order, which "
+                    f"holds up to {need} microbatches on stage {s}, but "
+                    f"buffer_limit={buffer_limit!r} allows {got}: it would stall; use "
+                    "buffer_limit='hint' (or larger) with policy='fixed'")
         self._history = History()
         check_deadlock_free(self._hint)
         self._forward_only_hint = self._hint.forward_only()
@@ -189,30 +208,46 @@ class ScheduleRRFP(PipelineScheduleMulti):
         for stage in stages:
             stage.stage_index_to_group_rank = self.stage_index_to_group_rank
         self.pipeline_order = {r: list(acts) for r, acts in self._hint.orders.items()}
+        _check_fsdp_wraps_the_stage(stages)
+        _warn_about_shared_parameters(stages)
         self._ddp = self._unwrap_ddp(stages)
         self._stage_by_index = {stage.stage_index: stage for stage in stages}
         self._global_ranks = dist.get_process_group_ranks(stages[0].group or dist.group.WORLD)
 
         self.launch_depth = math.inf if launch_depth is None else launch_depth
+        self.reorder_ahead = bool(reorder_ahead)
         self._device = device if device is not None else (
             CudaDevice(stage_device) if stage_device.type == "cuda" else HostDevice())
         self._wakeup = Wakeup()
+        self._receives = ReceiveRings()
+        self._meter = ActivationMeter()
         self._transport = Transport(create_channels(self._hint, stages[0].group, stage_device),
                                     self._wakeup, send_delay=send_delay)
         self._coordination_group = coordination_group
+        self._collectives_checked = False
         self.coordination = coordination
         self._failure: str | None = None
         self.last_step_stats: StepStats | None = None
+        local = self._hint.stages_on(self.rank)
         logger.info(
-            "ScheduleRRFP on pipeline rank %d: hint %s (policy %s, %s placement), "
-            "buffer limits %s (hint peaks %s), launch depth %s, %s", self.rank,
-            self._hint.name, self.policy, self._hint.layout, self.buffer_limits,
-            self._hint.peak_in_flight(), self.launch_depth, type(self._device).__name__,
+            "ScheduleRRFP on pipeline rank %d: hint %s (policy %s, %s placement), memory "
+            "limits %s per stage and %d on the rank (the hint holds %s and %d), launch depth "
+            "%s, %s", self.rank, self._hint.name, self.policy, self._hint.layout,
+            {s: self.buffer_limits.per_stage[s] for s in local},
+            self.buffer_limits.per_rank[self.rank],
+            {s: self._hint.peak_in_flight()[s] for s in local},
+            self._hint.rank_peaks()[self.rank], self.launch_depth, type(self._device).__name__,
         )
 
     @property
     def hint(self) -> Hint:
         return self._hint
+
+    @property
+    def history(self) -> History:
+        """What earlier steps showed this rank (device durations per stage and kind,
+        arrival times): what the ``lookahead`` policy decides by."""
+        return self._history
 
     def _step_microbatches(
         self,
@@ -235,6 +270,10 @@ class ScheduleRRFP(PipelineScheduleMulti):
             loss_kwargs,
         )
         fsdp_modules = self._prepare_data_parallel()
+        if not self._collectives_checked:
+            self._check_intra_stage_collectives()
+            self._collectives_checked = True
+        self._meter.reset(p for stage in self._stages for p in stage.submod.parameters())
         origin = time.perf_counter()
 
         def clock() -> float:
@@ -249,20 +288,22 @@ class ScheduleRRFP(PipelineScheduleMulti):
         executor = _StageExecutor(self, clock, arg_mbs, kwarg_mbs, target_mbs, return_outputs,
                                   loss_kwargs)
         group = self._coordination_group
-        coordinator = (make_coordinator(self.coordination, group)
+        coordinator = (make_coordinator(self.coordination, group, self.stall_timeout)
                        if group is not None and dist.get_world_size(group) > 1 else None)
         loop = StepLoop(
             arbiter, self._device, executor,
             arrivals=lambda: [Arrival(edge, mb, seen - origin)
                               for edge, mb, seen in self._transport.collect()],
-            clock=clock, launch_depth=self.launch_depth, stall_timeout=self.stall_timeout,
+            clock=clock, launch_depth=self.launch_depth, reorder_ahead=self.reorder_ahead,
+            stall_timeout=self.stall_timeout,
             describe_rank=f"pipeline rank {self.rank} (global rank {dist.get_rank()})",
             describe_peer=lambda peer: f"global rank {self._global_ranks[peer]}",
             coordinator=coordinator, block=self._wakeup.wait,
         )
         self._device.begin_step(origin, self._wakeup)
         try:
-            self._post_receives(arbiter)
+            self._receives.start(self._transport, hint, self._stage_by_index,
+                                 self.buffer_limits.per_stage, training=self._has_backward)
             for timeout in loop.run():
                 self._wakeup.wait(timeout)
             if coordinator is not None:
@@ -284,16 +325,6 @@ class ScheduleRRFP(PipelineScheduleMulti):
         if self._loss_fn is not None and any(s.is_last for s in self._stages):
             self._internal_losses = [executor.losses[m] for m in range(self._n_microbatches)]
         self._update_losses(self._stages, losses)
-
-    def _post_receives(self, arbiter: Arbiter) -> None:
-        """Post every receive of the step, each channel in its producer's send order."""
-        for edge in self._transport.channels:
-            stage = self._stage_by_index.get(edge.dst)
-            if stage is None:
-                continue
-            for mb in arbiter.hint.message_order(edge):
-                ops = stage.get_fwd_recv_ops(mb) if edge.is_forward else stage.get_bwd_recv_ops(mb)
-                self._transport.post_receive(edge, mb, [op.tensor for op in ops])
 
     def _abandon(self, error: BaseException) -> None:
         """After a failed step: close the channels, so that the peers' pending receives
@@ -335,9 +366,43 @@ class ScheduleRRFP(PipelineScheduleMulti):
                         "True and has buffers, which DDP broadcasts in every forward: under "
                         "RRFP replicas run forwards at different times; construct "
                         "DistributedDataParallel(..., broadcast_buffers=False) or use FSDP")
+                # DDP keeps hooks registered with register_comm_hook in this list; RRFP
+                # reduces the gradients itself and could not run them.
+                if ddp._comm_hooks:
+                    raise ValueError(
+                        f"stage {stage.stage_index} is wrapped in DDP with a communication "
+                        "hook, which RRFP cannot run: it reduces DDP gradients itself, at "
+                        "REDUCE_GRAD in fixed stage order (DDP's default: average over "
+                        "replicas); remove the hook, or use FSDP")
                 wrappers[stage.stage_index] = ddp
                 stage.submod = ddp.module
         return wrappers
+
+    def _check_intra_stage_collectives(self) -> None:
+        """Refuse parameters sharded over a group that no coordination group covers.
+
+        Checked once, with FSDP modules unsharded: parameters that are still DTensors are
+        sharded over a group whose collectives run inside the stage's compute (tensor or
+        expert parallel). Its ranks must run the same action sequence, which only a
+        ``coordination_group`` over them ensures; without it they would interleave
+        actions differently and issue mismatched collectives (a hang or wrong results).
+        """
+        covered = set(dist.get_process_group_ranks(self._coordination_group)
+                      if self._coordination_group is not None else [dist.get_rank()])
+        for stage in self._stages:
+            for name, p in stage.submod.named_parameters():
+                if not isinstance(p, DTensor) or p.device_mesh.size() == 1:
+                    continue
+                ranks = sorted(set(p.device_mesh.mesh.flatten().tolist()))
+                if not set(ranks) <= covered:
+                    raise ValueError(
+                        f"parameter {name!r} of stage {stage.stage_index} is a DTensor sharded "
+                        f"over global ranks {ranks} (tensor or expert parallel), whose "
+                        "collectives run inside the stage's compute, but "
+                        + ("no coordination_group is given" if self._coordination_group is None
+                           else f"the coordination_group covers only {sorted(covered)}")
+                        + ": pass coordination_group=dist.new_group(<those ranks>, "
+                        "backend='gloo') so that they run the same actions")
 
     def _prepare_data_parallel(self) -> list[FSDPModule]:
         """Unshard the local stages' FSDP modules now, in stage order; return them.
@@ -361,21 +426,70 @@ class ScheduleRRFP(PipelineScheduleMulti):
 
 
 def _all_reduce_gradients(module: DistributedDataParallel) -> None:
-    """What DDP's default hook does to its buckets (divide by the replica count, then
-    sum), for the whole stage at once."""
+    """What DDP's default hook does (divide by the replica count, then sum), bucket by
+    bucket of at most DDP's ``bucket_bytes_cap``: the extra memory is one bucket."""
     params = [p for p in module.parameters() if p.requires_grad]
     for p in params:
         if p.grad is None:  # unused here, maybe used on another replica: sizes must match
             p.grad = torch.zeros_like(p)
-    grads = [p.grad for p in params]
-    if not grads:
-        return
     group = module.process_group
-    flat = torch._utils._flatten_dense_tensors(grads)
-    flat.div_(dist.get_world_size(group))
-    dist.all_reduce(flat, group=group)
-    for grad, reduced in zip(grads, torch._utils._unflatten_dense_tensors(flat, grads)):
-        grad.copy_(reduced)
+    replicas = dist.get_world_size(group)
+    for bucket in gradient_buckets([p.grad for p in params], module.bucket_bytes_cap):
+        flat = torch._utils._flatten_dense_tensors(bucket)
+        flat.div_(replicas)
+        dist.all_reduce(flat, group=group)
+        for grad, reduced in zip(bucket, torch._utils._unflatten_dense_tensors(flat, bucket)):
+            grad.copy_(reduced)
+
+
+def gradient_buckets(grads: list[torch.Tensor], cap_bytes: int) -> list[list[torch.Tensor]]:
+    """Consecutive gradients in buckets of at most ``cap_bytes`` (a larger gradient alone),
+    in parameter order: the same buckets on every replica."""
+    buckets: list[list[torch.Tensor]] = []
+    size = 0
+    for grad in grads:
+        nbytes = grad.numel() * grad.element_size()
+        if not buckets or size + nbytes > cap_bytes:
+            buckets.append([])
+            size = 0
+        buckets[-1].append(grad)
+        size += nbytes
+    return buckets
+
+
+def _check_fsdp_wraps_the_stage(stages: list[_PipelineStageBase]) -> None:
+    """FSDP modules inside a stage need the stage module itself to be one.
+
+    RRFP reduces and reshards a stage's FSDP modules at its REDUCE_GRAD through the stage
+    module (as torch's stages do); inner FSDP modules under a plain root would
+    reduce-scatter inside every backward, at points whose timing differs between
+    replicas: mismatched collectives.
+    """
+    for stage in stages:
+        if not isinstance(stage.submod, FSDPModule) and any(
+                isinstance(m, FSDPModule) for m in stage.submod.modules()):
+            raise ValueError(
+                f"stage {stage.stage_index} holds FSDP modules but is not one itself: apply "
+                "fully_shard to the stage module too (after its blocks, as torchtitan does), "
+                "so that its gradients are reduced once, at REDUCE_GRAD")
+
+
+def _warn_about_shared_parameters(stages: list[_PipelineStageBase]) -> None:
+    """Parameters shared by two stages of this rank (tied embeddings under V placement)
+    accumulate gradients from both, in an order that depends on timing under RRFP."""
+    owner: dict[int, int] = {}
+    for stage in stages:
+        for p in stage.submod.parameters():
+            first = owner.setdefault(id(p), stage.stage_index)
+            if first != stage.stage_index:
+                message = (
+                    f"stages {first} and {stage.stage_index} on this rank share parameters: "
+                    "their gradient contributions add up in an order that depends on "
+                    "timing, so gradients are not bitwise those of the fixed schedule "
+                    "(still correct up to floating-point rounding)")
+                warnings.warn(message, stacklevel=3)
+                logger.warning(message)
+                return
 
 
 class _StageExecutor:
@@ -399,6 +513,9 @@ class _StageExecutor:
                 self.send(action, edge)
         return run
 
+    def completed(self, action: _Action) -> None:
+        self.schedule._receives.completed(action)
+
     def compute(self, action: _Action) -> None:
         schedule = self.schedule
         stage = schedule._stage_by_index[action.stage_index]
@@ -407,10 +524,12 @@ class _StageExecutor:
         with (record_function(_get_profiler_function_name(action))
               if torch.autograd.profiler._is_profiler_enabled else contextlib.nullcontext()):
             if ctype == F:
-                output = stage.forward_one_chunk(
-                    mb, self.arg_mbs[mb], self.kwarg_mbs[mb],
-                    save_forward_output=self.return_outputs,
-                )
+                with schedule._meter.saving():
+                    output = stage.forward_one_chunk(
+                        mb, self.arg_mbs[mb], self.kwarg_mbs[mb],
+                        save_forward_output=self.return_outputs,
+                    )
+                schedule._meter.sample()
                 if stage.is_last and schedule._loss_fn is not None:
                     self.losses[mb] = schedule._compute_loss(
                         output, self.target_mbs[mb], self.loss_kwargs
@@ -465,9 +584,14 @@ def _step_stats(schedule: ScheduleRRFP, loop: StepLoop, executor: _StageExecutor
         launch_depth=schedule.launch_depth,
         arrivals=[(a.edge.src, a.edge.dst, a.microbatch, a.at) for a in loop.received],
         sends=list(executor.sends),
-        buffer_limits={s: arbiter.limits[s] for s in local} if arbiter.limits else None,
+        buffer_limits=dict(arbiter.limits) if arbiter.limits else None,
+        rank_buffer_limit=arbiter.rank_limit,
         hint_peak_in_flight={s: hint_peaks[s] for s in local},
+        hint_rank_peak=arbiter.hint.rank_peaks()[schedule.rank],
         peak_in_flight=dict(arbiter.peak_in_flight),
+        peak_rank_in_flight=arbiter.peak_held,
+        peak_activation_bytes=schedule._meter.peak,
+        receive_buffer_bytes=schedule._receives.nbytes,
         backpressure_entries=dict(arbiter.backpressure_entries),
         out_of_hint_order=arbiter.out_of_order,
         hint_order=[str(n.action) for n in arbiter.nodes],

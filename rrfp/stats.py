@@ -35,11 +35,23 @@ class StepStats:
     launch_depth: float
     """Launched-but-incomplete actions the device could hold (``inf``: no bound)."""
     buffer_limits: dict[int, int] | None
-    """Per-stage cap on forwards in flight (None in forward-only steps)."""
+    """Per local stage: microbatches of activations it may hold (None in forward-only
+    steps). Held: from a microbatch's F until its last backward piece (B or W)."""
+    rank_buffer_limit: int | None
+    """Microbatches of activations the rank's stages may hold together."""
     hint_peak_in_flight: dict[int, int]
-    """The fixed schedule's own peak of forwards in flight, per local stage."""
+    """The fixed schedule's own peak of microbatches held, per local stage."""
+    hint_rank_peak: int
+    """The fixed schedule's peak of microbatches held by the rank's stages together."""
     peak_in_flight: dict[int, int]
-    """Realized peak of forwards done minus backwards done, per local stage."""
+    """Realized peak of microbatches held, per local stage."""
+    peak_rank_in_flight: int
+    """Realized peak of microbatches held by the rank's stages together."""
+    peak_activation_bytes: int
+    """Most bytes of saved activations alive at once on the rank during the step, measured
+    on the tensors themselves (``rrfp.memory.ActivationMeter``; parameters excluded)."""
+    receive_buffer_bytes: int
+    """Bytes of the rank's receive buffers (a ring per incoming channel)."""
     backpressure_entries: dict[int, int]
     """Times each stage reached its limit with forwards still to run."""
     out_of_hint_order: int
@@ -98,8 +110,11 @@ class StepStats:
             f"pp_rank {self.pp_rank}: hint {self.hint} (policy {self.policy}), limits "
             f"{self.buffer_limits}, step {self.step_time * 1e3:.1f} ms, idle "
             f"{self.idle_fraction:.1%}, out-of-hint-order {self.out_of_hint_order}/"
-            f"{self.dispatched}, peak in flight {self.peak_in_flight} (hint "
-            f"{self.hint_peak_in_flight}), backpressure entries {self.backpressure_entries}, "
+            f"{self.dispatched}, peak held {self.peak_in_flight} per stage, "
+            f"{self.peak_rank_in_flight} on the rank (hint {self.hint_peak_in_flight}, "
+            f"{self.hint_rank_peak}), peak activations {self.peak_activation_bytes} B, "
+            f"receive buffers {self.receive_buffer_bytes} B, backpressure entries "
+            f"{self.backpressure_entries}, "
             f"dispatch overhead {self.overhead_per_action * 1e6:.0f} us/action, launch depth "
             f"{self.launch_depth} on {self.device}"
         )

@@ -11,7 +11,8 @@
   would make every rank of the world take part in every channel's creation (and, with a
   bound NCCL device, run a world-wide communicator split for each).
 * **Connected before use**: a channel's ranks exchange one message on it right after
-  creating it, channel by channel in one canonical order on every rank. NCCL creates a
+  creating it, channel by channel in one order on every rank (``connection_order``: in
+  rounds, so that different rank pairs connect in parallel). NCCL creates a
   communicator lazily at its first operation and blocks until the peer joins; if receives
   were posted first, rank 0 would wait on the gradient channel 1->0 while rank 1 waits on
   the activation channel 0->1, each touching the other only when it sends. An order
@@ -22,14 +23,16 @@
   ``is_completed()`` is a CUDA event query, so it is polled, and ``wait()`` then only
   orders the compute stream after the receive.
 * **Sends** are issued as soon as the producing action has run on the device (on CUDA, as
-  soon as it is enqueued: NCCL orders its stream after the compute stream). At step end,
-  gloo sends are waited for with a timeout; NCCL sends only order the compute stream after
-  them (a timeout would make ``wait`` block the CPU until the send completes).
+  soon as it is enqueued: NCCL orders its stream after the compute stream), and a sent
+  tensor is let go as soon as its send completes. At step end, gloo sends are waited for
+  with a timeout; NCCL sends only order the compute stream after them (a timeout would
+  make ``wait`` block the CPU until the send completes).
 """
 
 from __future__ import annotations
 
 import datetime
+import itertools
 import queue
 import threading
 import time
@@ -147,7 +150,7 @@ def create_channels(
                             dist.distributed_c10d._get_default_store())
     me = dist.get_rank()
     channels: dict[Edge, Channel] = {}
-    for edge in hint.remote_edges():  # one canonical order on every rank
+    for edge in connection_order(hint):
         src = pp_ranks[hint.stage_to_rank[edge.src]]
         dst = pp_ranks[hint.stage_to_rank[edge.dst]]
         if me not in (src, dst):
@@ -160,6 +163,26 @@ def create_channels(
             _connect(channel, device, timeout)
         channels[edge] = channel
     return channels
+
+
+def connection_order(hint: Hint) -> list[Edge]:
+    """The remote edges in the order every rank creates and connects its channels.
+
+    In rounds in which no pipeline rank has two channels (a greedy edge colouring of the
+    canonical edge order): channels of different rank pairs then connect in parallel,
+    instead of in a chain along the pipeline (rank k would otherwise wait for rank k-1's
+    earlier channels). Every rank walks the same order, so the waits cannot cycle: the
+    first channel not yet connected has both its ranks waiting for it.
+    """
+    rounds_of: dict[int, set[int]] = {r: set() for r in range(hint.num_ranks)}
+    keyed = []
+    for index, edge in enumerate(hint.remote_edges()):
+        a, b = hint.stage_to_rank[edge.src], hint.stage_to_rank[edge.dst]
+        round_ = next(r for r in itertools.count() if r not in rounds_of[a] | rounds_of[b])
+        rounds_of[a].add(round_)
+        rounds_of[b].add(round_)
+        keyed.append((round_, index, edge))
+    return [edge for _, _, edge in sorted(keyed)]
 
 
 def _connect(channel: Channel, device: torch.device, timeout: datetime.timedelta) -> None:
@@ -248,14 +271,80 @@ class _Polling:
         return []
 
 
+class _SendCompletion:
+    """Keeps each sent tensor alive until its send has completed, and no longer (torch's
+    schedules keep every sent tensor until the step ends: with many microbatches, that is
+    a whole step's outputs). gloo: a thread waits for the sends in the order they were
+    issued; NCCL: completion is polled (a CUDA event query)."""
+
+    def __init__(self, polled: bool) -> None:
+        self._polled = polled
+        self._cond = threading.Condition()
+        self._pending: deque[tuple[Edge, int, list[dist.Work], list[torch.Tensor]]] = deque()
+        self._error: BaseException | None = None
+        self._jobs: queue.SimpleQueue = queue.SimpleQueue()
+        self.thread: threading.Thread | None = None
+        if not polled:
+            self.thread = threading.Thread(target=self._wait_in_order, daemon=True,
+                                           name="rrfp-send-completion")
+            self.thread.start()
+
+    def watch(self, edge: Edge, microbatch: int, works: list[dist.Work],
+              tensors: list[torch.Tensor]) -> None:
+        with self._cond:
+            self._pending.append((edge, microbatch, works, tensors))
+        if not self._polled:
+            self._jobs.put(works)
+
+    def _wait_in_order(self) -> None:
+        while (works := self._jobs.get()) is not None:
+            try:
+                for work in works:
+                    work.wait()
+            except Exception as e:  # raised by finish()
+                self._error = self._error or e
+            with self._cond:
+                self._pending.popleft()
+                self._cond.notify_all()
+
+    def poll(self) -> None:
+        """Release the tensors of completed sends (NCCL)."""
+        if self._polled:
+            with self._cond:
+                while self._pending and all(w.is_completed() for w in self._pending[0][2]):
+                    self._pending.popleft()
+
+    def finish(self, deadline: float, describe: Callable[[Edge, int], str]) -> None:
+        """Every send issued so far has completed: gloo, within ``deadline``
+        (``TimeoutError`` otherwise); NCCL, on the stream (``wait()`` orders the current
+        stream after the sends, without blocking the CPU as a timeout would)."""
+        if self._polled:
+            with self._cond:
+                pending, self._pending = self._pending, deque()
+            for _, _, works, _ in pending:
+                for work in works:
+                    work.wait()
+            return
+        with self._cond:
+            while self._pending:
+                if not self._cond.wait(timeout=max(0.0, deadline - time.perf_counter())):
+                    edge, microbatch, _, _ = self._pending[0]
+                    raise TimeoutError(f"{describe(edge, microbatch)} did not complete")
+        if self._error is not None:
+            raise RuntimeError("a send failed") from self._error
+
+    def close(self) -> None:
+        self._jobs.put(None)
+
+
 class _DelayedSender:
     """Holds each message of one channel for an emulated latency, keeping FIFO order."""
 
-    def __init__(self, channel: Channel) -> None:
+    def __init__(self, channel: Channel, completion: _SendCompletion) -> None:
         self._channel = channel
+        self._completion = completion
         self._queue: deque = deque()
         self._cond = threading.Condition()
-        self._works: list[tuple[int, list[dist.Work], list[torch.Tensor]]] = []
         self._last_release = 0.0
         self._busy = False
         self._closed = False
@@ -282,15 +371,16 @@ class _DelayedSender:
             time.sleep(max(0.0, release - time.perf_counter()))
             try:
                 works = [self._channel.send(t) for t in tensors]
+                self._completion.watch(self._channel.edge, microbatch, works, tensors)
             except BaseException as e:  # surfaced by drain()
-                works, self._error = [], e
+                self._error = e
             with self._cond:
                 self._queue.popleft()
-                self._works.append((microbatch, works, tensors))
                 self._busy = False
                 self._cond.notify_all()
 
-    def drain(self, deadline: float) -> list[tuple[int, list[dist.Work], list[torch.Tensor]]]:
+    def drain(self, deadline: float) -> None:
+        """Wait until every message submitted so far has been sent."""
         with self._cond:
             while self._queue or self._busy:
                 if not self._cond.wait(timeout=max(0.0, deadline - time.perf_counter())):
@@ -299,8 +389,6 @@ class _DelayedSender:
                     )
             if self._error is not None:
                 raise RuntimeError(f"send on {self._channel.edge} failed") from self._error
-            works, self._works = self._works, []
-        return works
 
     def close(self) -> None:
         with self._cond:
@@ -317,10 +405,9 @@ class Transport:
         polled = any(c.backend_name == "nccl" for c in channels.values())
         self._arrivals = _Polling(wakeup) if polled else _WaiterThreads(wakeup)
         self._send_delay = send_delay
-        self._delayed = ({e: _DelayedSender(c) for e, c in channels.items() if c.rank == 0}
-                         if send_delay is not None else {})
-        self._sends: list[tuple[Edge, int, list[dist.Work], list[torch.Tensor]]] = []
-        self._lock = threading.Lock()  # sends may be issued from a device thread
+        self._sends = _SendCompletion(polled)
+        self._delayed = ({e: _DelayedSender(c, self._sends) for e, c in channels.items()
+                          if c.rank == 0} if send_delay is not None else {})
 
     def post_receive(self, edge: Edge, microbatch: int, buffers: Sequence[torch.Tensor]) -> None:
         """Post the receive of ``microbatch`` on ``edge`` into ``buffers``.
@@ -334,36 +421,22 @@ class Transport:
         if self._send_delay is not None:
             self._delayed[edge].submit(microbatch, tensors, self._send_delay(edge, microbatch))
             return
-        works = [self.channels[edge].send(t) for t in tensors]
-        with self._lock:
-            self._sends.append((edge, microbatch, works, tensors))
+        self._sends.watch(edge, microbatch, [self.channels[edge].send(t) for t in tensors],
+                          tensors)
 
     def collect(self) -> list[Arrival]:
         """Messages that arrived since the last call; never blocks."""
+        self._sends.poll()
         return self._arrivals.collect()
 
     def finish_sends(self, timeout: float) -> None:
         """Complete every send of the step; TimeoutError if a gloo send does not."""
         deadline = time.perf_counter() + timeout
-        for edge, sender in self._delayed.items():
-            self._sends.extend((edge, mb, works, tensors)
-                               for mb, works, tensors in sender.drain(deadline))
-        with self._lock:
-            sends, self._sends = self._sends, []
-        for edge, microbatch, works, _ in sends:
-            channel = self.channels[edge]
-            for work in works:
-                if channel.backend_name == "nccl":
-                    work.wait()
-                    continue
-                left = max(deadline - time.perf_counter(), 1e-3)
-                try:
-                    work.wait(datetime.timedelta(seconds=left))
-                except RuntimeError as e:
-                    raise TimeoutError(
-                        f"the send of {edge} microbatch {microbatch} to global rank "
-                        f"{channel.dst_rank} did not complete: {e}"
-                    ) from e
+        for sender in self._delayed.values():
+            sender.drain(deadline)
+        self._sends.finish(deadline, lambda edge, microbatch: (
+            f"the send of {edge} microbatch {microbatch} to global rank "
+            f"{self.channels[edge].dst_rank}"))
 
     def close(self, timeout: float = 10.0) -> list[threading.Thread]:
         """Close the channels (pending receives fail, here and at the peers) and stop the
@@ -372,7 +445,10 @@ class Transport:
             channel.close()
         for sender in self._delayed.values():
             sender.close()
+        self._sends.close()
         alive = self._arrivals.close(timeout)
-        for sender in self._delayed.values():
-            sender.thread.join(timeout)
-        return alive + [s.thread for s in self._delayed.values() if s.thread.is_alive()]
+        threads = [s.thread for s in self._delayed.values()] + [self._sends.thread]
+        for thread in threads:
+            if thread is not None:
+                thread.join(timeout)
+        return alive + [t for t in threads if t is not None and t.is_alive()]

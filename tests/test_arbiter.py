@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import math
 import random
 
 import pytest
 
-from rrfp.arbiter import Arbiter, check_deadlock_free, resolve_buffer_limits
-from rrfp.hints import _Action, B, build_hint, Edge, F, HINT_NAMES, INPUT_GRAD_KINDS
+from rrfp.arbiter import Arbiter, check_deadlock_free, MemoryLimits, resolve_buffer_limits
+from rrfp.hints import (
+    _Action, B, build_hint, Edge, F, HINT_NAMES, I, INPUT_GRAD_KINDS, W, WEIGHT_GRAD_KINDS)
+from rrfp.policy import POLICIES
 from rrfp.sim.engine import simulate
 
 FITTING = {"1F1B": (1, "loop"), "GPipe": (1, "loop"), "Interleaved1F1B": (2, "loop"),
@@ -42,7 +45,7 @@ def test_streams_keep_hint_order_even_when_later_inputs_arrive_first():
 
 def test_backpressure_holds_forwards_until_a_backward_runs():
     hint = _hint()
-    arbiter = Arbiter(hint, rank=0, limits={0: 1, 1: 1})
+    arbiter = Arbiter(hint, rank=0, limits=MemoryLimits({0: 1, 1: 1}, {0: 1, 1: 1}))
     arbiter.record_launch(arbiter.choose())  # 0F0
     assert arbiter.choose() is None
     assert any("backpressure" in w.reason for w in arbiter.waits())
@@ -65,10 +68,38 @@ def test_ready_lower_ranked_action_runs_when_the_next_one_is_not_ready():
 
 
 @pytest.mark.parametrize("spec,expected", [
-    ("hint", {0: 2, 1: 1}), ("hint+2", {0: 4, 1: 3}), ("HINT + 1", {0: 3, 1: 2}), (3, {0: 3, 1: 3}),
+    ("hint", ({0: 2, 1: 1}, {0: 2, 1: 1})), ("hint+2", ({0: 4, 1: 3}, {0: 4, 1: 3})),
+    ("HINT + 1", ({0: 3, 1: 2}, {0: 3, 1: 2})), (3, ({0: 3, 1: 3}, {0: 3, 1: 3})),
 ])
 def test_buffer_limit_specs(spec, expected):
-    assert resolve_buffer_limits(spec, _hint()) == expected
+    assert resolve_buffer_limits(spec, _hint()) == MemoryLimits(*expected)
+
+
+def test_limits_count_until_the_last_backward_piece_and_per_rank():
+    # ZBV on 2 ranks x 2 stages, 4 microbatches: rank 0 holds stages 0 and 3.
+    hint = _hint("ZBVZeroBubble", 2, 2, 4, "v")
+    limits = resolve_buffer_limits("hint", hint)
+    assert limits.per_stage == hint.peak_in_flight()
+    assert limits.per_rank == hint.rank_peaks()
+    # The per-rank peak is the most held at once, below the sum of the stages' peaks.
+    assert hint.rank_peaks()[0] <= sum(hint.peak_in_flight()[s] for s in (0, 3))
+    # A split backward holds its microbatch until W, not until I: run rank 0's fixed order.
+    arbiter = Arbiter(hint, rank=0, limits=limits)
+    for node in list(arbiter.nodes):
+        if node.message is not None:
+            arbiter.deliver(*node.message)
+        held = arbiter.held
+        arbiter.record_launch(node.action)
+        change = {F: 1, I: 0, W: -1, B: -1}.get(node.action.computation_type, 0)
+        assert arbiter.held == held + change, node.action
+    assert arbiter.peak_held == hint.rank_peaks()[0]
+
+
+def test_limits_below_the_rank_peak_of_a_multi_stage_rank_are_refused():
+    hint = _hint("Interleaved1F1B", 2, 2, 4)
+    with pytest.raises(ValueError, match="holds stages .* needs to be deadlock-free"):
+        resolve_buffer_limits(1, hint)
+    resolve_buffer_limits(max(hint.rank_peaks().values()), hint)
 
 
 @pytest.mark.parametrize("spec", [0, -1, "hint-1", "twice", 2.5, True, None])
@@ -85,32 +116,52 @@ def test_a_hint_whose_ranks_wait_on_each_other_is_rejected():
 
 
 @pytest.mark.parametrize("name", HINT_NAMES)
-@pytest.mark.parametrize("limit", [1, 2, "hint", "hint+1", 32])
-def test_no_deadlock_and_memory_bound_under_random_timings(name, limit):
+def test_no_deadlock_and_memory_bound_under_random_timings(name):
+    """Every limit the constructor accepts, every policy, random durations, latencies and
+    launch depths: the step completes, holds within its limits per stage and per rank, and
+    keeps every stream in hint order (hundreds of random timings per hint)."""
     per_rank, layout = FITTING[name]
+    runs = 0
     for num_ranks, M in ((2, 4), (4, 8)):
         hint = _hint(name, num_ranks, per_rank, M, layout)
-        try:
-            limits = resolve_buffer_limits(limit, hint)
-        except ValueError:
-            assert not hint.streams_share_one_order()  # only LoopedBFS refuses small limits
-            continue
-        histories = None
-        for seed, policy in enumerate([hint.policy, "window", "lookahead"] * 2):
-            rng = random.Random(seed)
-            durations = {}
+        at_hint = resolve_buffer_limits("hint", hint)
+        for limit in (1, 2, 3, "hint", "hint+1", "hint+2", 32):
+            try:
+                limits = resolve_buffer_limits(limit, hint)
+            except ValueError:
+                # Refused only below the hint's peaks, where that is not deadlock-free.
+                assert isinstance(limit, int)
+                assert (not hint.streams_share_one_order()
+                        or any(len(hint.stages_on(r)) > 1 and limit < peak
+                               for r, peak in hint.rank_peaks().items()))
+                continue
+            for policy in POLICIES:
+                if policy == "fixed" and any(
+                        limits.per_stage[s] < at_hint.per_stage[s] for s in at_hint.per_stage):
+                    continue  # the fixed order needs its own peaks (ScheduleRRFP refuses)
+                histories = None
+                for seed in range(5):
+                    rng = random.Random(f"{name}/{limit}/{policy}/{seed}")
+                    durations = {}
 
-            def duration(action):
-                return durations.setdefault(action, rng.expovariate(1.0))
+                    def duration(action):
+                        return durations.setdefault(action, rng.expovariate(1.0))
 
-            result = simulate(hint, duration, latency=lambda e, m: rng.expovariate(2.0),
-                              policy=policy, limits=limits, histories=histories)
-            histories = result.histories
-            for stage, peak in result.peak_in_flight.items():
-                assert peak <= limits[stage]
-            for rank, realized in result.realized.items():
-                for stage in hint.stages_on(rank):
-                    for kinds in (frozenset({F}), INPUT_GRAD_KINDS):
-                        ran = [a.microbatch_index for a in realized
-                               if a.stage_index == stage and a.computation_type in kinds]
-                        assert ran == hint.stream(stage, kinds)
+                    result = simulate(
+                        hint, duration, latency=lambda e, m: rng.expovariate(2.0),
+                        policy=policy, limits=limits, histories=histories,
+                        launch_depth=rng.choice((1, 2, math.inf)), launch_cost=rng.random() / 5,
+                        reorder_ahead=rng.random() < 0.3)
+                    runs += 1
+                    histories = result.histories
+                    for stage, peak in result.peak_in_flight.items():
+                        assert peak <= limits.per_stage[stage]
+                    for rank, peak in result.rank_peaks.items():
+                        assert peak <= limits.per_rank[rank]
+                    for rank, realized in result.realized.items():
+                        for stage in hint.stages_on(rank):
+                            for kinds in (frozenset({F}), INPUT_GRAD_KINDS, WEIGHT_GRAD_KINDS):
+                                ran = [a.microbatch_index for a in realized
+                                       if a.stage_index == stage and a.computation_type in kinds]
+                                assert ran == hint.stream(stage, kinds)
+    assert runs >= 200

@@ -6,6 +6,7 @@ CPU, gloo, 4 processes per world (2 for compile), hard timeouts.
 from __future__ import annotations
 
 import pytest
+import torch
 
 from rrfp.local import run_local_world
 from tests import workers
@@ -60,6 +61,43 @@ def test_compiled_stages_match_the_uncompiled_fixed_schedule_without_recompiling
         assert result["after_all"][1] == 0  # no recompilation at all
 
 
-def test_ddp_stages_that_would_broadcast_buffers_are_refused():
-    message = run_local_world(2, workers.ddp_with_buffers, timeout=60)[0]
-    assert "broadcast_buffers=False" in message
+@pytest.mark.parametrize("case,expected", [
+    ("ddp_buffers", "broadcast_buffers=False"),
+    ("ddp_comm_hook", "communication hook"),
+    ("fsdp_inner_only", "apply fully_shard to the stage module too"),
+])
+def test_data_parallel_set_ups_rrfp_cannot_keep_in_lockstep_are_refused(case, expected):
+    for message in run_local_world(2, workers.refused_data_parallel, case, timeout=60):
+        assert expected in message, message
+
+
+def test_ddp_gradients_are_reduced_in_buckets_of_at_most_the_cap():
+    from rrfp.schedule import gradient_buckets
+
+    grads = [torch.zeros(n) for n in (10, 20, 30, 100, 5, 5)]  # float32: 4 bytes each
+    buckets = gradient_buckets(grads, cap_bytes=160)
+    assert [[g.numel() for g in b] for b in buckets] == [[10, 20], [30], [100], [5, 5]]
+    assert [g for b in buckets for g in b] == grads
+
+
+@pytest.mark.parametrize("coordination", ["leader", "agree"])
+def test_tensor_parallel_ranks_raise_within_the_stall_timeout_when_a_peer_stops(coordination):
+    ranks = run_local_world(4, workers.tensor_parallel_peer_stops, coordination, timeout=120)
+    assert ranks[0] == {}
+    for rank in (1, 2, 3):
+        outcome = ranks[rank]
+        assert outcome["error"].startswith(("PipelineStallError", "RuntimeError")), outcome
+        assert outcome["elapsed"] < 15.0, outcome
+    # The TP follower of the stopped leader names it.
+    assert "PipelineStallError" in ranks[1]["error"] and "global rank 0" in ranks[1]["error"]
+
+
+def test_dtensor_stages_without_a_coordination_group_are_refused_on_every_rank():
+    for message in run_local_world(4, workers.tensor_parallel_without_coordination, timeout=60):
+        assert "no coordination_group is given" in message and "DTensor" in message
+
+
+def test_parameters_shared_by_a_ranks_stages_are_reported():
+    rank0, rank1 = run_local_world(2, workers.shared_parameters, timeout=60)
+    assert len(rank0) == 1 and "stages 0 and 3" in rank0[0]
+    assert rank1 == []

@@ -27,7 +27,9 @@ HINT_CASES = [
     ("csv", "Interleaved1F1B", 2, "loop"),
     ("dict", "ZBVZeroBubble", 2, "v"),
 ]
-DELAY_SEEDS_PER_CASE = 3  # 14 cases x 2 world sizes x 3 = 84 distinct delay seeds
+# 14 cases x 2 world sizes x 3 = 84 distinct delay seeds, on the emulated asynchronous
+# device: 56 with launch depth 1, 28 with no bound.
+DELAY_SEEDS_PER_CASE = 3
 
 
 def _case_id(case) -> str:
@@ -51,6 +53,7 @@ def test_bitwise_equal_to_torch_schedule_with_and_without_delays(case, world_siz
         assert set(result["runs"]) == {"plain", *(f"seed{s}" for s in seeds)}
         for run, outcome in result["runs"].items():
             assert outcome["bitwise"], f"rank {rank}, {run}: gradients or losses differ from {reference}"
+            assert outcome["device"] == ("HostDevice" if run == "plain" else "EmulatedDevice")
             assert all(outcome["peak"][s] <= outcome["limits"][s] for s in outcome["peak"])
         # The fixed schedule itself matches the non-pipelined float64 model.
         assert result["grad_err"] < 1e-12
@@ -72,39 +75,60 @@ def test_outputs_and_eval_match_torch(hint, reference, per_rank, layout):
             assert result["output_shape"] == (4 * workers.BATCH_PER_MICROBATCH, workers.DIM)
 
 
-def test_slow_microbatch_is_overtaken_and_step_is_faster():
+def test_slow_microbatch_is_overtaken_on_an_asynchronous_device():
     # GPipe, 2 ranks, 8 microbatches, emulated device time: stage 0's forward of
     # microbatch 4 takes 0.6 s instead of 0.02 s. The fixed schedule leaves stage 1 idle
     # until it arrives; RRFP runs stage 1's (0.1 s) backwards of microbatches 0-3
     # meanwhile. The simulator predicts 1.58 s fixed vs 1.18 s RRFP. (Plain readiness-first:
     # the lookahead guard would wait, as earlier steps never saw microbatch 4 late.)
+    # RRFP runs on the emulated asynchronous device and decides only when it is idle
+    # (launch depth 1): launches return before the work is done, as on CUDA.
     ranks = run_local_world(2, workers.slow_microbatch_comparison, "GPipe", "hint", 8, 4, 0.6, 2,
-                      timeout=120)
+                            1, timeout=120)
     last = ranks[1]
+    assert last["device"] == "EmulatedDevice"
     assert last["realized_order"] != last["hint_order"]
     for rank, result in enumerate(ranks):
         fixed = statistics.median(result["times"]["fixed"])
         rrfp = statistics.median(result["times"]["rrfp"])
         assert rrfp < fixed - 0.2, f"rank {rank}: RRFP {rrfp:.3f} s vs fixed {fixed:.3f} s"
+        fixed_wait = statistics.median(result["waits"]["fixed"])
+        rrfp_wait = statistics.median(result["waits"]["rrfp"])
+        assert rrfp_wait < fixed_wait - 0.2, (
+            f"rank {rank}: device idle {rrfp_wait:.3f} s under RRFP vs {fixed_wait:.3f} s")
 
 
-@pytest.mark.parametrize("buffer_limit", ["hint", "hint+2", 1, 2])
-@pytest.mark.parametrize(
-    "hint,per_rank,layout", [("1F1B", 1, "loop"), ("Interleaved1F1B", 2, "loop"), ("BFW", 2, "v")]
-)
-def test_in_flight_forwards_never_exceed_the_limit(hint, per_rank, layout, buffer_limit):
-    ranks = run_local_world(2, workers.memory_bound, hint, per_rank, layout, 8, buffer_limit, timeout=120)
-    ran_ahead = False
-    for result in ranks:
-        for stage in result["stages"]:
-            limit = result["limits"][stage]
-            expected = {"hint": result["hint_peak"][stage],
-                        "hint+2": result["hint_peak"][stage] + 2}.get(buffer_limit, buffer_limit)
-            assert limit == expected
-            assert result["peak"][stage] <= limit
-            ran_ahead |= result["peak"][stage] > result["hint_peak"][stage]
-    if buffer_limit == "hint+2":
-        assert ran_ahead, "slow backwards should have let forwards run past the hint's peak"
+# (hint, torch schedule whose memory is the reference, stages per rank, placement)
+MEMORY_CASES = [
+    ("1F1B", "1F1B", 1, "loop"), ("GPipe", "GPipe", 1, "loop"),
+    ("Interleaved1F1B", "Interleaved1F1B", 2, "loop"), ("LoopedBFS", "LoopedBFS", 2, "loop"),
+    ("InterleavedZeroBubble", "InterleavedZeroBubble", 2, "loop"),
+    ("ZBVZeroBubble", "ZBVZeroBubble", 2, "v"), ("DualPipeV", "DualPipeV", 2, "v"),
+    ("BF", "Interleaved1F1B", 2, "loop"), ("BFW", "ZBVZeroBubble", 2, "v"),
+]
+
+
+@pytest.mark.parametrize("case", MEMORY_CASES, ids=lambda c: c[0])
+def test_measured_activation_bytes_stay_within_what_the_limit_allows(case):
+    """Bytes measured on the saved tensors themselves, per rank: at "hint" no more than
+    torch's fixed schedule with the same hint (BF/BFW: the schedule they take their
+    streams from); at "hint+2" at most 2 microbatches more; at an int n at most n."""
+    ranks = run_local_world(2, workers.memory_world, *case, timeout=180)
+    for rank, result in enumerate(ranks):
+        fixed, per_mb = result["fixed"], result["per_microbatch"]
+        assert fixed > 0
+        for run, outcome in result.items():
+            if not isinstance(outcome, dict):
+                continue
+            assert outcome["bitwise"], f"rank {rank}, {run}: not bitwise the fixed schedule's"
+            assert outcome["held"] <= outcome["rank_limit"]
+            limit = run.split("/")[0]
+            allowed = {"hint": fixed, "hint+2": fixed + 2 * per_mb}.get(limit)
+            if allowed is None:
+                allowed = int(limit) * per_mb
+            assert outcome["bytes"] <= allowed, (
+                f"rank {rank}, {run}: {outcome['bytes']} B measured, {allowed} B allowed "
+                f"(torch's fixed schedule: {fixed} B)")
 
 
 def test_every_waiting_rank_raises_when_a_peer_never_sends():
@@ -129,6 +153,8 @@ BAD_INPUTS = {
     "limit_below_reversed_order": ["LoopedBFS", "needs its own peak (4)"],
     "too_few_microbatches": ["at least as many microbatches as stages", "got 1 microbatches"],
     "too_few_microbatches_dualpipev": ["DualPipeV", "at least as many microbatches as stages"],
+    "fixed_below_hint": ["policy='fixed'", "holds up to 2 microbatches", "buffer_limit=1 allows 1"],
+    "launch_depth_zero": ["launch_depth must be an int >= 1 or None"],
 }
 
 
@@ -138,3 +164,53 @@ def test_bad_input_raises_value_error_before_any_communication(case):
     message = run_local_world(2, workers.bad_input, case, timeout=60)[0]
     for expected in BAD_INPUTS[case]:
         assert expected in message, message
+
+
+def test_lazily_connected_channels_deadlock_unless_connected_first():
+    # Without a bound device NCCL creates a channel's communicator at its first operation
+    # and blocks until the peer's first operation on it. Posting receives first deadlocks:
+    # rank 0 waits on the gradient channel 1->0, rank 1 on the activation channel 0->1.
+    stuck = run_local_world(2, workers.lazily_connected_channels, False, timeout=120)
+    for result in stuck:
+        assert "error" in result, result
+        assert "first operation on a lazily connected channel timed out" in result["error"]
+        assert result["elapsed"] < 20
+    # rrfp's connection step touches every channel once, in one order on every rank.
+    connected = run_local_world(2, workers.lazily_connected_channels, True, timeout=120)
+    assert all(result.get("bitwise") for result in connected), connected
+
+
+def test_stats_and_history_hold_device_durations_not_launch_times():
+    ranks = run_local_world(2, workers.device_durations, 0.005, timeout=120)
+    for result in ranks:
+        expected = {"F": 0.03, "B": 0.06}
+        for kind, target in expected.items():
+            measured = [seconds for k, seconds in result["spans"] if k == kind]
+            # The typical action within 5%; none far off (sleeps overshoot on busy cores).
+            assert abs(statistics.median(measured) - target) <= 0.05 * target, (kind, measured)
+            assert all(abs(m - target) <= 0.25 * target for m in measured), (kind, measured)
+        assert {"F", "B"} <= set(result["history"])
+        for kind, seconds in result["history"].items():
+            if kind == "REDUCE_GRAD":
+                continue
+            assert abs(seconds - expected[kind]) <= 0.05 * expected[kind], (kind, seconds)
+        # Launches return after the emulated launch cost, long before the work is done.
+        assert result["launch_time"] < 0.25 * result["busy"]
+        assert result["launch_time"] >= 0.005 * result["dispatched"]
+
+
+@pytest.mark.parametrize("failing_rank", [0, 1])
+def test_a_failed_step_fails_every_rank_promptly_and_a_new_schedule_recovers(failing_rank):
+    ranks = run_local_world(2, workers.failure_and_recovery, failing_rank, timeout=120)
+    for rank, result in enumerate(ranks):
+        assert result["error"] is not None, f"rank {rank} did not fail"
+        if rank == failing_rank:
+            assert "failed on purpose" in result["error"], result["error"]
+        else:  # its peer closed the channels: a failed receive or send, not a 30 s stall
+            assert ("receive of" in result["error"]
+                    or "Connection closed by peer" in result["error"]), result["error"]
+        assert result["elapsed"] < 10, result
+        assert "cannot run another step" in result["refused"]
+        assert result["threads_after_failure"] == [], result["threads_after_failure"]
+        assert result["threads_at_end"] == []
+        assert result["bitwise"], f"rank {rank}: the recovered step differs from torch's GPipe"

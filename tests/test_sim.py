@@ -89,7 +89,9 @@ def test_replay_file_round_trip_and_trace_conversion(tmp_path):
     def stats(rank, spans, sends, arrivals):
         return StepStats(pp_rank=rank, global_rank=rank, hint="1F1B", policy="hint",
                          device="HostDevice", launch_depth=1, buffer_limits=None,
-                         hint_peak_in_flight={}, peak_in_flight={}, backpressure_entries={},
+                         rank_buffer_limit=None, hint_peak_in_flight={}, hint_rank_peak=1,
+                         peak_in_flight={}, peak_rank_in_flight=1, peak_activation_bytes=0,
+                         receive_buffer_bytes=0, backpressure_entries={},
                          out_of_hint_order=0, hint_order=[], realized_order=[], step_time=1.0,
                          device_busy_time=0.6, wait_time=0.0, decision_time=0.0,
                          launch_time=0.0, start_unix=100.0, spans=spans, arrivals=arrivals,

@@ -69,7 +69,8 @@ def n_layers(config) -> int:
 
 
 def test_schedule_names():
-    assert hint_of("RRFP") == "BF"
+    assert hint_of("RRFP") == "Interleaved1F1B"
+    assert hint_of("RRFP-BF") == "BF"
     assert hint_of("rrfp-interleaved1f1b") == "Interleaved1F1B"
     assert hint_of("Interleaved1F1B") is None
     assert placement_schedule("BFW") == "InterleavedZeroBubble"
@@ -119,11 +120,12 @@ def test_good_configs_pass_validation():
     validate(config, n_layers(config))
 
 
+# (The main config's pipeline needs at least 5 microbatches per rank: its own peak.)
 @pytest.mark.parametrize("toml_value,cli_value,expected", [
-    ("2", None, 2),
-    ('"2"', None, 2),
+    ("6", None, 6),
+    ('"6"', None, 6),
     ('"hint+2"', None, "hint+2"),
-    (None, "2", 2),
+    (None, "6", 6),
     (None, "hint", "hint"),
     (None, "hint+1", "hint+1"),
     ("3", "hint", "hint"),
@@ -155,7 +157,8 @@ def tensorboard_scalars(dump) -> dict[str, int]:
     return {tag: len(events.Scalars(tag)) for tag in events.Tags()["scalars"]}
 
 
-STATS_LINE = (r"rrfp step {step:2}: {label}pp0 idle \d+% out-of-hint \d+ backpressure \d+ peak \d+ "
+STATS_LINE = (r"rrfp step {step:2}: {label}pp0 idle \d+% out-of-hint \d+ backpressure \d+ held \d+ "
+              r"activations \d+ B receive buffers \d+ B "
               r"dispatch \d+ us/action \| {label}pp1 idle")
 
 
@@ -167,11 +170,13 @@ def test_main_job_trains_on_cpu_and_logs_rrfp_stats(tmp_path):
     losses = logged_losses(out)
     assert sorted(losses) == list(range(1, 9))
     assert float(losses[8]) < float(losses[1]) - 2.0
-    assert "ScheduleRRFP with hint BF (loop placement), policy BF, buffer limit 'hint'" in out
+    assert ("ScheduleRRFP with hint Interleaved1F1B (loop placement), policy lookahead, buffer "
+            "limit 'hint'") in out
     assert re.search(STATS_LINE.format(step=8, label=""), out)
     scalars = tensorboard_scalars(tmp_path)
     for tag in ("rrfp/idle_fraction/pp0", "rrfp/out_of_hint_order/pp1",
                 "rrfp/backpressure_entries/pp0", "rrfp/peak_in_flight/pp1",
+                "rrfp/peak_activation_bytes/pp0", "rrfp/peak_activation_bytes/pp1",
                 "rrfp/dispatch_overhead_us/pp0"):
         assert scalars.get(tag) == 8, (tag, scalars)
     # Each run's traces go to a folder of their own.

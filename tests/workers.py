@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import copy
+import datetime
 import random
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -15,7 +17,10 @@ from torch.distributed.pipelining._utils import generate_stage_to_rank_mapping
 from torch.distributed.pipelining.schedules import get_schedule_class, PipelineScheduleSingle
 
 from rrfp import PipelineStallError, ScheduleRRFP
+from rrfp.device import EmulatedDevice
 from rrfp.emulation import EmulatedDeviceTime
+from rrfp.schedule import DEFAULT_LAUNCH_DEPTH
+from rrfp.transport import make_channel_group
 
 DIM = 8
 BATCH_PER_MICROBATCH = 2
@@ -149,22 +154,30 @@ def fidelity(rank: int, world_size: int, case: FidelityCase, tmpdir: str) -> dic
     results: dict[str, dict] = {}
     for i, seed in enumerate((None, *case.delay_seeds)):
         buffer_limit = ("hint", "hint+2", "hint+1")[i % 3]
+        # Delayed runs go on the emulated asynchronous device, two in three with launch
+        # depth 1 (decide only when the device is idle), the others unbounded.
+        device, launch_depth = None, DEFAULT_LAUNCH_DEPTH
         if seed is None:
             wrap, send_delay = None, None
         else:
+            device, launch_depth = EmulatedDevice(), (None, 1, 1)[i % 3]
             wrap = lambda s, b: random_device_time(seed, s, M, case.max_delay_s)(b)  # noqa: E731
             send_rng = random.Random(seed * 7919 + rank)
             send_delay = lambda edge, mb: send_rng.uniform(0, case.max_delay_s)  # noqa: E731
         stages, blocks = build_stages(chain, rank, world_size, case.layout, wrap=wrap)
         schedule = ScheduleRRFP(stages, M, loss_fn=loss_fn, hint=hint, send_delay=send_delay,
-                                buffer_limit=buffer_limit, stall_timeout=60)
+                                buffer_limit=buffer_limit, stall_timeout=60, device=device,
+                                launch_depth=launch_depth)
         history = run_steps(schedule, stages, blocks, x, y, case.steps)
+        schedule.close()
         stats = schedule.last_step_stats
         results["plain" if seed is None else f"seed{seed}"] = {
             "bitwise": bitwise_equal(history, fixed),
             "out_of_order": stats.out_of_hint_order,
             "peak": stats.peak_in_flight,
             "limits": {s: stats.buffer_limits[s] for s in local},
+            "device": stats.device,
+            "launch_depth": stats.launch_depth,
         }
 
     reference = reference_steps(chain, x, y, case.steps, local)
@@ -230,11 +243,14 @@ def outputs_and_eval(rank: int, world_size: int, hint: str, reference: str,
 
 def slow_microbatch_comparison(rank: int, world_size: int, hint: str, policy: str,
                                n_microbatches: int, slow_mb: int, slow_s: float,
-                               repeats: int) -> dict:
+                               repeats: int, launch_depth: int | None = None) -> dict:
     """Stage 0's forward of one microbatch is slow; time torch's fixed schedule and RRFP.
 
     Emulated device time: forwards 0.02 s, backwards 0.02 s on stage 0 and 0.1 s on the
-    last stage (a heavy head), one slow forward on stage 0.
+    last stage (a heavy head), one slow forward on stage 0. With ``launch_depth``, RRFP runs
+    on the emulated asynchronous device with that depth (else on the synchronous one).
+    Waiting: the time the rank's device had nothing to run (step time minus the emulated
+    compute for torch's schedule; device idle time from RRFP's stats).
     """
     chain = make_chain(world_size)
     x, y = make_batch(n_microbatches)
@@ -250,44 +266,116 @@ def slow_microbatch_comparison(rank: int, world_size: int, hint: str, policy: st
         stages, blocks = build_stages(chain, rank, world_size, "loop", wrap=device_time)
         schedules[kind] = (
             torch_schedule(hint, stages, n_microbatches) if kind == "fixed"
-            else ScheduleRRFP(stages, n_microbatches, loss_fn=loss_fn, hint=hint, policy=policy),
+            else ScheduleRRFP(stages, n_microbatches, loss_fn=loss_fn, hint=hint, policy=policy,
+                              device=None if launch_depth is None else EmulatedDevice(),
+                              launch_depth=launch_depth or DEFAULT_LAUNCH_DEPTH),
             stages, blocks,
         )
     times: dict[str, list[float]] = {"fixed": [], "rrfp": []}
+    waits: dict[str, list[float]] = {"fixed": [], "rrfp": []}
     for i in range(repeats + 1):  # the first round initializes (shape inference)
         for kind, (schedule, stages, blocks) in schedules.items():
             dist.barrier()
+            for stage in stages:
+                stage.submod.reset()
             start = time.perf_counter()
             run_steps(schedule, stages, blocks, x, y, steps=1)
-            if i == 0:
-                for stage in stages:
-                    stage.submod.reset()
-            else:
-                times[kind].append(time.perf_counter() - start)
-    stats = schedules["rrfp"][0].last_step_stats
-    return {"times": times, "hint_order": stats.hint_order,
-            "realized_order": stats.realized_order, "idle": stats.idle_time}
+            elapsed = time.perf_counter() - start
+            if i > 0:
+                times[kind].append(elapsed)
+                waits[kind].append(
+                    schedule.last_step_stats.idle_time if kind == "rrfp"
+                    else elapsed - sum(stage.submod.slept for stage in stages))
+    rrfp = schedules["rrfp"][0]
+    stats = rrfp.last_step_stats
+    rrfp.close()
+    return {"times": times, "waits": waits, "hint_order": stats.hint_order,
+            "realized_order": stats.realized_order, "device": stats.device}
 
 
-def memory_bound(rank: int, world_size: int, hint: str, stages_per_rank: int, layout: str,
-                 n_microbatches: int, buffer_limit) -> dict:
-    """Slow backwards on the last stage, so forwards upstream would run ahead unchecked."""
-    num_stages = world_size * stages_per_rank
-    chain = make_chain(num_stages)
-    x, y = make_batch(n_microbatches)
+class Detached(torch.nn.Module):
+    """A block that copies its input first (a copy saves nothing for backward), so that
+    every stage's saved activations are its own, the same bytes per microbatch."""
 
-    def device_time(stage: int, block):
-        backward = 0.03 if stage == num_stages - 1 else 0.001
-        return EmulatedDeviceTime(block, n_microbatches, lambda mb: 0.001, lambda mb: backward)
+    def __init__(self, inner: torch.nn.Module):
+        super().__init__()
+        self.inner = inner
 
-    stages, blocks = build_stages(chain, rank, world_size, layout, wrap=device_time)
-    schedule = ScheduleRRFP(stages, n_microbatches, loss_fn=loss_fn, hint=hint,
-                            buffer_limit=buffer_limit, stall_timeout=60)
-    run_steps(schedule, stages, blocks, x, y, steps=2)
-    stats = schedule.last_step_stats
-    return {"peak": stats.peak_in_flight, "limits": stats.buffer_limits,
-            "hint_peak": stats.hint_peak_in_flight, "entries": stats.backpressure_entries,
-            "stages": [s.stage_index for s in stages]}
+    def forward(self, x):
+        return self.inner(torch.clone(x))
+
+
+MEMORY_DIM, MEMORY_BATCH = 32, 8
+
+
+def memory_world(rank: int, world_size: int, hint: str, reference: str, per_rank: int,
+                 layout: str) -> dict:
+    """Measured peak activation bytes per rank: torch's fixed schedule (its stage modules
+    metered by ActivationMeter) vs ScheduleRRFP (which meters its stages itself) at "hint"
+    under two delay patterns, at "hint+2", and at an int limit where the hint allows one.
+
+    Delay patterns (emulated asynchronous device): "slow_head": the last stage's backward
+    takes 30 ms, everything else 1 ms, so upstream forwards would run ahead; "slow_tail":
+    the first stage's forwards take 30 ms and the rest 1 ms, so ranks wait with backward
+    pieces (and, under split backward, Ws) to fill in.
+    """
+    from rrfp.memory import ActivationMeter, MeteredModule
+
+    num_stages, M = world_size * per_rank, 4 * world_size
+    torch.manual_seed(0)
+    chain = [Detached(torch.nn.Sequential(torch.nn.Linear(MEMORY_DIM, MEMORY_DIM),
+                                          torch.nn.Tanh())).double() for _ in range(num_stages)]
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(M * MEMORY_BATCH, MEMORY_DIM, generator=g, dtype=torch.float64)
+    y = torch.randn(M * MEMORY_BATCH, MEMORY_DIM, generator=g, dtype=torch.float64)
+    inputs = (x,) if 0 in local_stage_indices(rank, world_size, num_stages, layout) else ()
+
+    def steps(schedule, stages, blocks, n=2):
+        optimizer = torch.optim.SGD([p for b in blocks for p in b.parameters()], lr=0.1)
+        grads = []
+        for _ in range(n):
+            optimizer.zero_grad(set_to_none=True)
+            schedule.step(*inputs, target=y, return_outputs=False)
+            grads.append([p.grad.clone() for b in blocks for p in b.parameters()])
+            optimizer.step()
+        return grads
+
+    meter = ActivationMeter()
+    stages, blocks = build_stages(chain, rank, world_size, layout,
+                                  wrap=lambda s, b: MeteredModule(b, meter))
+    fixed = torch_schedule(reference, stages, M)
+    fixed_grads = steps(fixed, stages, blocks)
+    per_microbatch = 2 * MEMORY_BATCH * MEMORY_DIM * 8  # Linear's input and Tanh's output
+    results = {"fixed": meter.peak, "per_microbatch": per_microbatch}
+
+    def delays(pattern: str):
+        def wrap(s: int, block):
+            slow_head = pattern == "slow_head" and s == num_stages - 1
+            slow_tail = pattern == "slow_tail" and s == 0
+            return EmulatedDeviceTime(block, M, lambda mb: 0.03 if slow_tail else 0.001,
+                                      lambda mb: 0.03 if slow_head else 0.001)
+        return wrap
+
+    runs = [("hint", "slow_head"), ("hint", "slow_tail"), ("hint+2", "slow_head")]
+    if per_rank == 1 and hint not in ("LoopedBFS",):
+        runs.append((2, "slow_head"))
+    for limit, pattern in runs:
+        stages, blocks = build_stages(chain, rank, world_size, layout, wrap=delays(pattern))
+        schedule = ScheduleRRFP(stages, M, loss_fn=loss_fn, hint=hint, buffer_limit=limit,
+                                device=EmulatedDevice(), stall_timeout=60)
+        for stage in stages:
+            stage.submod.reset()
+        grads = steps(schedule, stages, blocks)
+        stats = schedule.last_step_stats
+        schedule.close()
+        results[f"{limit}/{pattern}"] = {
+            "bytes": stats.peak_activation_bytes, "held": stats.peak_rank_in_flight,
+            "rank_limit": stats.rank_buffer_limit, "hint_rank_peak": stats.hint_rank_peak,
+            "bitwise": all(torch.equal(a, b) for ga, gb in zip(grads, fixed_grads)
+                           for a, b in zip(ga, gb)),
+            "receive_buffer_bytes": stats.receive_buffer_bytes,
+        }
+    return results
 
 
 def silent_first_rank(rank: int, world_size: int, stall_timeout: float) -> dict:
@@ -337,6 +425,10 @@ def bad_input(rank: int, world_size: int, case: str) -> str:
         n_microbatches = 1
     elif case == "too_few_microbatches_dualpipev":
         kwargs["hint"], per_rank, layout, n_microbatches = "DualPipeV", 2, "v", 2
+    elif case == "fixed_below_hint":
+        kwargs["policy"], kwargs["buffer_limit"] = "fixed", 1
+    elif case == "launch_depth_zero":
+        kwargs["launch_depth"] = 0
     else:
         raise AssertionError(case)
     chain = make_chain(world_size * per_rank)
@@ -496,15 +588,275 @@ def compiled_stages(rank: int, world_size: int, hint: str, reference: str, per_r
             "after_all": after_all, "unique_graphs": counters["stats"]["unique_graphs"]}
 
 
-def ddp_with_buffers(rank: int, world_size: int) -> str:
-    """A DDP stage with buffers and broadcast_buffers=True: ScheduleRRFP must refuse it."""
+def refused_data_parallel(rank: int, world_size: int, case: str) -> str:
+    """Data-parallel stage set-ups ScheduleRRFP must refuse (one-stage pipelines, DP over
+    both ranks): DDP broadcasting buffers in forward, DDP with a communication hook, FSDP
+    modules inside a stage that is not one itself."""
+    from torch.distributed.fsdp import fully_shard
     from torch.nn.parallel import DistributedDataParallel
 
-    block = torch.nn.Sequential(torch.nn.Linear(DIM, DIM), torch.nn.BatchNorm1d(DIM)).double()
-    pp_group = dist.new_group([rank])  # a one-stage pipeline per rank; DDP over both ranks
-    stage = PipelineStage(DistributedDataParallel(block), 0, 1, torch.device("cpu"), group=pp_group)
+    pp_group = dist.new_group([rank])
+    if case == "ddp_buffers":
+        block = torch.nn.Sequential(torch.nn.Linear(DIM, DIM), torch.nn.BatchNorm1d(DIM)).double()
+        module = DistributedDataParallel(block)
+    elif case == "ddp_comm_hook":
+        from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+
+        module = DistributedDataParallel(torch.nn.Linear(DIM, DIM).double())
+        module.register_comm_hook(None, allreduce_hook)
+    elif case == "fsdp_inner_only":
+        module = torch.nn.Sequential(torch.nn.Linear(DIM, DIM), torch.nn.Linear(DIM, DIM)).double()
+        fully_shard(module[0])
+    else:
+        raise AssertionError(case)
+    stage = PipelineStage(module, 0, 1, torch.device("cpu"), group=pp_group)
     try:
         ScheduleRRFP(stage, 2, loss_fn=loss_fn, hint="GPipe")
     except ValueError as e:
         return str(e)
     raise AssertionError("no ValueError")
+
+
+class FailingLoss:
+    """mse, but raises at one microbatch of one step once armed."""
+
+    def __init__(self, fail_at_call: int):
+        self.calls, self.fail_at_call, self.armed = 0, fail_at_call, False
+
+    def __call__(self, output, target):
+        self.calls += 1
+        if self.armed and self.calls == self.fail_at_call:
+            raise RuntimeError("loss failed on purpose")
+        return loss_fn(output, target)
+
+
+def error_chain(error: BaseException | None) -> str:
+    """An exception and its causes, as one line each."""
+    lines = []
+    while error is not None:
+        lines.append(f"{type(error).__name__}: {error}")
+        error = error.__cause__ or error.__context__
+    return " <- ".join(lines)
+
+
+def rrfp_threads() -> list[str]:
+    return sorted(t.name for t in threading.enumerate() if t.name.startswith("rrfp-"))
+
+
+def failure_and_recovery(rank: int, world_size: int, failing_rank: int) -> dict:
+    """GPipe over the emulated device; the second step fails on ``failing_rank`` (rank 0:
+    stage 0's forward of microbatch 2 raises; the last rank: its loss raises). Every rank
+    must raise promptly; then each builds a new ScheduleRRFP in the same process and steps:
+    bitwise what torch's GPipe computes from the same parameters."""
+    M = 4
+    chain = make_chain(world_size)
+    x, y = make_batch(M)
+    failing_loss = FailingLoss(fail_at_call=2)
+
+    class FailingForward(torch.nn.Module):
+        def __init__(self, inner):
+            super().__init__()
+            self.inner, self.calls, self.armed = inner, 0, False
+
+        def forward(self, inp):
+            self.calls += 1
+            if self.armed and self.calls == 3:
+                raise RuntimeError("forward failed on purpose")
+            return self.inner(inp)
+
+    wrap = (lambda s, b: FailingForward(b)) if rank == failing_rank == 0 else None
+    stages, blocks = build_stages(chain, rank, world_size, "loop", wrap=wrap)
+    schedule = ScheduleRRFP(stages, M, loss_fn=failing_loss, hint="GPipe", stall_timeout=30,
+                            device=EmulatedDevice(), launch_depth=1)
+    run_steps(schedule, stages, blocks, x, y, 1)
+    snapshot = [copy.deepcopy(b) for b in blocks]
+    failing_loss.armed = rank == failing_rank
+    for stage in stages:
+        if isinstance(stage.submod, FailingForward):
+            stage.submod.calls, stage.submod.armed = 0, True
+    failing_loss.calls = 0
+    start = time.perf_counter()
+    error = None
+    try:
+        run_steps(schedule, stages, blocks, x, y, 1)
+    except Exception as e:
+        error = error_chain(e)
+    elapsed = time.perf_counter() - start
+    threads_after_failure = rrfp_threads()
+    try:
+        run_steps(schedule, stages, blocks, x, y, 1)
+        refused = None
+    except RuntimeError as e:
+        refused = str(e)
+
+    # A new schedule on the parameters as they were before the failed step (which ran no
+    # optimizer step), on fresh stages.
+    full = list(chain)
+    for s, saved in zip(local_stage_indices(rank, world_size, world_size, "loop"), snapshot):
+        full[s] = saved
+    recovered_stages, recovered_blocks = build_stages(full, rank, world_size, "loop")
+    recovered = ScheduleRRFP(recovered_stages, M, loss_fn=loss_fn, hint="GPipe",
+                             stall_timeout=30, device=EmulatedDevice(), launch_depth=1)
+    got = run_steps(recovered, recovered_stages, recovered_blocks, x, y, 1)
+    recovered.close()
+    fixed_stages, fixed_blocks = build_stages(full, rank, world_size, "loop")
+    expected = run_steps(torch_schedule("GPipe", fixed_stages, M), fixed_stages, fixed_blocks,
+                         x, y, 1)
+    return {"error": error, "elapsed": elapsed, "refused": refused,
+            "threads_after_failure": threads_after_failure, "threads_at_end": rrfp_threads(),
+            "bitwise": bitwise_equal(got, expected)}
+
+
+class LazilyConnectedGroup:
+    """A gloo channel group that connects at its first operation, as NCCL creates a
+    communicator lazily (no bound device): the first operation on the channel blocks until
+    the peer's first operation on the same channel (here for at most ``timeout_s``, then
+    raises: a deadlock made visible)."""
+
+    def __init__(self, store: dist.Store, rank: int, timeout_s: float):
+        self._store, self._rank, self._timeout_s = store, rank, timeout_s
+        self._group: dist.ProcessGroup | None = None
+        self._failed = False
+
+    def _connected(self, tag: int) -> dist.ProcessGroup:
+        if self._group is None:
+            if self._failed or tag != 0:  # after a failed connection, or rrfp closing it
+                raise RuntimeError("lazily connected channel was never connected")
+            self._store.set(f"first-op/{self._rank}", b"1")
+            try:
+                self._store.wait([f"first-op/{1 - self._rank}"],
+                                 datetime.timedelta(seconds=self._timeout_s))
+            except RuntimeError as e:
+                self._failed = True
+                raise RuntimeError(f"first operation on a lazily connected channel timed out "
+                                   f"after {self._timeout_s} s: the peer never used it") from e
+            self._group = make_channel_group("gloo", self._store, self._rank,
+                                             datetime.timedelta(seconds=60))
+        return self._group
+
+    def send(self, tensors, peer: int, tag: int) -> dist.Work:
+        return self._connected(tag).send(tensors, peer, tag)
+
+    def recv(self, tensors, peer: int, tag: int) -> dist.Work:
+        return self._connected(tag).recv(tensors, peer, tag)
+
+
+def lazily_connected_channels(rank: int, world_size: int, connect: bool) -> dict:
+    """1F1B over channels that connect at their first operation; with or without rrfp's
+    connection step (one exchange per channel, in one order, at construction)."""
+    import functools
+
+    import rrfp.schedule
+    from rrfp.transport import create_channels
+
+    def lazy(name, store, channel_rank, timeout):
+        return LazilyConnectedGroup(store, channel_rank, timeout_s=3.0)
+
+    rrfp.schedule.create_channels = functools.partial(create_channels, group_factory=lazy,
+                                                      connect=connect)
+    M = 4
+    chain = make_chain(world_size)
+    x, y = make_batch(M)
+    stages, blocks = build_stages(chain, rank, world_size, "loop")
+    fixed = run_steps(torch_schedule("1F1B", stages, M), stages, blocks, x, y, 2)
+    stages, blocks = build_stages(chain, rank, world_size, "loop")
+    schedule = ScheduleRRFP(stages, M, loss_fn=loss_fn, hint="1F1B", stall_timeout=30)
+    start = time.perf_counter()
+    try:
+        history = run_steps(schedule, stages, blocks, x, y, 2)
+    except Exception as e:
+        return {"error": error_chain(e), "elapsed": time.perf_counter() - start}
+    schedule.close()
+    return {"bitwise": bitwise_equal(history, fixed), "elapsed": time.perf_counter() - start}
+
+
+def device_durations(rank: int, world_size: int, launch_cost: float) -> dict:
+    """1F1B on the emulated asynchronous device: forwards take 30 ms, backwards 60 ms of
+    emulated device time, each launch ``launch_cost`` s of CPU time."""
+    M = 4
+    chain = make_chain(world_size)
+    x, y = make_batch(M)
+    stages, blocks = build_stages(
+        chain, rank, world_size, "loop",
+        wrap=lambda s, b: EmulatedDeviceTime(b, M, lambda mb: 0.03, lambda mb: 0.06))
+    schedule = ScheduleRRFP(stages, M, loss_fn=loss_fn, hint="1F1B", launch_depth=2,
+                            device=EmulatedDevice(launch_cost=launch_cost))
+    run_steps(schedule, stages, blocks, x, y, 3)
+    stats = schedule.last_step_stats
+    schedule.close()
+    spans = [s for s in stats.spans if s.kind in ("F", "B")]
+    return {"spans": [(s.kind, s.end - s.start) for s in spans],
+            "history": {kind: seconds for (_, kind), seconds in schedule.history.durations.items()},
+            "launch_time": stats.launch_time, "dispatched": stats.dispatched,
+            "busy": stats.device_busy_time, "step": stats.step_time}
+
+
+def tensor_parallel_peer_stops(rank: int, world_size: int, coordination: str) -> dict:
+    """PP 2 x TP 2; after one step, global rank 0 (the TP leader of pipeline rank 0)
+    stops stepping. Every other rank must raise PipelineStallError within about the stall
+    timeout (2 s), naming a peer, not wait for gloo's own timeout."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel, parallelize_module, RowwiseParallel)
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "tp"))
+    pp = mesh["pp"].get_local_rank()
+    num_stages, M = 4, 4
+    torch.manual_seed(0)
+    chain = [MLPBlock().double() for _ in range(num_stages)]
+    x, y = make_batch(M)
+    local = local_stage_indices(pp, 2, num_stages, "loop")
+    blocks = [parallelize_module(copy.deepcopy(chain[s]), mesh["tp"],
+                                 {"up": ColwiseParallel(), "down": RowwiseParallel()})
+              for s in local]
+    stages = [PipelineStage(b, s, num_stages, torch.device("cpu"), group=mesh["pp"].get_group())
+              for b, s in zip(blocks, local)]
+    schedule = ScheduleRRFP(stages, M, loss_fn=loss_fn, hint="Interleaved1F1B", stall_timeout=2.0,
+                            coordination_group=mesh["tp"].get_group(), coordination=coordination)
+    run_steps(schedule, stages, blocks, x, y, 1)
+    outcome: dict = {}
+    if rank != 0:
+        start = time.perf_counter()
+        try:
+            run_steps(schedule, stages, blocks, x, y, 1)
+        except Exception as e:
+            outcome = {"error": f"{type(e).__name__}: {e}", "elapsed": time.perf_counter() - start}
+    return outcome
+
+
+def tensor_parallel_without_coordination(rank: int, world_size: int) -> str:
+    """PP 2 x TP 2 with DTensor stages but no coordination group: every rank must refuse."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel, parallelize_module, RowwiseParallel)
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "tp"))
+    pp = mesh["pp"].get_local_rank()
+    torch.manual_seed(0)
+    chain = [MLPBlock().double() for _ in range(2)]
+    x, y = make_batch(2)
+    block = parallelize_module(copy.deepcopy(chain[pp]), mesh["tp"],
+                               {"up": ColwiseParallel(), "down": RowwiseParallel()})
+    stage = PipelineStage(block, pp, 2, torch.device("cpu"), group=mesh["pp"].get_group())
+    schedule = ScheduleRRFP(stage, 2, loss_fn=loss_fn, hint="1F1B", stall_timeout=30)
+    try:
+        run_steps(schedule, [stage], [block], x, y, 1)
+    except ValueError as e:
+        return str(e)
+    raise AssertionError("no ValueError")
+
+
+def shared_parameters(rank: int, world_size: int) -> list[str]:
+    """V placement over 2 ranks: rank 0 holds stages 0 and 3; tie their weights."""
+    import warnings
+
+    chain = make_chain(4)
+    chain[3][0].weight = chain[0][0].weight
+    indices = local_stage_indices(rank, world_size, 4, "v")
+    stages = [PipelineStage(chain[s], s, 4, torch.device("cpu")) for s in indices]
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        schedule = ScheduleRRFP(stages, 4, loss_fn=loss_fn, hint="ZBVZeroBubble")
+    schedule.close()
+    return [str(w.message) for w in caught if issubclass(w.category, UserWarning)
+            and "share parameters" in str(w.message)]

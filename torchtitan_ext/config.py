@@ -23,6 +23,12 @@ class RRFP:
     rank decides and broadcasts) or ``agree`` (all-gather proposals, defer on
     disagreement). ``leader`` was faster in benchmarks/results/coordination.md."""
 
+    launch_depth: int = 2
+    """Launched actions the device may hold before the rank decides again (0: no bound).
+    The rank picks what runs next when its GPU is free, so choices see the latest
+    arrivals; 2 hides the CPU's launch cost behind the running action
+    (benchmarks/results/launch_depth.md)."""
+
     stall_timeout: float = 300.0
     """Seconds without any ready action before the step raises, naming what it waits for."""
 

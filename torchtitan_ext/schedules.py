@@ -1,7 +1,9 @@
 """RRFP as torchtitan pipeline schedules: ``pipeline_parallel_schedule = "RRFP-<hint>"``.
 
-``"RRFP"`` is the paper's BF rule; ``"RRFP-<hint>"`` takes any hint ScheduleRRFP accepts by
-name. Stage placement and stages per rank follow the hint exactly as torchtitan does for
+``"RRFP"`` is the recommended setting for torchtitan's default placement (loop, 2 or more
+stages per rank): the Interleaved1F1B hint under ScheduleRRFP's default policy, which
+measured never slower than Interleaved1F1B itself; ``"RRFP-<hint>"`` takes any hint
+ScheduleRRFP accepts by name (the paper's BF rule is ``"RRFP-BF"``). Stage placement and stages per rank follow the hint exactly as torchtitan does for
 the hint itself. torchtitan 0.2.2 places V-shaped stages only when the schedule class *is*
 ZBVZeroBubble or DualPipeV (an identity check) and picks the loss-logging rank by name, so
 ``install()`` wraps those functions of torchtitan to translate RRFP names, and builds
@@ -19,10 +21,16 @@ from torch.distributed.pipelining.schedules import PipelineScheduleSingle
 from torch.distributed.tensor import DTensor
 
 from rrfp import ScheduleRRFP
+from rrfp.arbiter import resolve_buffer_limits
+from rrfp.coordination import COORDINATIONS
 from rrfp.hints import build_hint, HINT_NAMES, rule_reference, RULE_NAMES
+from rrfp.policy import POLICIES
 from torchtitan_ext.config import RRFP
 
 PREFIX = "RRFP"
+DEFAULT_HINT = "Interleaved1F1B"
+"""What the bare name ``RRFP`` means: the BF rule was 0.93-0.96x of Interleaved1F1B on
+that placement even with uniform times (benchmarks/results/simulation.md)."""
 _V_HINTS = {"ZBVZeroBubble", "DualPipeV"}
 _SINGLE_STAGE_HINTS = {"1F1B", "GPipe"}
 
@@ -41,7 +49,7 @@ def hint_of(schedule_name: str) -> str | None:
     Raises ValueError for an ``RRFP-`` name whose hint is unknown.
     """
     if schedule_name.upper() == PREFIX:
-        return "BF"
+        return DEFAULT_HINT
     if not schedule_name.upper().startswith(PREFIX + "-"):
         return None
     wanted = schedule_name[len(PREFIX) + 1:]
@@ -49,7 +57,7 @@ def hint_of(schedule_name: str) -> str | None:
         if name.lower() == wanted.lower():
             return name
     raise ValueError(
-        f"unknown RRFP schedule {schedule_name!r}: use 'RRFP' (the BF rule) or one of "
+        f"unknown RRFP schedule {schedule_name!r}: use 'RRFP' (the {DEFAULT_HINT} hint) or one of "
         f"{[f'{PREFIX}-{n}' for n in HINT_NAMES]}"
     )
 
@@ -140,18 +148,17 @@ def validate(job_config, n_layers: int) -> None:
     layout = "v" if placement_schedule(hint) in _V_HINTS else "loop"
     built = build_hint(hint, num_ranks=pp, num_stages=pp * per_rank,
                        n_microbatches=n_microbatches(job_config), layout=layout)
-    from rrfp.arbiter import resolve_buffer_limits
-    from rrfp.policy import POLICIES
-
-    resolve_buffer_limits(parse_buffer_limit(rrfp_settings(job_config).buffer_limit), built)
-    policy = rrfp_settings(job_config).policy
-    if policy and policy not in POLICIES:
-        raise ValueError(f"rrfp.policy={policy!r} is not one of {list(POLICIES)}")
-    from rrfp.coordination import COORDINATIONS
-
-    if rrfp_settings(job_config).coordination not in COORDINATIONS:
-        raise ValueError(f"rrfp.coordination={rrfp_settings(job_config).coordination!r} is not "
-                         f"one of {list(COORDINATIONS)}")
+    settings = rrfp_settings(job_config)
+    resolve_buffer_limits(parse_buffer_limit(settings.buffer_limit), built)
+    if settings.policy and settings.policy not in POLICIES:
+        raise ValueError(f"rrfp.policy={settings.policy!r} is not one of {list(POLICIES)}")
+    if settings.coordination not in COORDINATIONS:
+        raise ValueError(f"rrfp.coordination={settings.coordination!r} is not one of "
+                         f"{list(COORDINATIONS)}")
+    depth = settings.launch_depth
+    if isinstance(depth, bool) or not isinstance(depth, int) or depth < 0:
+        raise ValueError(f"rrfp.launch_depth={depth!r} must be an integer >= 1, or 0 for no "
+                         "bound")
 
 
 def coordination_group(stages) -> dist.ProcessGroup | None:
@@ -214,15 +221,17 @@ def install() -> None:
             hint=hint, buffer_limit=parse_buffer_limit(settings.buffer_limit),
             stall_timeout=settings.stall_timeout, policy=settings.policy or None,
             coordination_group=coordination_group(stages), coordination=settings.coordination,
+            launch_depth=settings.launch_depth or None,
         )
         from torchtitan.tools.logging import logger
 
         logger.info(
             f"Using pipeline schedule {name}: ScheduleRRFP with hint {schedule.hint.name} "
             f"({schedule.hint.layout} placement), policy {schedule.policy}, buffer limit "
-            f"{settings.buffer_limit!r} -> per-stage limits {schedule.buffer_limits} (the "
-            f"hint's own peaks: {schedule.hint.peak_in_flight()}), "
-            f"{schedule._n_microbatches} microbatches")
+            f"{settings.buffer_limit!r}: at most {schedule.buffer_limits.per_rank[schedule.rank]} "
+            f"microbatches of activations on this rank (the hint holds "
+            f"{schedule.hint.rank_peaks()[schedule.rank]}), launch depth "
+            f"{schedule.launch_depth}, {n_microbatches(job_config)} microbatches")
         return schedule
 
     @functools.wraps(metrics._get_metrics_rank)

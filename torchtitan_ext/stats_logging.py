@@ -30,7 +30,10 @@ METRICS: tuple[Metric, ...] = (
     Metric("out_of_hint_order", lambda s: s.out_of_hint_order, "out-of-hint {}"),
     Metric("backpressure_entries", lambda s: sum(s.backpressure_entries.values()),
            "backpressure {}"),
-    Metric("peak_in_flight", lambda s: max(s.peak_in_flight.values(), default=0), "peak {}"),
+    Metric("peak_in_flight", lambda s: s.peak_rank_in_flight, "held {}"),
+    Metric("peak_activation_bytes", lambda s: s.peak_activation_bytes,
+           "activations {:.0f} B"),
+    Metric("receive_buffer_bytes", lambda s: s.receive_buffer_bytes, "receive buffers {:.0f} B"),
     Metric("dispatch_overhead_us", lambda s: s.overhead_per_action * 1e6,
            "dispatch {:.0f} us/action"),
 )

@@ -11,11 +11,13 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import importlib.util
+import math
 import os
 import statistics
 import time
 
 from rrfp.hints import build_hint, Hint, HINT_NAMES, RULE_NAMES
+from rrfp.loop import DEFAULT_LAUNCH_DEPTH
 from rrfp.policy import POLICIES
 from rrfp.sim.study import compare, resolve_limit, SWEEP_LIMITS, sweep_limits, timing_for
 from rrfp.sim.workloads import Timing, WORKLOADS, WorkloadParams
@@ -39,6 +41,20 @@ def _at_least_one(text: str) -> int:
         raise argparse.ArgumentTypeError(f"must be an integer >= 1, got {text!r}") from None
     if value < 1:
         raise argparse.ArgumentTypeError(f"must be an integer >= 1, got {value}")
+    return value
+
+
+def _launch_depth(text: str) -> float:
+    return math.inf if text.lower() == "none" else _at_least_one(text)
+
+
+def _non_negative(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a number >= 0, got {text!r}") from None
+    if not value >= 0:
+        raise argparse.ArgumentTypeError(f"must be a number >= 0, got {value}")
     return value
 
 
@@ -84,6 +100,13 @@ def build_parser() -> argparse.ArgumentParser:
                            "'2x hint' or an integer (default: %(default)s)")
     rrfp.add_argument("--policy", choices=POLICIES,
                       help="arbitration policy (default: what ScheduleRRFP would pick)")
+    rrfp.add_argument("--launch-depth", type=_launch_depth, default=DEFAULT_LAUNCH_DEPTH,
+                      help="launched actions a device may hold before its rank decides "
+                           "again, or 'none' for no bound (default: %(default)s, as "
+                           "ScheduleRRFP)")
+    rrfp.add_argument("--launch-cost", type=_non_negative, default=0.0,
+                      help="CPU time of each launch, in forwards; the fixed schedule pays "
+                           "it too (default: %(default)s)")
 
     charts = parser.add_argument_group("charts (need the [sim] extra: matplotlib)")
     charts.add_argument("--plot", metavar="PNG",
@@ -160,12 +183,14 @@ def main(argv: list[str] | None = None) -> None:
     label = f"replay {args.replay}" if args.replay else f"workload {workload}"
 
     start = time.perf_counter()
-    rows = [compare(hint, workload, seed, limit=args.limit, policy=args.policy, params=params)
+    rows = [compare(hint, workload, seed, limit=args.limit, policy=args.policy, params=params,
+                    launch_depth=args.launch_depth, launch_cost=args.launch_cost)
             for seed in range(seeds)]
     elapsed = time.perf_counter() - start
     print(f"{hint.name}: {args.pp} ranks x {hint.num_stages // args.pp} stages ({hint.layout}), "
           f"{args.microbatches} microbatches, {label}, limit {args.limit!r}, "
-          f"policy {rows[0].policy} (simulated)")
+          f"policy {rows[0].policy}, launch depth {args.launch_depth}, launch cost "
+          f"{args.launch_cost} (simulated)")
     print(f"{'seed':>4} {'fixed':>9} {'rrfp':>9} {'speedup':>8} {'bound':>9} "
           f"{'rrfp/bound':>10} {'fixed/bound':>11} {'memory':>7}")
     for r in rows:

@@ -11,14 +11,14 @@ from __future__ import annotations
 
 import copy
 import heapq
-import math
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 
-from rrfp.arbiter import Arbiter
-from rrfp.hints import _Action, B, Edge, F, Hint, I, W
-from rrfp.loop import Arrival, Completion, StepLoop
+from rrfp.arbiter import Arbiter, MemoryLimits
+from rrfp.hints import _Action, Edge, Hint
+from rrfp.loop import Arrival, Completion, DEFAULT_LAUNCH_DEPTH, StepLoop
 from rrfp.policy import History, make_policy
+from rrfp.sim.graph import step_graph
 from rrfp.stats import Span
 
 Duration = Callable[[_Action], float]
@@ -35,7 +35,10 @@ class SimResult:
     spans: dict[int, list[Span]] = field(repr=False)
     realized: dict[int, list[_Action]] = field(repr=False)
     peak_in_flight: dict[int, int]
-    """Per stage: realized peak of forwards minus backwards."""
+    """Per stage: realized peak of microbatches held (F until its last backward piece)."""
+    rank_peaks: dict[int, int]
+    """Per rank: realized peak of microbatches its stages hold together (the maximum over
+    time of their sum)."""
     out_of_order: dict[int, int]
     histories: dict[int, History] = field(repr=False)
     """Per rank: what this step teaches the next (for the lookahead policy)."""
@@ -85,6 +88,9 @@ class _Simulation:
                 delay = self.latency(edge, mb) if self.latency is not None else 0.0
                 self.push(self.now + delay, self.hint.stage_to_rank[edge.dst], (edge, mb))
         return send
+
+    def completed(self, action: _Action) -> None:
+        """Nothing to free in simulated time."""
 
     def run(self, loops: Mapping[int, StepLoop]) -> None:
         steps: dict[int, Iterator[float]] = {r: loop.run() for r, loop in loops.items()}
@@ -163,17 +169,18 @@ def simulate(
     *,
     latency: Latency | None = None,
     policy: str = "hint",
-    limits: Mapping[int, int] | None = None,
+    limits: MemoryLimits | None = None,
     histories: Mapping[int, History] | None = None,
-    launch_depth: float = 1,
+    launch_depth: float = DEFAULT_LAUNCH_DEPTH,
     launch_cost: float = 0.0,
+    reorder_ahead: bool = False,
 ) -> SimResult:
     """Simulate one step of ``hint`` under ``policy`` ("fixed" is the fixed schedule).
 
     ``histories``: per rank, what earlier steps showed (``SimResult.histories`` of the
     previous step), for the ``"lookahead"`` policy. ``launch_depth``: actions a device may
     hold launched but incomplete (``math.inf``: no bound); ``launch_cost``: CPU time of
-    each launch, in the unit of ``duration``.
+    each launch, in the unit of ``duration``; ``reorder_ahead``: see ``StepLoop``.
     """
     sim = _Simulation(hint, duration, latency, launch_cost)
     previous = histories or {}
@@ -181,7 +188,8 @@ def simulate(
         r: StepLoop(
             Arbiter(hint, r, limits=limits,
                     policy=make_policy(policy, history=previous.get(r), clock=sim.clock(r))),
-            sim.devices[r], sim, sim.arrivals(r), sim.clock(r), launch_depth=launch_depth)
+            sim.devices[r], sim, sim.arrivals(r), sim.clock(r), launch_depth=launch_depth,
+            reorder_ahead=reorder_ahead)
         for r in range(hint.num_ranks)
     }
     sim.run(loops)
@@ -199,6 +207,7 @@ def simulate(
                    for c in loop.completions] for r, loop in loops.items()},
         realized={r: loop.arbiter.realized for r, loop in loops.items()},
         peak_in_flight=dict(sorted(peak.items())),
+        rank_peaks={r: loop.arbiter.peak_held for r, loop in loops.items()},
         out_of_order={r: loop.arbiter.out_of_order for r, loop in loops.items()},
         histories=learned,
     )
@@ -210,60 +219,30 @@ class LowerBounds:
     """Longest dependency chain of any microbatch (unlimited ranks, no queueing)."""
     busiest_rank: float
     """Max over ranks of: earliest possible start + all its work + shortest possible tail."""
+    memory_path: float | None = None
+    """Longest chain once each stage's streams keep hint order and a stage at its memory
+    limit must release before its next forward (None without limits)."""
 
     @property
     def tighter(self) -> float:
-        return max(self.critical_path, self.busiest_rank)
+        return max(self.critical_path, self.busiest_rank, self.memory_path or 0.0)
 
 
-def lower_bounds(hint: Hint, duration: Duration, latency: Latency | None = None) -> LowerBounds:
-    """Two makespan lower bounds that hold for any schedule of ``hint``'s actions."""
-    lat = latency or (lambda edge, mb: 0.0)
-    rank_of = hint.stage_to_rank
-    actions = [a for acts in hint.orders.values() for a in acts if a.computation_type in (F, B, I, W)]
-    present = set(actions)
-
-    def edge_delay(src: int, dst: int, mb: int) -> float:
-        return 0.0 if rank_of[src] == rank_of[dst] else lat(Edge(src, dst), mb)
-
-    def grad_action(s: int, mb: int) -> _Action:
-        full = _Action(s, B, mb)
-        return full if full in present else _Action(s, I, mb)
-
-    def predecessors(a: _Action) -> list[tuple[_Action, float]]:
-        s, m, ctype = a.stage_index, a.microbatch_index, a.computation_type
-        if ctype == F:
-            return [(_Action(s - 1, F, m), edge_delay(s - 1, s, m))] if s > 0 else []
-        if ctype == W:
-            return [(_Action(s, I, m), 0.0)]
-        preds = [(_Action(s, F, m), 0.0)]
-        if s < hint.num_stages - 1:
-            preds.append((grad_action(s + 1, m), edge_delay(s + 1, s, m)))
-        return preds
-
-    successors: dict[_Action, list[tuple[_Action, float]]] = {a: [] for a in actions}
-    for a in actions:
-        for p, delay in predecessors(a):
-            successors[p].append((a, delay))
-
-    # Per microbatch the DAG is a chain: forwards up the stages, backwards down, each W
-    # hanging off its I. This order is topological.
-    def topological_key(a: _Action) -> tuple[int, int]:
-        ctype = a.computation_type
-        return (0, a.stage_index) if ctype == F else (2, a.stage_index) if ctype == W \
-            else (1, -a.stage_index)
-
-    order = sorted(actions, key=topological_key)
-    head: dict[_Action, float] = {}
-    for a in order:
-        head[a] = max((head[p] + duration(p) + d for p, d in predecessors(a)), default=0.0)
-    tail: dict[_Action, float] = {}
-    for a in reversed(order):
-        tail[a] = max((d + duration(c) + tail[c] for c, d in successors[a]), default=0.0)
-    critical = max(head[a] + duration(a) + tail[a] for a in actions)
+def lower_bounds(hint: Hint, duration: Duration, latency: Latency | None = None,
+                 limits: MemoryLimits | None = None) -> LowerBounds:
+    """Makespan lower bounds for any schedule of ``hint``'s actions (with ``limits``: any
+    that keeps each stage's streams in hint order within those memory limits, as RRFP and
+    the fixed schedule do)."""
+    head, tail = step_graph(hint, latency).longest_path(duration)
+    critical = max(head[a] + duration(a) + tail[a] for a in head)
+    memory_path = None
+    if limits is not None:
+        head, tail = step_graph(hint, latency, limits=limits,
+                                stream_order=True).longest_path(duration)
+        memory_path = max(head[a] + duration(a) + tail[a] for a in head)
     busiest = 0.0
     for acts in hint.orders.values():
-        compute = [a for a in acts if a.computation_type in (F, B, I, W)]
+        compute = [a for a in acts if a in head]
         busiest = max(busiest, min(head[a] for a in compute) + sum(map(duration, compute))
                       + min(tail[a] for a in compute))
-    return LowerBounds(critical, busiest)
+    return LowerBounds(critical, busiest, memory_path)

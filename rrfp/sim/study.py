@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from rrfp.arbiter import resolve_buffer_limits
+from rrfp.arbiter import MemoryLimits, resolve_buffer_limits
 from rrfp.hints import Hint
+from rrfp.loop import DEFAULT_LAUNCH_DEPTH
 from rrfp.policy import default_policy
 from rrfp.sim.engine import lower_bounds, LowerBounds, simulate, SimResult
 from rrfp.sim.workloads import make_timing, Timing, WorkloadParams
@@ -21,23 +23,33 @@ _WARMUP_SEED = 100_003
 class Comparison:
     seed: int
     policy: str
-    limits: dict[int, int]
+    limits: MemoryLimits
     fixed: SimResult
     rrfp: SimResult
     bounds: LowerBounds
-    memory_ratio: float
-    """Activation memory of the most loaded rank under RRFP over the fixed schedule's
-    (each rank counted as the sum of its stages' peak in-flight forwards)."""
+
+    @property
+    def memory_ratio(self) -> float:
+        """Activations held by the busiest rank under RRFP over the fixed schedule's busiest
+        rank (each rank: the most its stages hold together at any moment)."""
+        return max(self.rrfp.rank_peaks.values()) / max(self.fixed.rank_peaks.values())
+
+    @property
+    def worst_rank_memory_ratio(self) -> float:
+        """The largest ratio of a rank's peak under RRFP to the same rank's under the fixed
+        schedule."""
+        return max(self.rrfp.rank_peaks[r] / self.fixed.rank_peaks[r] for r in self.rrfp.rank_peaks)
 
     @property
     def speedup(self) -> float:
         return self.fixed.makespan / self.rrfp.makespan
 
 
-def resolve_limit(limit: str | int, hint: Hint) -> dict[int, int]:
-    """Like ``resolve_buffer_limits``, plus ``"2x hint"``."""
+def resolve_limit(limit: str | int, hint: Hint) -> MemoryLimits:
+    """Like ``resolve_buffer_limits``, plus ``"2x hint"`` (twice the hint's peaks)."""
     if limit == "2x hint":
-        return {s: 2 * peak for s, peak in hint.peak_in_flight().items()}
+        return MemoryLimits({s: 2 * peak for s, peak in hint.peak_in_flight().items()},
+                            {r: 2 * peak for r, peak in hint.rank_peaks().items()})
     return resolve_buffer_limits(limit, hint)
 
 
@@ -54,32 +66,35 @@ def timing_for(hint: Hint, workload: str | Timing, seed: int,
 
 
 def compare(hint: Hint, workload: str | Timing, seed: int, *, limit: str | int = "hint",
-            policy: str | None = None, params: WorkloadParams = WorkloadParams()) -> Comparison:
+            policy: str | None = None, params: WorkloadParams = WorkloadParams(),
+            launch_depth: float = DEFAULT_LAUNCH_DEPTH, launch_cost: float = 0.0,
+            reorder_ahead: bool = False) -> Comparison:
     """Simulate the step drawn with ``seed`` under the fixed schedule and under RRFP.
 
     ``policy=None`` picks what ScheduleRRFP would. The lookahead policy first learns
     from two earlier steps (other seeds of the same workload), as it would at run time.
+    ``launch_depth``, ``launch_cost`` (in forwards) and ``reorder_ahead`` (see
+    ``StepLoop``) apply to RRFP; the fixed schedule
+    pays the same launch cost but never waits to decide, so its CPU runs ahead of its
+    device without bound, as torch's schedules do on CUDA.
     """
     limits = resolve_limit(limit, hint)
-    policy = policy or default_policy(hint.policy, limits == hint.peak_in_flight())
+    policy = policy or default_policy(hint.policy, limits == resolve_buffer_limits("hint", hint))
     timing = timing_for(hint, workload, seed, params)
-    fixed = simulate(hint, timing.duration, latency=timing.latency, policy="fixed")
+    fixed = simulate(hint, timing.duration, latency=timing.latency, policy="fixed",
+                     launch_depth=math.inf, launch_cost=launch_cost)
+    launch = dict(launch_depth=launch_depth, launch_cost=launch_cost,
+                  reorder_ahead=reorder_ahead)
     histories = None
     if policy == "lookahead":
         for k, warm_policy in ((1, "fixed"), (2, policy)):
             warm = timing_for(hint, workload, seed + k * _WARMUP_SEED, params)
             histories = simulate(hint, warm.duration, latency=warm.latency, policy=warm_policy,
-                                 limits=limits, histories=histories).histories
+                                 limits=limits, histories=histories, **launch).histories
     rrfp = simulate(hint, timing.duration, latency=timing.latency, policy=policy,
-                    limits=limits, histories=histories)
+                    limits=limits, histories=histories, **launch)
     return Comparison(seed, policy, limits, fixed, rrfp,
-                      lower_bounds(hint, timing.duration, timing.latency),
-                      _busiest_rank_memory(hint, rrfp) / _busiest_rank_memory(hint, fixed))
-
-
-def _busiest_rank_memory(hint: Hint, result: SimResult) -> int:
-    return max(sum(result.peak_in_flight[s] for s in hint.stages_on(r))
-               for r in range(hint.num_ranks))
+                      lower_bounds(hint, timing.duration, timing.latency, limits))
 
 
 def sweep_limits(hint: Hint, workload: str | Timing, seeds: int, *, policy: str | None = None,

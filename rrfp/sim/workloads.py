@@ -15,7 +15,7 @@ from dataclasses import asdict, dataclass, field
 
 from rrfp.hints import _Action, B, Edge, F, I, REDUCE_GRAD, W
 
-WORKLOADS = ("uniform", "jitter", "multimodal", "straggler", "latency")
+WORKLOADS = ("uniform", "jitter", "multimodal", "straggler", "latency", "spikes")
 
 
 @dataclass(frozen=True)
@@ -77,7 +77,7 @@ class Timing:
         return timing
 
 
-def _knob(default: float, doc: str):
+def _knob(default: float, doc: str) -> float:
     """A WorkloadParams field documented by ``doc`` (also the CLI's help text)."""
     return field(default=default, metadata={"help": doc})
 
@@ -98,6 +98,11 @@ class WorkloadParams:
     latency_sigma: float = _knob(
         1.2, "lognormal sigma of the latency (1.2: p95/p5 about 50, as on the paper's PCIe "
              "cards) (latency)")
+    spike_probability: float = _knob(
+        0.05, "chance that a transfer is slow (spikes; its mean latency stays latency_mean)")
+    spike_min_slowdown: float = _knob(5.0, "a slow transfer takes at least this many times "
+                                            "longer (spikes)")
+    spike_max_slowdown: float = _knob(20.0, "... and at most this many times longer (spikes)")
 
 
 def make_timing(workload: str, num_stages: int, n_microbatches: int, seed: int,
@@ -133,8 +138,21 @@ def make_timing(workload: str, num_stages: int, n_microbatches: int, seed: int,
                      if s == slow_stage and rng.random() < params.straggler_probability else 1.0)
     elif workload == "latency":
         latency = table(lambda s, m: params.latency_mean * noise(params.latency_sigma))
-    gradient_latency = latency if workload != "latency" else table(
-        lambda s, m: params.latency_mean * noise(params.latency_sigma))
+    elif workload == "spikes":
+        low, high = params.spike_min_slowdown, params.spike_max_slowdown
+        p = params.spike_probability
+        base = params.latency_mean / (1 - p + p * (low + high) / 2)
+
+        def spiky(s: int, m: int) -> float:
+            slow = rng.uniform(low, high) if rng.random() < p else 1.0
+            return base * slow * noise(0.3)
+
+        latency = table(spiky)
+    gradient_latency = latency
+    if workload == "latency":
+        gradient_latency = table(lambda s, m: params.latency_mean * noise(params.latency_sigma))
+    elif workload == "spikes":
+        gradient_latency = table(spiky)
     # I and W of a microbatch scale like its forward (same tokens, same images), with
     # their own noise under jitter.
     scale = (lambda: noise(params.jitter_sigma)) if workload == "jitter" else (lambda: 1.0)

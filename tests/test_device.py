@@ -1,0 +1,107 @@
+"""The device layer alone: the emulated asynchronous device, and the GPU check's dry run."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+import torch
+
+from rrfp.device import EmulatedDevice, HostDevice, Wakeup
+from rrfp.hints import _Action, F
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _wait_for(device, count: int, timeout: float = 5.0) -> list:
+    done, deadline = [], time.perf_counter() + timeout
+    while len(done) < count and time.perf_counter() < deadline:
+        done += device.completed()
+        time.sleep(1e-3)
+    return done
+
+
+def test_emulated_launch_returns_before_the_work_runs_and_completes_in_order():
+    device, wakeup = EmulatedDevice(launch_cost=0.002), Wakeup()
+    device.begin_step(time.perf_counter(), wakeup)
+    ran: list[int] = []
+    start = time.perf_counter()
+    for mb in range(3):
+        device.launch(_Action(0, F, mb), lambda mb=mb: (time.sleep(0.05), ran.append(mb)))
+    launched = time.perf_counter() - start
+    assert 0.006 <= launched < 0.04  # three launch costs, none of the work
+    assert device.outstanding == 3 and ran == []
+    done = _wait_for(device, 3)
+    assert [c.action.microbatch_index for c in done] == ran == [0, 1, 2]
+    assert device.outstanding == 0
+    for earlier, later in zip(done, done[1:]):
+        assert earlier.end <= later.start  # one stream: no overlap
+    assert all(0.045 <= c.end - c.start < 0.1 for c in done)
+    device.close(5.0)
+
+
+def test_emulated_device_runs_work_with_the_launching_threads_grad_mode():
+    device = EmulatedDevice()
+    device.begin_step(time.perf_counter(), Wakeup())
+    modes: list[bool] = []
+    with torch.no_grad():
+        device.launch(_Action(0, F, 0), lambda: modes.append(torch.is_grad_enabled()))
+    device.launch(_Action(0, F, 1), lambda: modes.append(torch.is_grad_enabled()))
+    _wait_for(device, 2)
+    assert modes == [False, True]
+    device.close(5.0)
+
+
+def test_a_failure_on_the_emulated_device_is_raised_and_later_work_is_skipped():
+    device = EmulatedDevice()
+    device.begin_step(time.perf_counter(), Wakeup())
+    ran: list[int] = []
+
+    def fail():
+        raise ValueError("boom")
+
+    device.launch(_Action(0, F, 0), fail)
+    device.launch(_Action(0, F, 1), lambda: ran.append(1))
+    with pytest.raises(RuntimeError, match="0F0 failed on the emulated device: boom") as info:
+        _wait_for(device, 2)
+    assert isinstance(info.value.__cause__, ValueError)
+    assert ran == []
+    assert device.close(5.0) == []
+
+
+def test_close_stops_the_device_thread_and_skips_queued_work():
+    device = EmulatedDevice()
+    device.begin_step(time.perf_counter(), Wakeup())
+    ran: list[int] = []
+    for mb in range(5):
+        device.launch(_Action(0, F, mb), lambda mb=mb: (time.sleep(0.05), ran.append(mb)))
+    time.sleep(0.02)
+    assert device.close(5.0) == []
+    assert len(ran) <= 1
+    assert not [t for t in threading.enumerate() if t.name == "rrfp-emulated-device"]
+
+
+def test_wakeup_wakes_a_waiter_and_host_device_completes_at_launch():
+    wakeup = Wakeup()
+    threading.Timer(0.05, wakeup.notify).start()
+    start = time.perf_counter()
+    wakeup.wait(5.0)
+    assert time.perf_counter() - start < 1.0
+    device = HostDevice()
+    device.begin_step(time.perf_counter(), wakeup)
+    device.launch(_Action(0, F, 0), lambda: time.sleep(0.01))
+    (done,) = device.completed()
+    assert device.outstanding == 0 and done.end - done.start >= 0.01
+
+
+def test_gpu_check_dry_run_passes_on_cpu():
+    # The single-process part of benchmarks/gpu_check.py on the emulated device.
+    result = subprocess.run([sys.executable, "-m", "benchmarks.gpu_check", "--dry-run"], cwd=ROOT,
+                            capture_output=True, text=True, timeout=180)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "bitwise equal to torch's ScheduleInterleaved1F1B: True" in result.stdout
+    assert "single-process checks passed (dry run on CPU)" in result.stdout
