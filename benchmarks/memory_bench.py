@@ -103,7 +103,7 @@ def main(argv=None) -> None:
     lines = [
         "# Memory per rank: torch's fixed schedule vs ScheduleRRFP (measured)",
         "",
-        f"Regenerate with `python -m benchmarks.memory_bench`. See the module docstring for "
+        "Regenerate with `python -m benchmarks.memory_bench`. See the module docstring for "
         "the method. KiB per rank, ranks 0-3 separated by slashes.",
         "",
         "| hint | ranks x stages | microbatches | receive buffers: torch | RRFP hint | RRFP "

@@ -4,10 +4,9 @@ torch's stages allocate a receive buffer per microbatch for every input and grad
 posting every receive at the step's start keeps all of them alive, so receive memory grows
 with the number of microbatches (a user of torch's pipelining reported ~52 GiB of such
 buffers on middle stages of a large MoE model). Here each incoming channel owns ``size``
-buffer sets (slots). Receives are posted in the channel's message order, each into a free
-slot, which is bound to its microbatch in the stage (the stage reads its input or
-gradient from there). A slot is free again once the action that last reads it has
-completed on the device:
+slots. Receives are posted in the channel's message order, each into a free slot, which is
+bound to its microbatch in the stage (the stage reads its input or gradient from there). A
+slot is free again once the action that last reads it has completed on the device:
 
 * an activation received by stage s: its microbatch's last backward piece on s (B, or W
   when backward is split), because autograd keeps the input for the weight gradients; in
@@ -18,6 +17,14 @@ An activation ring holds the stage's memory limit plus one slot: the stage holds
 that many microbatches, so the next message in channel order (the one its forward stream
 needs next) always has a slot. A gradient ring holds the memory limit: gradients only
 arrive for microbatches the stage holds. So receive memory grows with the limit.
+
+**Variable shapes.** When microbatches differ in shape, every activation message is
+preceded on its channel by a small header (``shape_header``: the shape of each of its
+tensors); the receiver posts the header's receive, and when it arrives allocates the
+message's buffers and posts their receives, then the next header. Receives on a channel
+are thus posted exactly in the order they are sent: header, message, header, ... A
+gradient has the shape of the output it answers, which the receiving stage produced: its
+receive is posted once that forward has completed. With fixed shapes there is no header.
 """
 
 from __future__ import annotations
@@ -29,7 +36,48 @@ import torch
 from torch.distributed.pipelining.stage import _PipelineStageBase
 
 from rrfp.hints import _Action, Edge, F, Hint, INPUT_GRAD_KINDS, WEIGHT_GRAD_KINDS
-from rrfp.transport import Transport
+from rrfp.transport import Received, Transport
+
+HEADER_DIMS = 8
+"""Most dimensions a header describes per tensor."""
+
+
+def header_size(tensors: int) -> int:
+    """Elements (int64) of the header of a message of ``tensors`` tensors."""
+    return 1 + tensors * (1 + HEADER_DIMS)
+
+
+def shape_header(tensors: list[torch.Tensor], device: torch.device) -> torch.Tensor:
+    """The header sent ahead of a message: its tensors' shapes (int64, on ``device``).
+
+    On CUDA it is copied from pinned memory without blocking, behind the work already on
+    the stream (a blocking copy would wait for that work)."""
+    cuda = device.type == "cuda"
+    header = torch.zeros(header_size(len(tensors)), dtype=torch.int64, pin_memory=cuda)
+    header[0] = len(tensors)
+    for i, tensor in enumerate(tensors):
+        if tensor.dim() > HEADER_DIMS:
+            raise ValueError(f"variable shapes: a {tensor.dim()}-dimensional activation; at "
+                             f"most {HEADER_DIMS} dimensions are supported")
+        at = 1 + i * (1 + HEADER_DIMS)
+        header[at] = tensor.dim()
+        header[at + 1:at + 1 + tensor.dim()] = torch.tensor(tensor.shape, dtype=torch.int64)
+    return header.to(device, non_blocking=True) if cuda else header
+
+
+def header_shapes(header: torch.Tensor, copy_stream: torch.cuda.Stream | None) -> list[torch.Size]:
+    """The shapes a received header describes. A header on CUDA is read on ``copy_stream``
+    (its receive has completed), so the read does not wait for the compute stream."""
+    if copy_stream is not None:
+        with torch.cuda.stream(copy_stream):
+            values = header.to("cpu").tolist()
+    else:
+        values = header.tolist()
+    shapes = []
+    for i in range(values[0]):
+        at = 1 + i * (1 + HEADER_DIMS)
+        shapes.append(torch.Size(values[at + 1:at + 1 + values[at]]))
+    return shapes
 
 
 @dataclass
@@ -38,11 +86,19 @@ class _Ring:
     stage: _PipelineStageBase
     size: int
     training: bool
+    variable: bool
     slots: list[tuple[torch.Tensor | None, ...]] = field(default_factory=list)
+    """Fixed shapes: the buffers of each slot. Variable shapes: dtype/device templates."""
+    headers: list[torch.Tensor] = field(default_factory=list)
     order: list[int] = field(default_factory=list)
     posted: int = 0
     free: deque[int] = field(default_factory=deque)
     in_use: dict[int, int] = field(default_factory=dict)
+    awaiting_header: int | None = None
+    """Variable shapes: the microbatch whose header is posted, not yet arrived."""
+    forwards_done: set[int] = field(default_factory=set)
+    """Variable shapes, gradient rings: microbatches whose forward has completed here."""
+    copy_stream: torch.cuda.Stream | None = None
 
     def infos(self, mb: int):
         recv = self.stage.args_recv_info if self.edge.is_forward else self.stage.grad_recv_info
@@ -65,48 +121,99 @@ class _Ring:
         current = self.infos(0)
         if self.slots and all(info.buffer is None or id(info.buffer) in ours for info in current):
             return
-        self.slots = [tuple(info.buffer for info in self.infos(mb)) for mb in range(self.size)]
+        count = 1 if self.variable else self.size
+        self.slots = [tuple(info.buffer for info in self.infos(mb)) for mb in range(count)]
+        tensors = sum(1 for t in self.slots[0] if t is not None)
+        device = self.stage.device
+        self.headers = [torch.zeros(header_size(tensors), dtype=torch.int64, device=device)
+                        for _ in range(self.size)] if self.variable and self.edge.is_forward else []
+        if self.variable and device.type == "cuda" and self.copy_stream is None:
+            self.copy_stream = torch.cuda.Stream(device)
 
     def start(self, transport: Transport, order: list[int]) -> None:
         self.ensure_slots()
         self.order, self.posted = order, 0
-        self.free = deque(range(len(self.slots)))
+        self.free = deque(range(self.size))
         self.in_use.clear()
+        self.awaiting_header = None
+        self.forwards_done.clear()
         for mb in order:  # until bound, every microbatch points at a slot, not its own buffer
-            self._bind(mb, 0)
+            self._bind(mb, self.slots[0])
         self.post(transport)
 
     def post(self, transport: Transport) -> None:
-        """Post the next receives of the channel into free slots."""
-        while self.free and self.posted < len(self.order):
-            mb, slot = self.order[self.posted], self.free.popleft()
+        """Post the next receives of the channel, in its message order."""
+        while self.free and self.posted < len(self.order) and self.awaiting_header is None:
+            mb = self.order[self.posted]
+            if self.variable and not self.edge.is_forward and mb not in self.forwards_done:
+                return  # its shape is not known yet
+            slot = self.free.popleft()
             self.posted += 1
             self.in_use[mb] = slot
-            self._bind(mb, slot)
-            transport.post_receive(self.edge, mb, [t for t in self.slots[slot] if t is not None])
+            if not self.variable:
+                self._bind(mb, self.slots[slot])
+                transport.post_receive(self.edge, mb, _present(self.slots[slot]))
+            elif self.edge.is_forward:
+                self.awaiting_header = mb
+                transport.post_receive(self.edge, mb, [self.headers[slot]], header=True)
+            else:
+                outputs, _ = self.stage.fwd_cache[mb]
+                self._post_payload(transport, mb, [o.shape for o in outputs])
+
+    def header_arrived(self, transport: Transport, mb: int) -> None:
+        """The shapes of microbatch ``mb``'s message came: receive the message itself, then
+        the next header."""
+        if mb != self.awaiting_header:
+            raise AssertionError(f"header of microbatch {mb} on {self.edge} out of order")
+        self.awaiting_header = None
+        self._post_payload(transport, mb,
+                           header_shapes(self.headers[self.in_use[mb]], self.copy_stream))
+        self.post(transport)
+
+    def _post_payload(self, transport: Transport, mb: int, shapes: list[torch.Size]) -> None:
+        templates = [t for t in self.slots[0] if t is not None]
+        if len(shapes) != len(templates):
+            raise ValueError(f"variable shapes: a message of {len(shapes)} tensors on "
+                             f"{self.edge}, where shape inference found {len(templates)}")
+        buffers = iter([torch.empty(shape, dtype=t.dtype, device=t.device)
+                        for shape, t in zip(shapes, templates)])
+        slot = tuple(next(buffers) if t is not None else None for t in self.slots[0])
+        self._bind(mb, slot)
+        transport.post_receive(self.edge, mb, _present(slot))
 
     def release(self, mb: int) -> None:
         self.free.append(self.in_use.pop(mb))
 
-    def _bind(self, mb: int, slot: int) -> None:
-        for info, buffer in zip(self.infos(mb), self.slots[slot]):
+    def _bind(self, mb: int, slot: tuple[torch.Tensor | None, ...]) -> None:
+        for info, buffer in zip(self.infos(mb), slot):
             if buffer is not None:
                 buffer.grad = None  # backward accumulates into the input's .grad
                 info.buffer = buffer
 
     @property
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for slot in self.slots for t in slot
-                   if t is not None)
+        """Bytes of the ring's buffers (variable shapes: of the messages it holds now)."""
+        if self.variable:
+            held = [tuple(info.buffer for info in self.infos(mb)) for mb in self.in_use]
+        else:
+            held = self.slots
+        return sum(t.numel() * t.element_size() for slot in held for t in slot if t is not None)
+
+
+def _present(slot: tuple[torch.Tensor | None, ...]) -> list[torch.Tensor]:
+    return [t for t in slot if t is not None]
 
 
 class ReceiveRings:
     """The rings of one rank's incoming channels for one step."""
 
-    def __init__(self) -> None:
+    def __init__(self, variable_shapes: bool) -> None:
+        self.variable_shapes = variable_shapes
         self._rings: dict[tuple[Edge, bool], _Ring] = {}
         self._active: list[_Ring] = []
         self._transport: Transport | None = None
+        self.peak_bytes = 0
+        """Most bytes the rings held at once during the step."""
 
     def start(self, transport: Transport, hint: Hint, stages: dict[int, _PipelineStageBase],
               limits: dict[int, int], training: bool) -> None:
@@ -123,19 +230,38 @@ class ReceiveRings:
             key = (edge, training)
             ring = self._rings.get(key)
             if ring is None or ring.size != size or ring.stage is not stage:
-                ring = self._rings[key] = _Ring(edge, stage, size, training)
+                ring = self._rings[key] = _Ring(edge, stage, size, training, self.variable_shapes)
             ring.start(transport, order)
             self._active.append(ring)
+        self.peak_bytes = self._bytes()
+
+    def arrived(self, arrivals: list[Received]) -> list[Received]:
+        """Handle the headers among ``arrivals`` (post their messages' receives); return
+        the messages."""
+        messages = []
+        for arrival in arrivals:
+            if not arrival.header:
+                messages.append(arrival)
+                continue
+            ring = next(r for r in self._active if r.edge == arrival.edge)
+            ring.header_arrived(self._transport, arrival.microbatch)  # type: ignore[arg-type]
+            self.peak_bytes = max(self.peak_bytes, self._bytes())
+        return messages
 
     def completed(self, action: _Action) -> None:
         """``action`` completed on the device: free the slots it was the last to read, and
-        post the next receives into them."""
+        post the next receives into them (with variable shapes, a completed forward also
+        makes its gradient's shape known)."""
         for ring in self._active:
             if ring.releases(action):
                 ring.release(action.microbatch_index)
-                ring.post(self._transport)  # type: ignore[arg-type]
+            elif (ring.variable and not ring.edge.is_forward and action.computation_type == F
+                  and action.stage_index == ring.edge.dst):
+                ring.forwards_done.add(action.microbatch_index)
+            else:
+                continue
+            ring.post(self._transport)  # type: ignore[arg-type]
+        self.peak_bytes = max(self.peak_bytes, self._bytes())
 
-    @property
-    def nbytes(self) -> int:
-        """Bytes of the receive buffers of this step's channels."""
+    def _bytes(self) -> int:
         return sum(ring.nbytes for ring in self._active)

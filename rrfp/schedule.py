@@ -26,7 +26,7 @@ from torch.distributed.pipelining.schedules import (
     _get_profiler_function_name,
     PipelineScheduleMulti,
 )
-from torch.distributed.pipelining.stage import _PipelineStageBase
+from torch.distributed.pipelining.stage import _DTensorMeta, _PipelineStageBase
 from torch.distributed.pipelining.microbatch import TensorChunkSpec
 from torch.profiler import record_function
 
@@ -49,7 +49,7 @@ from rrfp.device import CudaDevice, EmulatedDevice, HostDevice, Wakeup
 from rrfp.loop import Arrival, DEFAULT_LAUNCH_DEPTH, PipelineStallError, StepLoop
 from rrfp.memory import ActivationMeter
 from rrfp.policy import default_policy, History, make_policy, POLICIES
-from rrfp.receives import ReceiveRings
+from rrfp.receives import ReceiveRings, shape_header
 from rrfp.stats import Span, StepStats
 from rrfp.transport import create_channels, SendDelay, Transport
 
@@ -100,6 +100,11 @@ class ScheduleRRFP(PipelineScheduleMulti):
             (default False: ahead of the device only the hint's next action is launched;
             deviations are chosen when the device is idle, on the latest arrivals). With
             ``launch_depth=None`` this decides whenever a launch returns: for studies.
+        variable_shapes: microbatches may differ in shape (e.g. in sequence length): each
+            activation message is then preceded by a small shape header on its channel,
+            and its receive buffers are allocated when the header arrives. Feed such
+            microbatches with ``step_microbatches``. Off by default: with fixed shapes no
+            header is sent.
         device: where actions run. ``None``: the stages' CUDA stream for CUDA stages,
             synchronous execution for CPU stages. ``rrfp.device.EmulatedDevice(...)``: an
             emulated asynchronous device for CPU stages (tests and studies).
@@ -125,6 +130,7 @@ class ScheduleRRFP(PipelineScheduleMulti):
         launch_depth: int | None = DEFAULT_LAUNCH_DEPTH,
         reorder_ahead: bool = False,
         device: EmulatedDevice | None = None,
+        variable_shapes: bool = False,
     ):
         if policy is not None and policy not in POLICIES:
             raise ValueError(f"unknown policy {policy!r}: use one of {list(POLICIES)} or None")
@@ -219,7 +225,8 @@ class ScheduleRRFP(PipelineScheduleMulti):
         self._device = device if device is not None else (
             CudaDevice(stage_device) if stage_device.type == "cuda" else HostDevice())
         self._wakeup = Wakeup()
-        self._receives = ReceiveRings()
+        self.variable_shapes = bool(variable_shapes)
+        self._receives = ReceiveRings(self.variable_shapes)
         self._meter = ActivationMeter()
         self._transport = Transport(create_channels(self._hint, stages[0].group, stage_device),
                                     self._wakeup, send_delay=send_delay)
@@ -272,6 +279,7 @@ class ScheduleRRFP(PipelineScheduleMulti):
         fsdp_modules = self._prepare_data_parallel()
         if not self._collectives_checked:
             self._check_intra_stage_collectives()
+            self._check_variable_shapes()
             self._collectives_checked = True
         self._meter.reset(p for stage in self._stages for p in stage.submod.parameters())
         origin = time.perf_counter()
@@ -292,8 +300,8 @@ class ScheduleRRFP(PipelineScheduleMulti):
                        if group is not None and dist.get_world_size(group) > 1 else None)
         loop = StepLoop(
             arbiter, self._device, executor,
-            arrivals=lambda: [Arrival(edge, mb, seen - origin)
-                              for edge, mb, seen in self._transport.collect()],
+            arrivals=lambda: [Arrival(r.edge, r.microbatch, r.seen - origin)
+                              for r in self._receives.arrived(self._transport.collect())],
             clock=clock, launch_depth=self.launch_depth, reorder_ahead=self.reorder_ahead,
             stall_timeout=self.stall_timeout,
             describe_rank=f"pipeline rank {self.rank} (global rank {dist.get_rank()})",
@@ -301,6 +309,7 @@ class ScheduleRRFP(PipelineScheduleMulti):
             coordinator=coordinator, block=self._wakeup.wait,
         )
         self._device.begin_step(origin, self._wakeup)
+        sent_before = (self._transport.messages_sent, self._transport.bytes_sent)
         try:
             self._receives.start(self._transport, hint, self._stage_by_index,
                                  self.buffer_limits.per_stage, training=self._has_backward)
@@ -316,7 +325,9 @@ class ScheduleRRFP(PipelineScheduleMulti):
             self._abandon(e)
             raise
         finally:
-            self.last_step_stats = _step_stats(self, loop, executor, coordinator, clock())
+            sent = (self._transport.messages_sent - sent_before[0],
+                    self._transport.bytes_sent - sent_before[1])
+            self.last_step_stats = _step_stats(self, loop, executor, coordinator, clock(), sent)
         if self._has_backward:
             loop.teach(self._history)
         else:  # no gradient reduction will reshard them
@@ -403,6 +414,54 @@ class ScheduleRRFP(PipelineScheduleMulti):
                            else f"the coordination_group covers only {sorted(covered)}")
                         + ": pass coordination_group=dist.new_group(<those ranks>, "
                         "backend='gloo') so that they run the same actions")
+
+    def _check_variable_shapes(self) -> None:
+        """Variable shapes: received DTensor activations are rebuilt with the global shape
+        found by shape inference, which varies, so they are refused; torch's per-microbatch
+        metadata checks (TORCH_DISTRIBUTED_DEBUG=DETAIL) compare every microbatch with the
+        first one, so they are turned off, saying so."""
+        if not self.variable_shapes:
+            return
+        for stage in self._stages:
+            for infos in (stage.args_recv_info.get(0, ()), stage.grad_recv_info.get(0, ())):
+                for info in infos:
+                    if isinstance(getattr(info, "tensor_meta", None), _DTensorMeta):
+                        raise ValueError(
+                            f"variable_shapes: stage {stage.stage_index} receives a DTensor "
+                            "activation or gradient, whose global shape torch's stages fix at "
+                            "shape inference; use variable_shapes=False (pad to one shape)")
+            if stage._runtime_validate:
+                logger.warning("stage %d: torch's per-microbatch shape checks are off "
+                               "(variable_shapes: microbatches differ from the first)",
+                               stage.stage_index)
+                stage._runtime_validate = False
+
+    def step_microbatches(
+        self,
+        arg_mbs: list | None = None,
+        target_mbs: list | None = None,
+        *,
+        kwarg_mbs: list | None = None,
+        losses: list | None = None,
+        return_outputs: bool = True,
+    ) -> list | None:
+        """One step on microbatches already split, which may differ in shape
+        (``variable_shapes=True``): ``arg_mbs[i]`` is the tuple of positional inputs of
+        microbatch i (first stage only), ``target_mbs[i]`` its target (last stage only).
+        Returns the last stage's outputs per microbatch (not merged: they may differ in
+        shape), else None.
+        """
+        if self._has_backward and not torch.is_grad_enabled():
+            raise RuntimeError("step_microbatches() computes gradients: call it outside "
+                               "torch.no_grad(), or use eval()")
+        for stage in self._stages:
+            stage.has_backward = self._has_backward
+            stage.clear_runtime_states()
+        self._step_microbatches(arg_mbs, kwarg_mbs, target_mbs, losses, return_outputs)
+        for stage in self._stages:
+            if stage.is_last and return_outputs:
+                return list(stage.output_chunks)
+        return None
 
     def _prepare_data_parallel(self) -> list[FSDPModule]:
         """Unshard the local stages' FSDP modules now, in stage order; return them.
@@ -559,15 +618,19 @@ class _StageExecutor:
                 raise AssertionError(f"unexpected action {action}")
 
     def send(self, action: _Action, edge: Edge) -> None:
-        stage = self.schedule._stage_by_index[action.stage_index]
+        schedule = self.schedule
+        stage = schedule._stage_by_index[action.stage_index]
         mb = action.microbatch_index
         ops = stage.get_fwd_send_ops(mb) if edge.is_forward else stage.get_bwd_send_ops(mb)
+        tensors = [op.tensor for op in ops]
         self.sends.append((edge.src, edge.dst, mb, self.clock()))
-        self.schedule._transport.send(edge, mb, [op.tensor for op in ops])
+        if schedule.variable_shapes and edge.is_forward:
+            schedule._transport.send(edge, mb, [shape_header(tensors, stage.device)])
+        schedule._transport.send(edge, mb, tensors)
 
 
 def _step_stats(schedule: ScheduleRRFP, loop: StepLoop, executor: _StageExecutor,
-                coordinator, end: float) -> StepStats:
+                coordinator, end: float, sent: tuple[int, int]) -> StepStats:
     arbiter = loop.arbiter
     local = schedule.hint.stages_on(schedule.rank)
     hint_peaks = arbiter.hint.peak_in_flight()
@@ -591,7 +654,9 @@ def _step_stats(schedule: ScheduleRRFP, loop: StepLoop, executor: _StageExecutor
         peak_in_flight=dict(arbiter.peak_in_flight),
         peak_rank_in_flight=arbiter.peak_held,
         peak_activation_bytes=schedule._meter.peak,
-        receive_buffer_bytes=schedule._receives.nbytes,
+        receive_buffer_bytes=schedule._receives.peak_bytes,
+        messages_sent=sent[0],
+        bytes_sent=sent[1],
         backpressure_entries=dict(arbiter.backpressure_entries),
         out_of_hint_order=arbiter.out_of_order,
         hint_order=[str(n.action) for n in arbiter.nodes],

@@ -51,7 +51,10 @@ class StepStats:
     """Most bytes of saved activations alive at once on the rank during the step, measured
     on the tensors themselves (``rrfp.memory.ActivationMeter``; parameters excluded)."""
     receive_buffer_bytes: int
-    """Bytes of the rank's receive buffers (a ring per incoming channel)."""
+    """Most bytes the rank's receive buffers held at once (a ring per incoming channel)."""
+    messages_sent: int
+    """Tensors sent (a message of several tensors counts each; a shape header counts)."""
+    bytes_sent: int
     backpressure_entries: dict[int, int]
     """Times each stage reached its limit with forwards still to run."""
     out_of_hint_order: int

@@ -39,6 +39,7 @@ import time
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -46,8 +47,15 @@ import torch.distributed as dist
 from rrfp.device import Wakeup
 from rrfp.hints import Edge, Hint
 
-Arrival = tuple[Edge, int, float]
-"""(edge, microbatch, ``time.perf_counter()`` when the message was seen complete)."""
+class Received(NamedTuple):
+    """A receive that completed."""
+
+    edge: Edge
+    microbatch: int
+    seen: float
+    """``time.perf_counter()`` when it was seen complete."""
+    header: bool = False
+    """The shape header sent ahead of a message (variable shapes), not the message."""
 SendDelay = Callable[[Edge, int], float]
 """Emulated link latency: seconds to hold the message for ``(edge, microbatch)``."""
 GroupFactory = Callable[[str, dist.Store, int, datetime.timedelta], dist.ProcessGroup]
@@ -204,37 +212,39 @@ class _WaiterThreads:
         self._jobs: dict[Edge, queue.SimpleQueue] = {}
         self._threads: list[threading.Thread] = []
 
-    def watch(self, edge: Edge, microbatch: int, works: Sequence[dist.Work]) -> None:
+    def watch(self, edge: Edge, microbatch: int, works: Sequence[dist.Work],
+              header: bool) -> None:
         if edge not in self._jobs:
             self._jobs[edge] = queue.SimpleQueue()
             thread = threading.Thread(target=self._wait_in_order, args=(self._jobs[edge],),
                                       name=f"rrfp-recv-{edge.src}-{edge.dst}", daemon=True)
             thread.start()
             self._threads.append(thread)
-        self._jobs[edge].put((edge, microbatch, works))
+        self._jobs[edge].put((edge, microbatch, works, header))
 
     def _wait_in_order(self, jobs: queue.SimpleQueue) -> None:
         while (job := jobs.get()) is not None:
-            edge, microbatch, works = job
+            edge, microbatch, works, header = job
             try:
                 for work in works:
                     work.wait()
             except Exception as e:  # reported to the step loop, which raises it
-                self._arrived.put((edge, microbatch, e))
+                self._arrived.put((Received(edge, microbatch, 0.0, header), e))
             else:
-                self._arrived.put((edge, microbatch, time.perf_counter()))
+                self._arrived.put((Received(edge, microbatch, time.perf_counter(), header), None))
             self._wakeup.notify()
 
-    def collect(self) -> list[Arrival]:
+    def collect(self) -> list[Received]:
         arrived = []
         while True:
             try:
-                edge, microbatch, outcome = self._arrived.get_nowait()
+                arrival, error = self._arrived.get_nowait()
             except queue.Empty:
                 return arrived
-            if isinstance(outcome, BaseException):
-                raise RuntimeError(f"receive of {edge} microbatch {microbatch} failed") from outcome
-            arrived.append((edge, microbatch, outcome))
+            if error is not None:
+                raise RuntimeError(f"receive of {arrival.edge} microbatch {arrival.microbatch} "
+                                   "failed") from error
+            arrived.append(arrival)
 
     def close(self, timeout: float) -> list[threading.Thread]:
         """Stop the threads once their current wait returns; the ones still alive."""
@@ -253,17 +263,18 @@ class _Polling:
         wakeup.polled = True
         self._pending: dict[Edge, deque] = {}
 
-    def watch(self, edge: Edge, microbatch: int, works: Sequence[dist.Work]) -> None:
-        self._pending.setdefault(edge, deque()).append((microbatch, works))
+    def watch(self, edge: Edge, microbatch: int, works: Sequence[dist.Work],
+              header: bool) -> None:
+        self._pending.setdefault(edge, deque()).append((microbatch, works, header))
 
-    def collect(self) -> list[Arrival]:
+    def collect(self) -> list[Received]:
         arrived = []
         for edge, pending in self._pending.items():
             while pending and all(w.is_completed() for w in pending[0][1]):
-                microbatch, works = pending.popleft()
+                microbatch, works, header = pending.popleft()
                 for work in works:
                     work.wait()  # orders the compute stream after the receive; no CPU wait
-                arrived.append((edge, microbatch, time.perf_counter()))
+                arrived.append(Received(edge, microbatch, time.perf_counter(), header))
         return arrived
 
     def close(self, timeout: float) -> list[threading.Thread]:
@@ -406,25 +417,32 @@ class Transport:
         self._arrivals = _Polling(wakeup) if polled else _WaiterThreads(wakeup)
         self._send_delay = send_delay
         self._sends = _SendCompletion(polled)
+        self.messages_sent = 0
+        """Messages sent since construction (each tensor of a message counts once)."""
+        self.bytes_sent = 0
         self._delayed = ({e: _DelayedSender(c, self._sends) for e, c in channels.items()
                           if c.rank == 0} if send_delay is not None else {})
 
-    def post_receive(self, edge: Edge, microbatch: int, buffers: Sequence[torch.Tensor]) -> None:
-        """Post the receive of ``microbatch`` on ``edge`` into ``buffers``.
+    def post_receive(self, edge: Edge, microbatch: int, buffers: Sequence[torch.Tensor], *,
+                     header: bool = False) -> None:
+        """Post the receive of ``microbatch`` on ``edge`` into ``buffers`` (``header``: of
+        the shape header sent ahead of it).
 
         Call in the producer's send order: messages on a channel match in posting order.
         """
         channel = self.channels[edge]
-        self._arrivals.watch(edge, microbatch, [channel.recv(b) for b in buffers])
+        self._arrivals.watch(edge, microbatch, [channel.recv(b) for b in buffers], header)
 
     def send(self, edge: Edge, microbatch: int, tensors: list[torch.Tensor]) -> None:
+        self.messages_sent += len(tensors)
+        self.bytes_sent += sum(t.numel() * t.element_size() for t in tensors)
         if self._send_delay is not None:
             self._delayed[edge].submit(microbatch, tensors, self._send_delay(edge, microbatch))
             return
         self._sends.watch(edge, microbatch, [self.channels[edge].send(t) for t in tensors],
                           tensors)
 
-    def collect(self) -> list[Arrival]:
+    def collect(self) -> list[Received]:
         """Messages that arrived since the last call; never blocks."""
         self._sends.poll()
         return self._arrivals.collect()

@@ -214,3 +214,30 @@ def test_a_failed_step_fails_every_rank_promptly_and_a_new_schedule_recovers(fai
         assert result["threads_after_failure"] == [], result["threads_after_failure"]
         assert result["threads_at_end"] == []
         assert result["bitwise"], f"rank {rank}: the recovered step differs from torch's GPipe"
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+@pytest.mark.parametrize("hint,per_rank,layout", [
+    ("1F1B", 1, "loop"), ("Interleaved1F1B", 2, "loop"), ("ZBVZeroBubble", 2, "v"),
+    ("BFW", 2, "v")])
+def test_microbatches_of_different_shapes(hint, per_rank, layout, world_size):
+    seed = 17 * world_size + per_rank + len(hint)
+    ranks = run_local_world(world_size, workers.variable_shapes, hint, per_rank, layout, seed,
+                            timeout=180)
+    for rank, result in enumerate(ranks):
+        assert result["bitwise"], f"rank {rank}: differs from the fixed order on the same data"
+        assert result["error"] < 1e-12, f"rank {rank}: {result['error']} from the float64 model"
+
+
+def test_a_microbatch_whose_shape_breaks_the_model_fails_every_rank():
+    ranks = run_local_world(2, workers.variable_shape_that_breaks_the_model, timeout=120)
+    assert "mat1 and mat2 shapes cannot be multiplied" in ranks[0]["error"], ranks[0]
+    assert ("receive of" in ranks[1]["error"] or "Connection closed" in ranks[1]["error"]), ranks[1]
+    assert all(r["elapsed"] < 20 for r in ranks)
+
+
+def test_fixed_shapes_send_no_header_and_variable_shapes_one_per_activation():
+    fixed = run_local_world(2, workers.messages_per_step, False, timeout=60)
+    variable = run_local_world(2, workers.messages_per_step, True, timeout=60)
+    assert fixed == [4, 4]  # rank 0: 4 activations; rank 1: 4 gradients
+    assert variable == [8, 4]  # a shape header ahead of each activation; none for gradients

@@ -860,3 +860,100 @@ def shared_parameters(rank: int, world_size: int) -> list[str]:
     schedule.close()
     return [str(w.message) for w in caught if issubclass(w.category, UserWarning)
             and "share parameters" in str(w.message)]
+
+
+def variable_batches(n_microbatches: int, lengths: list[int], seed: int):
+    """Per microbatch an input and a target of shape [2, length, DIM] (float64)."""
+    g = torch.Generator().manual_seed(seed)
+    xs = [torch.randn(2, lengths[m % len(lengths)], DIM, generator=g, dtype=torch.float64)
+          for m in range(n_microbatches)]
+    ys = [torch.randn_like(x) for x in xs]
+    return xs, ys
+
+
+def variable_shapes(rank: int, world_size: int, hint: str, per_rank: int, layout: str,
+                    delay_seed: int) -> dict:
+    """Microbatches of different sequence lengths, and other lengths the next step: RRFP
+    (variable_shapes, emulated device, random delays) vs RRFP's fixed policy on the same
+    data, bitwise, and vs the unpipelined float64 model."""
+    num_stages, M = world_size * per_rank, 2 * world_size
+    chain = make_chain(num_stages)
+    local = local_stage_indices(rank, world_size, num_stages, layout)
+    data = [variable_batches(M, lengths, seed=step)
+            for step, lengths in enumerate(([3, 7, 2, 5], [6, 1, 4]))]
+
+    def run(policy: str, delayed: bool):
+        wrap = (lambda s, b: random_device_time(delay_seed, s, M, 0.003)(b)) if delayed else None
+        stages, blocks = build_stages(chain, rank, world_size, layout, wrap=wrap)
+        schedule = ScheduleRRFP(stages, M, loss_fn=loss_fn, hint=hint, policy=policy,
+                                variable_shapes=True, device=EmulatedDevice(),
+                                buffer_limit="hint+1", stall_timeout=60)
+        optimizer = torch.optim.SGD([p for b in blocks for p in b.parameters()], lr=0.1)
+        history = []
+        for xs, ys in data:
+            optimizer.zero_grad(set_to_none=True)
+            losses: list = []
+            schedule.step_microbatches(
+                [(x,) for x in xs] if any(s.is_first for s in stages) else None,
+                ys if any(s.is_last for s in stages) else None, losses=losses)
+            history.append(([p.grad.clone() for b in blocks for p in b.parameters()],
+                            [loss.detach().clone() for loss in losses]))
+            optimizer.step()
+        stats = schedule.last_step_stats
+        schedule.close()
+        return history, stats
+
+    fixed, _ = run("fixed", delayed=False)
+    rrfp, stats = run(None, delayed=True)
+
+    reference = [copy.deepcopy(b) for b in chain]
+    optimizer = torch.optim.SGD([p for b in reference for p in b.parameters()], lr=0.1)
+    errors = []
+    for (xs, ys), (grads, _) in zip(data, fixed):
+        optimizer.zero_grad(set_to_none=True)
+        total = 0
+        for x, y in zip(xs, ys):
+            out = x
+            for block in reference:
+                out = block(out)
+            total = total + loss_fn(out, y)
+        (total / M).backward()
+        expected = [p.grad for s in local for p in reference[s].parameters()]
+        errors.append(max((g - e).abs().max().item() for g, e in zip(grads, expected)))
+        optimizer.step()
+    return {"bitwise": bitwise_equal(rrfp, fixed), "error": max(errors),
+            "out_of_order": stats.out_of_hint_order, "receive_bytes": stats.receive_buffer_bytes}
+
+
+def messages_per_step(rank: int, world_size: int, variable: bool) -> int:
+    """Tensors rank 0 sends in one 1F1B step of fixed-shape microbatches."""
+    M = 4
+    chain = make_chain(world_size)
+    x, y = make_batch(M)
+    stages, _ = build_stages(chain, rank, world_size, "loop")
+    schedule = ScheduleRRFP(stages, M, loss_fn=loss_fn, hint="1F1B", variable_shapes=variable)
+    xs, ys = list(x.chunk(M)), list(y.chunk(M))
+    for _ in range(2):
+        schedule.step_microbatches([(t,) for t in xs] if rank == 0 else None,
+                                   ys if rank == world_size - 1 else None)
+    schedule.close()
+    return schedule.last_step_stats.messages_sent
+
+
+def variable_shape_that_breaks_the_model(rank: int, world_size: int) -> dict:
+    """Microbatch 2's features do not fit the first stage's Linear: every rank must raise,
+    promptly, naming the problem (rank 0) or the closed channel (the others)."""
+    M = 2 * world_size
+    chain = make_chain(world_size)
+    stages, _ = build_stages(chain, rank, world_size, "loop")
+    schedule = ScheduleRRFP(stages, M, loss_fn=loss_fn, hint="1F1B", variable_shapes=True,
+                            stall_timeout=60, device=EmulatedDevice())
+    xs, ys = variable_batches(M, [3, 5, 4], seed=0)
+    xs[2] = torch.randn(2, 4, DIM + 3, dtype=torch.float64)
+    start = time.perf_counter()
+    try:
+        schedule.step_microbatches([(x,) for x in xs] if rank == 0 else None,
+                                   ys if rank == world_size - 1 else None)
+    except Exception as e:
+        return {"error": error_chain(e), "elapsed": time.perf_counter() - start}
+    return {"error": None}
