@@ -102,6 +102,11 @@ class MemoryLimits:
     per_rank: Mapping[int, int]
     """Per pipeline rank: microbatches held at once by all its stages together."""
 
+    def stages_below(self, peaks: Mapping[int, int]) -> dict[int, tuple[int, int]]:
+        """Stages whose limit is below ``peaks`` (a hint's own): stage -> (limit, peak)."""
+        return {s: (self.per_stage[s], peak) for s, peak in peaks.items()
+                if self.per_stage[s] < peak}
+
 
 class Arbiter:
     """Ready-set bookkeeping and choice for one rank during one step.
@@ -467,8 +472,7 @@ def check_limits(limits: MemoryLimits, hint: Hint, spec: object) -> None:
                 "a rank with several stages needs to be deadlock-free; use 'hint', 'hint+k' "
                 f"or an int >= {max(rank_peaks.values())}")
     if not hint.streams_share_one_order():
-        short = {s: (limits.per_stage[s], peaks[s]) for s in peaks
-                 if limits.per_stage[s] < peaks[s]}
+        short = limits.stages_below(peaks)
         if short:
             s, (got, need) = next(iter(short.items()))
             raise ValueError(

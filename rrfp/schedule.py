@@ -82,7 +82,8 @@ class ScheduleRRFP(PipelineScheduleMulti):
         scale_grads, args_chunk_spec, kwargs_chunk_spec, output_merge_spec: as in torch's
             schedules.
         policy: how to pick among ready actions (see ``rrfp.policy``); None: the rule of
-            a BF/BFW hint, else ``"lookahead"`` at the hint's memory, ``"hint"`` with slack.
+            a BF/BFW hint, else ``"lookahead"`` at the hint's memory; with slack
+            ``"arrival"`` for one stage per rank, ``"hint"`` for several.
         coordination_group: a CPU (gloo) group of ranks that must run the same action
             sequence because the stage's compute issues collectives on them (the TP
             group; EP/CP likewise). None: no such group.
@@ -193,11 +194,10 @@ class ScheduleRRFP(PipelineScheduleMulti):
                 raise ValueError(f"{e}; use a hint without split backward (I/W)") from None
         self.buffer_limits = resolve_buffer_limits(buffer_limit, self._hint)
         at_hint_memory = self.buffer_limits == resolve_buffer_limits("hint", self._hint)
-        self.policy = policy or default_policy(self._hint.policy, at_hint_memory)
+        self.policy = policy or default_policy(
+            self._hint.policy, at_hint_memory, self._hint.num_stages // self._hint.num_ranks)
         if self.policy == "fixed":
-            short = {s: (limit, self._hint.peak_in_flight()[s])
-                     for s, limit in self.buffer_limits.per_stage.items()
-                     if limit < self._hint.peak_in_flight()[s]}
+            short = self.buffer_limits.stages_below(self._hint.peak_in_flight())
             if short:
                 s, (got, need) = next(iter(short.items()))
                 raise ValueError(

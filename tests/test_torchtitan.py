@@ -28,9 +28,10 @@ LOSS_LINE = re.compile(r"step:\s+(\d+)\s+(?:\x1b\[[0-9;]*m)?loss:\s+(-?[0-9.]+)"
 
 
 def run_titan(nproc: int, *overrides: str, dump: str, module: str = "torchtitan_ext.train",
-              timeout: float = 300, env: dict[str, str] | None = None) -> tuple[int, str]:
+              timeout: float = 300, env: dict[str, str] | None = None,
+              config: str = CONFIG) -> tuple[int, str]:
     cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}",
-           "--standalone", "-m", module, "--job.config_file", CONFIG,
+           "--standalone", "-m", module, "--job.config_file", config,
            "--job.dump_folder", dump, "--rrfp.trace_folder", "", *overrides]
     environment = {key: value for key, value in os.environ.items() if key != "LOG_RANK"}
     # A session of its own, so a hang kills torchrun's workers too.
@@ -253,3 +254,39 @@ def test_log_rank_chooses_the_ranks_that_print(monkeypatch, caplog):
     info, error = (logging.LogRecord("root", level, __file__, 1, "m", None, None)
                    for level in (logging.INFO, logging.ERROR))
     assert not handler.filter(info) and handler.filter(error)
+
+
+@pytest.mark.parametrize("config", ["train_configs/documents_cpu.toml",
+                                    "train_configs/multimodal_cpu.toml"])
+def test_variable_shape_data_paths_train_and_their_loss_falls(config, tmp_path):
+    code, out = run_titan(2, "--training.steps", "6", dump=str(tmp_path), config=config)
+    assert code == 0, out[-3000:]
+    losses = logged_losses(out)
+    assert sorted(losses) == list(range(1, 7))
+    assert float(losses[6]) < float(losses[1]) - 2.0
+
+
+def test_microbatches_are_cut_to_their_own_content():
+    import torch
+    from torchtitan.components.loss import IGNORE_INDEX
+
+    from torchtitan_ext.data import split_by_content
+
+    lengths = [20, 70, 33, 5]
+    inputs = torch.zeros(4, 128, dtype=torch.long)
+    labels = torch.full((4, 128), IGNORE_INDEX)
+    for row, length in enumerate(lengths):
+        labels[row, :length] = 1
+    counts = torch.tensor([0, 8, 3, 40])
+    extra = {"patches": torch.randn(4, 40, 48), "patch_counts": counts}
+    mbs = split_by_content(inputs, labels, extra, 2)
+    # Microbatch 0 holds rows 0-1: 70 tokens -> 80, 8 patches; microbatch 1: 33 -> 48, 40.
+    assert [a[0].shape for a in mbs.args] == [(2, 80), (2, 48)]
+    assert [kw["patches"].shape[1] for kw in mbs.kwargs] == [8, 40]
+    assert mbs.shapes == [(2, 88), (2, 88)]
+    assert (mbs.targets[0][:, :8] == IGNORE_INDEX).all()
+    padded = split_by_content(inputs, labels, extra, 2, pad_to=(96, 40))
+    assert [a[0].shape for a in padded.args] == [(2, 96), (2, 96)]
+    assert padded.shapes == [(2, 136), (2, 136)]
+    with pytest.raises(ValueError, match=r"needs at least \(80, 40\)"):
+        split_by_content(inputs, labels, extra, 2, pad_to=(64, 40))

@@ -14,9 +14,9 @@ class RRFP:
     ``"4"`` in TOML, ``--rrfp.buffer_limit 4`` on the command line)."""
 
     policy: str = ""
-    """Arbitration policy: ``hint``, ``lookahead``, ``window``, ``BF``, ``BFW``, ``fixed``;
-    empty = ScheduleRRFP's default (the rule for BF/BFW; else ``lookahead`` at the hint's
-    memory, ``hint`` with slack)."""
+    """Arbitration policy: ``hint``, ``lookahead``, ``arrival``, ``window``, ``BF``, ``BFW``,
+    ``fixed``; empty = ScheduleRRFP's default (the rule for BF/BFW; else ``lookahead`` at the
+    hint's memory; with slack ``arrival`` for one stage per rank, ``hint`` for several)."""
 
     coordination: str = "leader"
     """With tensor parallelism, how a TP group settles on each action: ``leader`` (its first
@@ -28,6 +28,12 @@ class RRFP:
     The rank picks what runs next when its GPU is free, so choices see the latest
     arrivals; 2 hides the CPU's launch cost behind the running action
     (benchmarks/results/launch_depth.md)."""
+
+    variable_shapes: bool = False
+    """Cut each batch into microbatches as long as their own content (rounded up to 16)
+    instead of one padded length, and send activations with a shape header (see
+    ``torchtitan_ext.data``; for the ``rrfp_llama3_documents`` and ``rrfp_multimodal``
+    models, whose samples are not packed)."""
 
     stall_timeout: float = 300.0
     """Seconds without any ready action before the step raises, naming what it waits for."""

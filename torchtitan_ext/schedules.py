@@ -26,6 +26,7 @@ from rrfp.coordination import COORDINATIONS
 from rrfp.hints import build_hint, HINT_NAMES, rule_reference, RULE_NAMES
 from rrfp.policy import POLICIES
 from torchtitan_ext.config import RRFP
+from torchtitan_ext.models import first_stage_modules
 
 PREFIX = "RRFP"
 DEFAULT_HINT = "Interleaved1F1B"
@@ -208,7 +209,8 @@ def install() -> None:
     def pipeline_module_split(whole_model, pp_mesh, pp_schedule, device, module_names_per_stage):
         hint = hint_of(pp_schedule)
         name = pp_schedule if hint is None else placement_schedule(hint)
-        return torch_split(whole_model, pp_mesh, name, device, module_names_per_stage)
+        return torch_split(whole_model, pp_mesh, name, device,
+                           first_stage_modules(whole_model, module_names_per_stage))
 
     def build_pipeline_schedule(job_config, stages, loss_fn):
         name = job_config.parallelism.pipeline_parallel_schedule
@@ -221,7 +223,7 @@ def install() -> None:
             hint=hint, buffer_limit=parse_buffer_limit(settings.buffer_limit),
             stall_timeout=settings.stall_timeout, policy=settings.policy or None,
             coordination_group=coordination_group(stages), coordination=settings.coordination,
-            launch_depth=settings.launch_depth or None,
+            launch_depth=settings.launch_depth or None, variable_shapes=settings.variable_shapes,
         )
         from torchtitan.tools.logging import logger
 

@@ -13,6 +13,8 @@ copy of ``torchtitan.train``, so both copies are hooked:
   check of ``LOG_RANK`` against the loss rank.
 * ``train``: FSDP2 sum reductions on CPU, and ScheduleRRFP's stats next to torchtitan's
   metrics at each metrics step (``torchtitan_ext.stats_logging``).
+* ``forward_backward_step``: with ``[rrfp] variable_shapes``, microbatches each as long as
+  their own content (``torchtitan_ext.data``).
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ import sys
 from datetime import datetime
 from types import ModuleType
 
+import torch
 import torch.distributed as dist
 import torchtitan.components.metrics as metrics
 from torchtitan.protocols import train_spec as train_spec_module
@@ -30,7 +33,8 @@ from torchtitan.protocols import train_spec as train_spec_module
 from rrfp import ScheduleRRFP
 from torchtitan_ext.cpu import force_sum_reductions
 from torchtitan_ext.log_ranks import log_ranks, print_only_on, warn_if_loss_hidden
-from torchtitan_ext.schedules import rrfp_settings, validate
+from torchtitan_ext.data import split_by_content
+from torchtitan_ext.schedules import n_microbatches, rrfp_settings, validate
 from torchtitan_ext.stats_logging import StepStatsLog
 
 _HOOKED = "_rrfp_hooks_installed"
@@ -59,6 +63,7 @@ def _hook(module: ModuleType, on_cpu: bool) -> None:
     trainer_class = module.Trainer
     torch_init_distributed = trainer_class.init_distributed
     torch_train = trainer_class.train
+    torch_forward_backward_step = trainer_class.forward_backward_step
 
     @functools.wraps(torch_init_distributed)
     def init_distributed(trainer):
@@ -85,9 +90,43 @@ def _hook(module: ModuleType, on_cpu: bool) -> None:
             _log_step_stats(trainer, schedule)
         return torch_train(trainer)
 
+    @functools.wraps(torch_forward_backward_step)
+    def forward_backward_step(trainer, *, input_dict, labels, global_valid_tokens):
+        schedule = getattr(trainer, "pp_schedule", None)
+        if isinstance(schedule, ScheduleRRFP) and schedule.variable_shapes:
+            return _variable_shape_step(trainer, schedule, input_dict, labels,
+                                        global_valid_tokens)
+        return torch_forward_backward_step(trainer, input_dict=input_dict, labels=labels,
+                                           global_valid_tokens=global_valid_tokens)
+
     trainer_class.init_distributed = init_distributed
     trainer_class.train = train
+    trainer_class.forward_backward_step = forward_backward_step
     module.ensure_pp_loss_visible = ensure_pp_loss_visible
+
+
+def _variable_shape_step(trainer, schedule: ScheduleRRFP, input_dict, labels,
+                         global_valid_tokens) -> torch.Tensor:
+    """torchtitan's pipeline forward/backward, on microbatches each as long as its own
+    content (``torchtitan_ext.data.split_by_content``); the loss stays the sum over valid
+    tokens divided by their global count."""
+    inputs, labels, extra_inputs, extra_kwargs = trainer.post_dataloading_process(
+        input_dict, labels)
+    if extra_kwargs:
+        raise ValueError("rrfp.variable_shapes: attention masks (flex or varlen attention) "
+                         "are cut per batch, not per microbatch; use sdpa attention")
+    microbatches = split_by_content(inputs, labels, extra_inputs,
+                                    n_microbatches(trainer.job_config))
+    first, last = trainer.pp_has_first_stage, trainer.pp_has_last_stage
+    losses: list | None = [] if last else None
+    with trainer.train_context():
+        schedule.step_microbatches(microbatches.args if first else None,
+                                   microbatches.targets if last else None,
+                                   kwarg_mbs=microbatches.kwargs if first else None,
+                                   losses=losses, return_outputs=False)
+    if not last:
+        return torch.tensor([-1.0], device=trainer.device)
+    return (torch.sum(torch.stack(losses)) / global_valid_tokens).to(trainer.device)
 
 
 def _log_step_stats(trainer, schedule: ScheduleRRFP) -> None:
