@@ -128,7 +128,7 @@ def main(argv=None) -> None:
     out("## 2. Speed and memory against the buffer limit (8 ranks, 32 microbatches)")
     out("")
     out("Default policy per limit, as `ScheduleRRFP` picks it: `lookahead` at the hint's "
-        "memory; with slack, the order actions became ready (`arrival`) for one stage per "
+        "memory; with slack, the most critical ready action (`critical`) for one stage per "
         "rank (1F1B) and plain readiness-first (`hint`) for several; BF/BFW keep their "
         "rules. Cells: speedup "
         "`mean [min, max]`, then memory of the busiest rank and of the worst rank (means over "

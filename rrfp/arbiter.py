@@ -126,6 +126,7 @@ class Arbiter:
     ):
         self.hint = hint
         self.rank = rank
+        self.memory_limits = limits
         local = set(hint.stages_on(rank))
         self.limits = {s: limits.per_stage[s] for s in local} if limits is not None else None
         self.rank_limit = limits.per_rank[rank] if limits is not None else None
@@ -225,6 +226,14 @@ class Arbiter:
     def position(self, action: _Action) -> int:
         """The action's position in this rank's hint order."""
         return self._node_of(action).index
+
+    def launched(self, index: int) -> bool:
+        """Whether the action at hint position ``index`` has been launched."""
+        return self._done[index]
+
+    def lead(self) -> int:
+        """Hint position of the action the policy would run next were every action ready."""
+        return self.policy.lead(self)
 
     def may_run(self, action: _Action) -> bool:
         """Whether ``action`` is ready to run now (head of its streams, inputs there)."""

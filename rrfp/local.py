@@ -97,6 +97,9 @@ def _rank_main(rank, world_size, init_method, results, fn, args) -> None:
             "gloo", init_method=init_method, rank=rank, world_size=world_size,
             timeout=datetime.timedelta(seconds=120),
         )
+        # Every rank has connected before any runs fn: one that fails at once and exits
+        # would otherwise cut the mesh of a peer still connecting.
+        dist.barrier()
         outcome = (rank, True, fn(rank, world_size, *args))
     except BaseException:
         outcome = (rank, False, traceback.format_exc())

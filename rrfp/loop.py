@@ -4,9 +4,10 @@ A rank decides what to run next when its *device* is free, not when its CPU retu
 launch: it is free while fewer than ``launch_depth`` of its launched actions are incomplete
 on the device. On CUDA a launch returns once kernels are enqueued, so deciding at launch
 time would enqueue every ready action at once and freeze the order long before the device
-gets to it. Ahead of a busy device only the hint's next action may be launched (to hide
-the CPU's launch cost, as a fixed schedule does); an action out of hint order is chosen
-only when the device is idle, on the latest arrivals.
+gets to it. Ahead of a busy device only the policy's own next action may be launched (to
+hide the CPU's launch cost, as a fixed schedule does): the hint's next, unless the policy
+ranks actions by another order; any other action is chosen only when the device is idle,
+on the latest arrivals.
 
 What differs between a CUDA device, the emulated asynchronous device of the CPU tests and
 the simulator sits behind two small interfaces: ``Device`` (launch work behind earlier
@@ -104,9 +105,9 @@ class StepLoop:
     launch_depth: float = DEFAULT_LAUNCH_DEPTH
     """Launched-but-incomplete actions the device may hold (``math.inf``: no bound)."""
     reorder_ahead: bool = False
-    """Whether an action out of hint order may be launched onto a busy device. False (what
-    ``ScheduleRRFP`` does): ahead of the device only the hint's next action is launched,
-    and deviations are chosen when the device is idle, on the latest arrivals. True with
+    """Whether any ready action may be launched onto a busy device. False (what
+    ``ScheduleRRFP`` does): ahead of the device only the policy's own next action is
+    launched, and deviations are chosen when the device is idle, on the latest arrivals. True with
     no depth bound models a runtime that decides when its launches return (for studies)."""
     stall_timeout: float = math.inf
     """Seconds without a launch, an arrival or a completion before the step raises."""
@@ -178,10 +179,10 @@ class StepLoop:
         arbiter, coordinator = self.arbiter, self.coordinator
         proposal = arbiter.choose() if coordinator is None or coordinator.needs_choice else None
         if (proposal is not None and self.device.outstanding and not self.reorder_ahead
-                and arbiter.position(proposal) != arbiter.first_undone):
-            # Ahead of a busy device only the hint's own next action is launched (hiding
-            # the launch cost, as a fixed schedule would); a deviation from the hint waits
-            # for an idle device, so that it is chosen on the latest arrivals.
+                and arbiter.position(proposal) != arbiter.lead()):
+            # Ahead of a busy device only the policy's own next action is launched (hiding
+            # the launch cost, as a fixed schedule would); a deviation from it waits for an
+            # idle device, so that it is chosen on the latest arrivals.
             proposal = None
         if coordinator is None:
             return proposal

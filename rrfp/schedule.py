@@ -83,7 +83,7 @@ class ScheduleRRFP(PipelineScheduleMulti):
             schedules.
         policy: how to pick among ready actions (see ``rrfp.policy``); None: the rule of
             a BF/BFW hint, else ``"lookahead"`` at the hint's memory; with slack
-            ``"arrival"`` for one stage per rank, ``"hint"`` for several.
+            ``"critical"`` for one stage per rank, ``"hint"`` for several.
         coordination_group: a CPU (gloo) group of ranks that must run the same action
             sequence because the stage's compute issues collectives on them (the TP
             group; EP/CP likewise). None: no such group.

@@ -14,9 +14,10 @@ class RRFP:
     ``"4"`` in TOML, ``--rrfp.buffer_limit 4`` on the command line)."""
 
     policy: str = ""
-    """Arbitration policy: ``hint``, ``lookahead``, ``arrival``, ``window``, ``BF``, ``BFW``,
-    ``fixed``; empty = ScheduleRRFP's default (the rule for BF/BFW; else ``lookahead`` at the
-    hint's memory; with slack ``arrival`` for one stage per rank, ``hint`` for several)."""
+    """Arbitration policy: ``hint``, ``lookahead``, ``critical``, ``arrival``, ``window``,
+    ``BF``, ``BFW``, ``fixed``; empty = ScheduleRRFP's default (the rule for BF/BFW; else
+    ``lookahead`` at the hint's memory; with slack ``critical`` for one stage per rank,
+    ``hint`` for several)."""
 
     coordination: str = "leader"
     """With tensor parallelism, how a TP group settles on each action: ``leader`` (its first

@@ -18,7 +18,7 @@ from rrfp.arbiter import Arbiter, MemoryLimits
 from rrfp.hints import _Action, Edge, Hint
 from rrfp.loop import Arrival, Completion, DEFAULT_LAUNCH_DEPTH, StepLoop
 from rrfp.policy import History, make_policy
-from rrfp.sim.graph import step_graph
+from rrfp.graph import step_graph
 from rrfp.stats import Span
 
 Duration = Callable[[_Action], float]
@@ -41,7 +41,7 @@ class SimResult:
     time of their sum)."""
     out_of_order: dict[int, int]
     histories: dict[int, History] = field(repr=False)
-    """Per rank: what this step teaches the next (for the lookahead policy)."""
+    """Per rank: what this step teaches the next (for the lookahead and critical policies)."""
 
     @property
     def idle(self) -> dict[int, float]:
@@ -178,7 +178,7 @@ def simulate(
     """Simulate one step of ``hint`` under ``policy`` ("fixed" is the fixed schedule).
 
     ``histories``: per rank, what earlier steps showed (``SimResult.histories`` of the
-    previous step), for the ``"lookahead"`` policy. ``launch_depth``: actions a device may
+    previous step), for the ``"lookahead"`` and ``"critical"`` policies. ``launch_depth``: actions a device may
     hold launched but incomplete (``math.inf``: no bound); ``launch_cost``: CPU time of
     each launch, in the unit of ``duration``; ``reorder_ahead``: see ``StepLoop``.
     """

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from rrfp.arbiter import MemoryLimits
 from rrfp.hints import _Action, B, Hint, W
 from rrfp.sim.engine import lower_bounds, simulate
-from rrfp.sim.graph import Latency, step_graph
+from rrfp.graph import Latency, step_graph
 
 SCALE = 1000
 """Time units per simulated unit (CP-SAT works on integers)."""

@@ -15,7 +15,7 @@ from rrfp.sim.workloads import make_timing, Timing, WorkloadParams
 
 #: The buffer limits the sweeps and the results page compare.
 SWEEP_LIMITS = ("hint", "hint+1", "hint+2", "2x hint", 32)
-#: Seed offset of the earlier steps that teach the lookahead policy.
+#: Seed offset of the earlier steps that teach the lookahead and critical policies.
 _WARMUP_SEED = 100_003
 
 
@@ -71,8 +71,9 @@ def compare(hint: Hint, workload: str | Timing, seed: int, *, limit: str | int =
             reorder_ahead: bool = False) -> Comparison:
     """Simulate the step drawn with ``seed`` under the fixed schedule and under RRFP.
 
-    ``policy=None`` picks what ScheduleRRFP would. The lookahead policy first learns
-    from two earlier steps (other seeds of the same workload), as it would at run time.
+    ``policy=None`` picks what ScheduleRRFP would. The policies that learn from earlier
+    steps (lookahead, critical) first see two (other seeds of the same workload), as they
+    would at run time.
     ``launch_depth``, ``launch_cost`` (in forwards) and ``reorder_ahead`` (see
     ``StepLoop``) apply to RRFP; the fixed schedule
     pays the same launch cost but never waits to decide, so its CPU runs ahead of its
@@ -87,7 +88,7 @@ def compare(hint: Hint, workload: str | Timing, seed: int, *, limit: str | int =
     launch = dict(launch_depth=launch_depth, launch_cost=launch_cost,
                   reorder_ahead=reorder_ahead)
     histories = None
-    if policy == "lookahead":
+    if policy in ("lookahead", "critical"):
         for k, warm_policy in ((1, "fixed"), (2, policy)):
             warm = timing_for(hint, workload, seed + k * _WARMUP_SEED, params)
             histories = simulate(hint, warm.duration, latency=warm.latency, policy=warm_policy,

@@ -4,8 +4,8 @@ Edges say "``a`` starts no earlier than ``delay`` after ``p`` ends": data depend
 (forwards up the stages, backwards down, each W after its I, with the link latency between
 ranks), and optionally the constraints RRFP adds: each stage's streams run in hint order,
 and a stage holding its memory limit starts its next forward only after its next release
-(the microbatch's last backward piece) has ended. The lower bounds and the offline optimum
-are built on it.
+(the microbatch's last backward piece) has ended. The simulator's lower bounds and offline
+optimum, and the ``critical`` policy's priorities, are built on it.
 """
 
 from __future__ import annotations
@@ -13,10 +13,13 @@ from __future__ import annotations
 from collections import defaultdict, deque
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-from rrfp.arbiter import MemoryLimits
 from rrfp.hints import (
     _Action, B, Edge, F, Hint, I, INPUT_GRAD_KINDS, W, WEIGHT_GRAD_KINDS)
+
+if TYPE_CHECKING:  # the arbiter's policies build on this module
+    from rrfp.arbiter import MemoryLimits
 
 Latency = Callable[[Edge, int], float]
 COMPUTE = (F, B, I, W)
