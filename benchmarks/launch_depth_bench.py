@@ -4,7 +4,8 @@
 
 On an accelerator a launch returns before the work is done. RRFP decides what to run next
 when its device is free (fewer than ``launch_depth`` launched actions incomplete); ahead of
-a busy device it launches only the hint's next action. This compares, against the fixed
+a busy device it launches only the policy's own next action (the hint's next, or for the
+``critical`` policy the most critical one). This compares, against the fixed
 schedule on the same device and launch cost:
 
 * *before*: how the runtime decided before the device model, which took an action for
@@ -212,8 +213,9 @@ def main(argv=None) -> None:
         "decided before the device model (an action complete when its launch returns: the "
         "CPU launches every ready action at once; `launch_depth=None, reorder_ahead=True`). "
         "*depth d*: RRFP decides when fewer than d launched "
-        "actions are incomplete; ahead of a busy device it launches only the hint's next "
-        "action. Launch cost in forwards (10 ms).",
+        "actions are incomplete; ahead of a busy device it launches only the policy's own "
+        "next action (the hint's next, or for `critical` the most critical one). Launch "
+        "cost in forwards (10 ms).",
         "",
         f"## Measured (emulated asynchronous device, gloo, {args.pairs} pairs per cell, "
         f"{runtime_s:.0f} s)",

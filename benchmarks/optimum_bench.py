@@ -1,10 +1,10 @@
 """How much of the achievable gain each policy captures (simulated).
 
-    python -m benchmarks.optimum_bench            # writes results/optimum.md (~15 min)
+    python -m benchmarks.optimum_bench            # writes results/optimum.md (~25 min)
     python -m benchmarks.optimum_bench --reuse    # reuse CP-SAT's results in results/optimum.json
 
 For each step (1F1B hint, 8 ranks, 32 microbatches; compute jitter, multimodal, and
-heavy-tailed P2P latency: mean half a forward, 5% of transfers 5-20x slower; seeds 0-2),
+heavy-tailed P2P latency: mean half a forward, 5% of transfers 5-20x slower; seeds 0-4),
 at the hint's memory and at ``hint+2``: the fixed schedule's makespan, the memory-aware
 lower bound, the best schedule known (``rrfp.sim.optimum``: CP-SAT over per-rank orders
 with full knowledge of every duration and latency, within a time limit, or a policy's if
@@ -19,6 +19,7 @@ import json
 import os
 import statistics
 import time
+from collections.abc import Mapping
 
 from rrfp.hints import build_hint
 from rrfp.sim.optimum import optimum
@@ -37,9 +38,9 @@ def _label(policy: str | None) -> str:
     return "default" if policy is None else policy
 
 
-def solve(seeds: int, time_limit_s: float, solved: dict | None = None) -> dict:
-    """Per step: the fixed schedule, the bound, CP-SAT's best (taken from ``solved`` when
-    given) and every policy's makespan."""
+def solve(seeds: int, time_limit_s: float, solved: Mapping[str, dict]) -> dict:
+    """Per step: the fixed schedule, the bound, CP-SAT's best (taken from ``solved`` where
+    it has the step) and every policy's makespan."""
     hint = build_hint("1F1B", num_ranks=8, num_stages=8, n_microbatches=32)
     rows = {}
     for workload in WORKLOADS:
@@ -47,7 +48,7 @@ def solve(seeds: int, time_limit_s: float, solved: dict | None = None) -> dict:
             for seed in range(seeds):
                 key = f"{workload}/{limit}/{seed}"
                 started = time.time()
-                if solved is not None:
+                if key in solved:
                     cp_sat, proven = solved[key]["cp_sat"], solved[key]["proven"]
                 else:
                     timing = make_timing(workload, 8, 32, seed)
@@ -75,7 +76,7 @@ def render(rows: dict, seeds: int, time_limit_s: float) -> list[str]:
         "",
         "Regenerate with `python -m benchmarks.optimum_bench` (CP-SAT "
         f"{time_limit_s:.0f} s per step; `--reuse` takes CP-SAT's results from `optimum.json` "
-        "and re-simulates the policies). See the "
+        "where it has them and re-simulates the policies). See the "
         "module docstring for the method. Per cell, means over seeds "
         f"0-{seeds - 1}: speedup over fixed 1F1B, then in brackets the fraction of the "
         "achievable gain captured, and the lowest speedup of any seed. *best known*: the better of CP-SAT's best schedule "
@@ -114,14 +115,14 @@ def render(rows: dict, seeds: int, time_limit_s: float) -> list[str]:
 
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--seeds", type=int, default=3)
+    parser.add_argument("--seeds", type=int, default=5)
     parser.add_argument("--time-limit", type=float, default=45.0,
                         help="CP-SAT seconds per step")
     parser.add_argument("--reuse", action="store_true",
-                        help="take CP-SAT's results from results/optimum.json (re-simulating "
-                             "only the policies)")
+                        help="take CP-SAT's results from results/optimum.json where it has "
+                             "the step (re-simulating the policies), solve the others")
     args = parser.parse_args(argv)
-    solved = None
+    solved = {}
     if args.reuse:
         with open(CACHE) as f:
             solved = json.load(f)

@@ -227,12 +227,14 @@ class Arbiter:
         """The action's position in this rank's hint order."""
         return self._node_of(action).index
 
-    def launched(self, index: int) -> bool:
-        """Whether the action at hint position ``index`` has been launched."""
-        return self._done[index]
-
     def lead(self) -> int:
-        """Hint position of the action the policy would run next were every action ready."""
+        """Hint position of the action to run next were every action ready: a gradient
+        reduction that is ready (``choose`` runs those first), else the policy's lead."""
+        sid = self._stream_ids.get(("R",))
+        if sid is not None and self._heads[sid] < len(self._streams[sid]):
+            reduce = self.nodes[self._streams[sid][self._heads[sid]]]
+            if self._may_run(reduce):
+                return reduce.index
         return self.policy.lead(self)
 
     def may_run(self, action: _Action) -> bool:
@@ -431,9 +433,9 @@ def resolve_buffer_limits(spec: str | int, hint: Hint) -> MemoryLimits:
     (A grows only under the rule, and when the next action moves on, A can only shrink
     while M can only fall). The fixed order itself completes (``check_deadlock_free``), so
     the earliest action of its dependency order not yet launched is always launchable:
-    RRFP always progresses, whatever the timing, under any policy that accepts the hint's
-    next action when it is ready (every policy here does; the BF/BFW rules run whatever is
-    ready). (2) Below the hint's peak on a stage that is alone on its rank, when every
+    RRFP always progresses, whatever the timing, under any policy that, on an idle device,
+    runs some ready action whenever the hint's next one is ready (every policy here does:
+    lookahead, window and fixed accept the hint's next action; the others are greedy). (2) Below the hint's peak on a stage that is alone on its rank, when every
     stage's F and B/I streams follow one common microbatch order: the earliest microbatch in
     flight can always move, since every forward it still needs is the hint's next action on
     its rank and its stage holds nothing older. Limits below the hint's peak elsewhere (a

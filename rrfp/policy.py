@@ -8,6 +8,7 @@ ready action (return None) must not do so forever, or the pipeline would stall.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol, TYPE_CHECKING
@@ -35,7 +36,8 @@ class Policy(Protocol):
 
 
 class HintLed:
-    """Mixin of the policies whose own next action is the hint's next action."""
+    """Mixin of the policies that launch ahead of a busy device only the hint's next
+    action (for BF/BFW too, whose rules pick among ready actions only)."""
 
     def lead(self, arbiter: Arbiter) -> int:
         return arbiter.first_undone
@@ -118,6 +120,8 @@ class History:
     arrivals: dict[tuple[Edge, int], float] = field(default_factory=dict)
     gaps: dict[tuple[Edge, int], float] = field(default_factory=dict)
     """Shortest time seen between a message and the one before it on the same edge."""
+    priority_costs: tuple[tuple[str, float], ...] | None = None
+    """The per-kind costs (in forwards) the critical policy last ranked actions by."""
     _last: dict[Edge, float] = field(default_factory=dict)
 
     def start_step(self) -> None:
@@ -238,56 +242,68 @@ class CriticalPath:
     def __init__(self, history: History | None):
         self.history = history
         self._priority: list[float] = []
-        self._order: list[int] = []
-        """Node indices, most critical first."""
-        self._next = 0
 
     def choose(self, ready: Sequence[Node], arbiter: Arbiter) -> Node | None:
-        priority = self._priorities(arbiter)
-
-        def key(node: Node) -> tuple[float, float, int]:
-            arrived = -1.0 if node.message is None else arbiter.arrival_times[node.message]
-            return (-priority[node.index], arrived, node.index)
-        return min(ready, key=key)
+        return min(ready, key=self._ranking(arbiter))
 
     def lead(self, arbiter: Arbiter) -> int:
-        self._priorities(arbiter)
-        order = self._order
-        while self._next < len(order) and arbiter.launched(order[self._next]):
-            self._next += 1
-        return order[self._next] if self._next < len(order) else len(order)
+        # Streams run in order, so the action it would run next is a stream head; with the
+        # same ranking as ``choose`` (inputs not yet here count as arriving last), it is
+        # what ``choose`` picks whenever it is ready.
+        heads = arbiter.stream_heads()
+        return min(heads, key=self._ranking(arbiter)).index if heads else len(arbiter.nodes)
+
+    def _ranking(self, arbiter: Arbiter) -> Callable[[Node], tuple[float, float, int]]:
+        priority = self._priorities(arbiter)
+        arrivals = arbiter.arrival_times
+
+        def key(node: Node) -> tuple[float, float, int]:
+            arrived = -1.0 if node.message is None else arrivals.get(node.message, math.inf)
+            return (-priority[node.index], arrived, node.index)
+        return key
 
     def _priorities(self, arbiter: Arbiter) -> list[float]:
         if not self._priority and arbiter.nodes:
-            costs = _unit_costs(self.history, arbiter.hint.stages_on(arbiter.rank))
+            costs = _measured_costs(self.history, arbiter.hint.stages_on(arbiter.rank))
+            if costs is None:
+                costs = tuple(sorted(DEFAULT_COSTS.items()))
+            else:
+                # Costs near a rounding boundary could flip from step to step, and each
+                # change recomputes the chains (O(all actions of the step)): keep the last
+                # ones while every kind stays within a quarter forward of them.
+                kept = self.history.priority_costs  # type: ignore[union-attr]
+                if kept is not None and all(abs(a[1] - b[1]) <= 0.25
+                                            for a, b in zip(kept, costs)):
+                    costs = kept
+                self.history.priority_costs = costs  # type: ignore[union-attr]
             tails = _critical_tails(arbiter.hint, arbiter.memory_limits, costs)
             # Rounded so that equal chains tie whatever the order of the additions.
             # REDUCE_GRAD is not in the graph: the arbiter runs it as soon as it is ready.
             self._priority = [round(tails.get(n.action, -1.0), 6) for n in arbiter.nodes]
-            self._order = sorted(range(len(arbiter.nodes)),
-                                 key=lambda i: (-self._priority[i], i))
         return self._priority
 
 
-def _unit_costs(history: History | None, stages: Sequence[int]) -> tuple[tuple[str, float], ...]:
-    """Per kind, the mean duration measured on ``stages`` in forwards (rounded to a quarter,
-    so that noise does not change the priorities), or ``DEFAULT_COSTS`` where unmeasured."""
+def _measured_costs(history: History | None,
+                    stages: Sequence[int]) -> tuple[tuple[str, float], ...] | None:
+    """Per kind, the mean duration measured on ``stages``, in forwards and rounded to a
+    quarter (``DEFAULT_COSTS`` for kinds not measured); None before any forward is."""
     measured = {}
     for kind in DEFAULT_COSTS:
         seen = [history.durations[(s, kind)] for s in stages
                 if (s, kind) in history.durations] if history is not None else []
         if seen:
             measured[kind] = sum(seen) / len(seen)
-    costs = dict(DEFAULT_COSTS)
     forward = measured.get("F")
-    if forward:
-        costs.update({kind: seconds / forward for kind, seconds in measured.items()})
+    if not forward:
+        return None
+    costs = {**DEFAULT_COSTS, **{kind: seconds / forward for kind, seconds in measured.items()}}
     return tuple(sorted((kind, round(cost * 4) / 4) for kind, cost in costs.items()))
 
 
 _TAILS: dict[tuple, tuple[Hint, MemoryLimits | None, dict[_Action, float]]] = {}
 """Longest chains behind each action, shared by the ranks of one process (the simulator)
-and across steps; keeps its hint and limits so that their ids stay theirs."""
+and across steps; keeps its hint and limits so that their ids stay theirs. Only a cache:
+what it holds never changes a result."""
 
 
 def _critical_tails(hint: Hint, limits: MemoryLimits | None,
@@ -295,7 +311,7 @@ def _critical_tails(hint: Hint, limits: MemoryLimits | None,
     key = (id(hint), id(limits), costs)
     hit = _TAILS.get(key)
     if hit is None:
-        if len(_TAILS) >= 8:
+        if len(_TAILS) >= 16:
             _TAILS.clear()
         cost = dict(costs)
         graph = step_graph(hint, limits=limits, stream_order=True)
@@ -310,10 +326,10 @@ def default_policy(hint_policy: str, at_hint_memory: bool, stages_per_rank: int)
     Measured in the simulator (benchmarks/results): at the hint's own memory the
     lookahead guard loses at most ~1% where plain readiness-first loses up to ~5% (1F1B,
     compute jitter). With memory slack, one stage per rank: the critical-path order
-    captured 89%/79%/79% of the best known gain at hint+2 (1F1B, 8 ranks; jitter,
-    multimodal, heavy-tailed latency) where the arrival order captured 66%/64%/75%;
-    several stages per rank: the hint's order, as the others then lost up to 4 points
-    (Interleaved1F1B). The BF/BFW rules keep their own policy.
+    captured 83%/79%/75% of the best known gain at hint+2 (1F1B, 8 ranks, 5 seeds;
+    jitter, multimodal, heavy-tailed latency) where the arrival order captured
+    61%/66%/67%; several stages per rank: the hint's order, as the others then lost up to
+    4 points (Interleaved1F1B). The BF/BFW rules keep their own policy.
     """
     if hint_policy != "hint":
         return hint_policy

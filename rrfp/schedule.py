@@ -97,9 +97,10 @@ class ScheduleRRFP(PipelineScheduleMulti):
             the CPU's launch cost behind the device's work, at the price of choosing that
             much earlier. Default ``DEFAULT_LAUNCH_DEPTH``, from
             ``benchmarks/results/launch_depth.md``.
-        reorder_ahead: let an action out of hint order be launched onto a busy device
-            (default False: ahead of the device only the hint's next action is launched;
-            deviations are chosen when the device is idle, on the latest arrivals). With
+        reorder_ahead: let any ready action be launched onto a busy device (default
+            False: ahead of the device only the policy's own next action is launched, the
+            hint's next for all policies but ``"critical"``; deviations are chosen when
+            the device is idle, on the latest arrivals). With
             ``launch_depth=None`` this decides whenever a launch returns: for studies.
         variable_shapes: microbatches may differ in shape (e.g. in sequence length): each
             activation message is then preceded by a small shape header on its channel,

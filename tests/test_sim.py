@@ -262,3 +262,27 @@ def test_critical_path_order_loses_nothing_when_nothing_varies(name):
                       layout=layout)
     for limit in ("hint+1", "hint+2", "2x hint"):
         assert compare(hint, "uniform", 0, limit=limit, policy="critical").speedup >= 1.0
+
+
+def test_critical_priorities_follow_measured_costs_and_keep_them_while_they_stay_close():
+    from rrfp.arbiter import Arbiter
+    from rrfp.policy import History, make_policy
+    from rrfp.sim.study import resolve_limit
+
+    hint = build_hint("1F1B", num_ranks=4, num_stages=4, n_microbatches=8)
+    limits = resolve_limit("hint+2", hint)
+    history = History()
+
+    def rank_by_costs() -> dict | None:
+        policy = make_policy("critical", history=history)
+        Arbiter(hint, 1, limits=limits, policy=policy).lead()
+        return None if history.priority_costs is None else dict(history.priority_costs)
+
+    assert rank_by_costs() is None  # nothing measured yet: the default costs, not kept
+    history.record_duration(1, "F", 0.010)
+    history.record_duration(1, "B", 0.0225)
+    assert rank_by_costs() == {"F": 1.0, "B": 2.25, "I": 1.0, "W": 1.0}  # in forwards
+    history.durations[(1, "B")] = 0.0250  # 2.5 forwards: close, the costs stay
+    assert rank_by_costs()["B"] == 2.25
+    history.durations[(1, "B")] = 0.040
+    assert rank_by_costs()["B"] == 4.0

@@ -17,6 +17,8 @@ from rrfp.sim.workloads import make_timing, Timing, WorkloadParams
 SWEEP_LIMITS = ("hint", "hint+1", "hint+2", "2x hint", 32)
 #: Seed offset of the earlier steps that teach the lookahead and critical policies.
 _WARMUP_SEED = 100_003
+#: Policies that learn from earlier steps.
+LEARNING_POLICIES = {"lookahead", "critical"}
 
 
 @dataclass(frozen=True)
@@ -88,7 +90,7 @@ def compare(hint: Hint, workload: str | Timing, seed: int, *, limit: str | int =
     launch = dict(launch_depth=launch_depth, launch_cost=launch_cost,
                   reorder_ahead=reorder_ahead)
     histories = None
-    if policy in ("lookahead", "critical"):
+    if policy in LEARNING_POLICIES:
         for k, warm_policy in ((1, "fixed"), (2, policy)):
             warm = timing_for(hint, workload, seed + k * _WARMUP_SEED, params)
             histories = simulate(hint, warm.duration, latency=warm.latency, policy=warm_policy,
