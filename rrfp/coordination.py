@@ -8,7 +8,9 @@ device synchronization is involved:
 
 * ``AgreeOnProposals`` (the paper's): each rank proposes the action it picked (or none);
   the group all-gathers the proposals; if they all name the same action it runs,
-  otherwise every rank defers, waits briefly for new arrivals and proposes again.
+  otherwise every rank defers, waits briefly for new arrivals and proposes the hint's next
+  action until one is agreed (ranks whose policies rank alike actions differently, e.g. by
+  their own arrival times or measured durations, would otherwise disagree for good).
 * ``LeaderDecides``: the group's first rank picks and broadcasts its choice; the others
   run that action as soon as it is ready for them.
 
@@ -84,9 +86,15 @@ class AgreeOnProposals:
         self.seconds = 0.0
         self._mine = torch.zeros(1, dtype=torch.int64)
         self._all = [torch.zeros(1, dtype=torch.int64) for _ in range(self.size)]
+        self._fall_back = False
+        """After a disagreement every rank proposes the hint's next action (the same on all:
+        they ran the same sequence), which becomes ready on all of them."""
 
     def settle(self, choice, arbiter, wait_for_arrivals):
         start = time.perf_counter()
+        if self._fall_back:
+            head = arbiter.nodes[arbiter.first_undone].action
+            choice = head if arbiter.may_run(head) else None
         self._mine.fill_(_NONE if choice is None else arbiter.position(choice))
         work = dist.all_gather(self._all, self._mine, group=self.group, async_op=True)
         peers = [r for r in dist.get_process_group_ranks(self.group) if r != dist.get_rank()]
@@ -96,9 +104,11 @@ class AgreeOnProposals:
         proposals = {int(t) for t in self._all}
         if len(proposals) == 1 and _NONE not in proposals:
             self.seconds += time.perf_counter() - start
+            self._fall_back = False
             return choice
         if proposals != {_NONE}:
             self.deferrals += 1
+            self._fall_back = True
         # Disagreement (or nothing anywhere): wait for something to change, then retry.
         wait_for_arrivals(self.retry_interval)
         self.seconds += time.perf_counter() - start

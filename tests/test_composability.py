@@ -28,6 +28,12 @@ def test_pipeline_x_data_parallel_is_bitwise_fixed_when_replicas_interleave_diff
         "the replicas never interleaved differently: the test did not exercise ordering")
 
 
+def test_agreement_settles_when_the_ranks_policies_rank_actions_differently():
+    for result in run_local_world(2, workers.agree_when_policies_differ, timeout=60):
+        assert result["agreed"] == result["hint_next"], result
+        assert result["rounds"] == 2, result  # one disagreement, then the hint's next
+
+
 @pytest.mark.parametrize("coordination", ["leader", "agree"])
 @pytest.mark.parametrize("hint", ["Interleaved1F1B", "BF"])
 def test_pipeline_x_tensor_parallel_coordinates_the_tp_ranks(coordination, hint):

@@ -957,3 +957,33 @@ def variable_shape_that_breaks_the_model(rank: int, world_size: int) -> dict:
     except Exception as e:
         return {"error": error_chain(e), "elapsed": time.perf_counter() - start}
     return {"error": None}
+
+
+def agree_when_policies_differ(rank: int, world_size: int) -> dict:
+    """Two ranks of a coordination group whose policies rank the same two ready actions
+    (pipeline rank 1 of 1F1B after its first forward: B0, and F1 whose input is here)
+    oppositely: they must still settle on one action, the hint's next."""
+    from rrfp.arbiter import Arbiter
+    from rrfp.coordination import AgreeOnProposals
+    from rrfp.hints import build_hint, Edge
+
+    class Opposite:
+        name = "opposite"
+
+        def choose(self, ready, arbiter):
+            return ready[rank % 2 - 1]
+
+        def lead(self, arbiter):
+            return arbiter.first_undone
+
+    hint = build_hint("1F1B", num_ranks=2, num_stages=2, n_microbatches=4)
+    arbiter = Arbiter(hint, 1, policy=Opposite())
+    for mb in (0, 1):
+        arbiter.deliver(Edge(0, 1), mb, at=0.0)
+    arbiter.record_launch(arbiter.choose())
+    coordinator = AgreeOnProposals(dist.group.WORLD, stall_timeout=10)
+    for round_ in range(1, 6):
+        agreed = coordinator.settle(arbiter.choose(), arbiter, time.sleep)
+        if agreed is not None:
+            return {"agreed": str(agreed), "hint_next": str(hint.orders[1][1]), "rounds": round_}
+    return {"agreed": None, "rounds": round_}
