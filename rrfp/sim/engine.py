@@ -184,16 +184,18 @@ def simulate(
     """
     sim = _Simulation(hint, duration, latency, launch_cost)
     previous = histories or {}
+    # The caller's histories stay as they were: this step learns into copies.
+    learned = {r: copy.deepcopy(previous[r]) if r in previous else History()
+               for r in range(hint.num_ranks)}
     loops = {
         r: StepLoop(
             Arbiter(hint, r, limits=limits,
-                    policy=make_policy(policy, history=previous.get(r), clock=sim.clock(r))),
+                    policy=make_policy(policy, history=learned[r], clock=sim.clock(r))),
             sim.devices[r], sim, sim.arrivals(r), sim.clock(r), launch_depth=launch_depth,
             reorder_ahead=reorder_ahead)
         for r in range(hint.num_ranks)
     }
     sim.run(loops)
-    learned = {r: copy.deepcopy(previous[r]) if r in previous else History() for r in loops}
     for r, loop in loops.items():
         loop.teach(learned[r])
     peak: dict[int, int] = {}
