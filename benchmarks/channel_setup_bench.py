@@ -15,18 +15,17 @@ measured here, and labelled so.
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
 import time
 
 import torch
 import torch.distributed as dist
 
+from benchmarks.pages import write_page
 from rrfp.hints import build_hint
 from rrfp.local import run_local_world
 from rrfp.transport import create_channels
 
-OUT = os.path.join(os.path.dirname(__file__), "results")
 
 
 def _rank_main(rank: int, world_size: int, pp: int) -> dict:
@@ -125,10 +124,7 @@ def main(argv=None) -> None:
         "gloo; now 4 channels, about "
         f"{4 * per_channel * 1e3:.0f} ms, the same for any number of pipelines.",
     ]
-    os.makedirs(OUT, exist_ok=True)
-    with open(os.path.join(OUT, "channel_setup.md"), "w") as f:
-        f.write("\n".join(lines) + "\n")
-    print(f"wrote {OUT}/channel_setup.md")
+    print(f"wrote {write_page('channel_setup.md', lines)}")
 
 
 if __name__ == "__main__":

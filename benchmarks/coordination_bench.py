@@ -12,7 +12,6 @@ benchmarks/results/coordination.md.
 from __future__ import annotations
 
 import math
-import os
 import random
 import statistics
 import time
@@ -20,11 +19,11 @@ import time
 import torch
 import torch.distributed as dist
 
+from benchmarks.pages import write_page
 from rrfp import ScheduleRRFP
 from rrfp.emulation import EmulatedDeviceTime
 from rrfp.local import run_local_world
 
-OUT = os.path.join(os.path.dirname(__file__), "results")
 M, STEPS, UNIT = 8, 6, 0.01
 
 
@@ -133,9 +132,7 @@ def main() -> None:
         "follower (or after a deferral) the wait until the leader decides or new input "
         "arrives; it is not all overhead.",
     ]
-    os.makedirs(OUT, exist_ok=True)
-    with open(os.path.join(OUT, "coordination.md"), "w") as f:
-        f.write("\n".join(lines) + "\n")
+    write_page("coordination.md", lines)
     print("\n".join(lines))
 
 

@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import argparse
 import math
-import os
 import statistics
 import time
 from dataclasses import dataclass
@@ -39,6 +38,7 @@ import torch.distributed as dist
 from torch.distributed.pipelining import PipelineStage
 from torch.distributed.pipelining._utils import generate_stage_to_rank_mapping
 
+from benchmarks.pages import write_page
 from rrfp import ScheduleRRFP
 from rrfp.device import EmulatedDevice
 from rrfp.emulation import EmulatedDeviceTime
@@ -47,7 +47,6 @@ from rrfp.local import run_local_world
 from rrfp.sim.study import compare
 from rrfp.sim.workloads import make_timing, Timing
 
-OUT = os.path.join(os.path.dirname(__file__), "results")
 DIM = 16
 COSTS = (0.0, 0.05, 0.2)
 """Launch cost, in forwards."""
@@ -246,10 +245,7 @@ def main(argv=None) -> None:
         "",
         *grid,
     ]
-    os.makedirs(OUT, exist_ok=True)
-    with open(os.path.join(OUT, "launch_depth.md"), "w") as f:
-        f.write("\n".join(lines) + "\n")
-    print(f"wrote {OUT}/launch_depth.md")
+    print(f"wrote {write_page('launch_depth.md', lines)}")
 
 
 if __name__ == "__main__":

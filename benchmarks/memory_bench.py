@@ -15,7 +15,6 @@ inside ScheduleRRFP for RRFP), the most over two steps, per rank.
 from __future__ import annotations
 
 import argparse
-import os
 import time
 
 import torch
@@ -24,11 +23,11 @@ from torch.distributed.pipelining import PipelineStage
 from torch.distributed.pipelining._utils import generate_stage_to_rank_mapping
 from torch.distributed.pipelining.schedules import get_schedule_class, PipelineScheduleSingle
 
+from benchmarks.pages import write_page
 from rrfp import ScheduleRRFP
 from rrfp.local import run_local_world
 from rrfp.memory import ActivationMeter, MeteredModule
 
-OUT = os.path.join(os.path.dirname(__file__), "results")
 DIM, ROWS = 256, 32
 
 
@@ -132,10 +131,7 @@ def main(argv=None) -> None:
         "activation bytes include; RRFP lets a sent tensor go when its send completes.",
         f"({time.time() - started:.0f} s on this 2-core machine.)",
     ]
-    os.makedirs(OUT, exist_ok=True)
-    with open(os.path.join(OUT, "memory.md"), "w") as f:
-        f.write("\n".join(lines) + "\n")
-    print(f"wrote {OUT}/memory.md")
+    print(f"wrote {write_page('memory.md', lines)}")
 
 
 if __name__ == "__main__":

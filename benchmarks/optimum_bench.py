@@ -21,13 +21,13 @@ import statistics
 import time
 from collections.abc import Mapping
 
+from benchmarks.pages import RESULTS, write_page
 from rrfp.hints import build_hint
 from rrfp.sim.optimum import optimum
 from rrfp.sim.study import compare, resolve_limit
 from rrfp.sim.workloads import make_timing
 
-OUT = os.path.join(os.path.dirname(__file__), "results")
-CACHE = os.path.join(OUT, "optimum.json")
+CACHE = os.path.join(RESULTS, "optimum.json")
 WORKLOADS = ("jitter", "multimodal", "spikes")
 LIMITS = ("hint", "hint+2")
 POLICIES = (None, "hint", "lookahead", "arrival", "critical", "window", "BF")
@@ -127,12 +127,10 @@ def main(argv=None) -> None:
         with open(CACHE) as f:
             solved = json.load(f)
     rows = solve(args.seeds, args.time_limit, solved)
-    os.makedirs(OUT, exist_ok=True)
+    os.makedirs(RESULTS, exist_ok=True)
     with open(CACHE, "w") as f:
         json.dump(rows, f, indent=1)
-    with open(os.path.join(OUT, "optimum.md"), "w") as f:
-        f.write("\n".join(render(rows, args.seeds, args.time_limit)) + "\n")
-    print(f"wrote {OUT}/optimum.md")
+    print(f"wrote {write_page('optimum.md', render(rows, args.seeds, args.time_limit))}")
 
 
 if __name__ == "__main__":

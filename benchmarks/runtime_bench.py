@@ -26,6 +26,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.pipelining import PipelineStage
 
+from benchmarks.pages import RESULTS, write_page
 from rrfp import ScheduleRRFP
 from rrfp.device import EmulatedDevice
 from rrfp.emulation import EmulatedDeviceTime
@@ -34,7 +35,6 @@ from rrfp.local import run_local_world
 from rrfp.sim.study import compare
 from rrfp.sim.workloads import make_timing, Timing
 
-OUT = os.path.join(os.path.dirname(__file__), "results")
 DIM = 16
 
 
@@ -158,8 +158,8 @@ def main(argv=None) -> None:
               f"[{result['ratio_min']:.3f}, {result['ratio_max']:.3f}], sim {result['sim_ratio']:.3f} "
               f"({result['sim_baseline_ms']:.0f} / {result['sim_rrfp_ms']:.0f} ms), overhead "
               f"{result['overhead_us']:.0f} us/action", flush=True)
-    os.makedirs(OUT, exist_ok=True)
-    with open(os.path.join(OUT, "runtime.json"), "w") as f:
+    os.makedirs(RESULTS, exist_ok=True)
+    with open(os.path.join(RESULTS, "runtime.json"), "w") as f:
         json.dump(results, f, indent=1)
     worst = max(abs(r["ratio_median"] - r["sim_ratio"]) for r in results)
     excess = statistics.mean(r[k] / r[f"sim_{k}"] - 1 for r in results
@@ -197,9 +197,7 @@ def main(argv=None) -> None:
             f"{r['ratio_max']:.3f}] | {r['sim_baseline_ms']:.0f} / {r['sim_rrfp_ms']:.0f} | "
             f"{r['sim_ratio']:.3f} | {', '.join(f'{i:.0%}' for i in r['idle'])} | {peaks} | "
             f"{r['overhead_us']:.0f} |")
-    with open(os.path.join(OUT, "runtime.md"), "w") as f:
-        f.write("\n".join(lines) + "\n")
-    print(f"wrote {OUT}/runtime.md")
+    print(f"wrote {write_page('runtime.md', lines)}")
 
 
 if __name__ == "__main__":

@@ -12,12 +12,12 @@ import statistics
 import time
 from multiprocessing import Pool
 
+from benchmarks.pages import RESULTS, write_page
 from rrfp.hints import build_hint
 from rrfp.sim.plot import plot_timelines, plot_tradeoff
 from rrfp.sim.study import compare, SWEEP_LIMITS
 from rrfp.sim.workloads import WORKLOADS
 
-OUT = os.path.join(os.path.dirname(__file__), "results")
 # hint -> (stages per rank, placement)
 HINTS = {"1F1B": (1, "loop"), "Interleaved1F1B": (2, "loop"), "ZBVZeroBubble": (2, "v"),
          "BF": (1, "loop"), "BFW": (1, "loop")}
@@ -54,7 +54,7 @@ def main(argv=None) -> None:
     started = time.time()
     lines: list[str] = []
     out = lines.append
-    os.makedirs(OUT, exist_ok=True)
+    os.makedirs(RESULTS, exist_ok=True)
     with Pool(args.processes) as pool:
         # 1. Policies at the hint's own memory.
         policies = ["hint", "window", "lookahead"]
@@ -153,7 +153,7 @@ def main(argv=None) -> None:
         png = f"tradeoff_{h}.png"
         sweeps = {w: {str(limit): [_Row(*r) for r in rows_for(limit_rows, hint=h, workload=w, limit=limit)]
                       for limit in SWEEP_LIMITS} for w in WORKLOADS}
-        plot_tradeoff(sweeps, os.path.join(OUT, png), title=f"{h}, 8 ranks, 32 microbatches (simulated)")
+        plot_tradeoff(sweeps, os.path.join(RESULTS, png), title=f"{h}, 8 ranks, 32 microbatches (simulated)")
         out(f"![{h} speed/memory trade-off]({png})")
         out("")
     out("## 3. Depth and microbatches (speedup at limit hint / hint+2 / 32)")
@@ -224,12 +224,11 @@ def main(argv=None) -> None:
         c = compare(_hint(h, 8, 32), w, 0, limit=limit)
         png = f"timeline_{h}_{w}.png"
         plot_timelines({f"fixed {h}": c.fixed, f"RRFP ({c.policy}, limit {limit})": c.rrfp},
-                       os.path.join(OUT, png), title=f"{h}, {w}, 8 ranks x 32 microbatches, seed 0 (simulated)")
+                       os.path.join(RESULTS, png), title=f"{h}, {w}, 8 ranks x 32 microbatches, seed 0 (simulated)")
         out(f"![{h} {w}]({png})")
         out("")
-    with open(os.path.join(OUT, "simulation.md"), "w") as f:
-        f.write("\n".join(lines) + "\n")
-    print(f"wrote {OUT}/simulation.md in {time.time() - started:.0f} s")
+    path = write_page("simulation.md", lines)
+    print(f"wrote {path} in {time.time() - started:.0f} s")
 
 
 class _Row:

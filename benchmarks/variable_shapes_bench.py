@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import argparse
 import copy
-import os
 import statistics
 import time
 
@@ -44,6 +43,7 @@ from torchtitan.components.tokenizer import HuggingFaceTokenizer
 from torchtitan.distributed.pipeline_parallel import generate_llm_fqn_per_model_part
 from torchtitan.models.llama3 import llama3_args, Transformer
 
+from benchmarks.pages import write_page
 from rrfp import ScheduleRRFP
 from rrfp.arbiter import resolve_buffer_limits
 from rrfp.hints import build_hint
@@ -56,7 +56,6 @@ from torchtitan_ext.assets import TOKENIZER_DIR
 from torchtitan_ext.data import DocumentDataset, MAX_PATCHES, split_by_content
 from torchtitan_ext.models import first_stage_modules, MultimodalArgs, MultimodalTransformer
 
-OUT = os.path.join(os.path.dirname(__file__), "results")
 BATCH, MICROBATCHES, TEXT_LEN = 8, 8, 128
 VARIANTS = ("padded torch", "RRFP fixed order", "RRFP")
 
@@ -286,11 +285,9 @@ def main(argv=None) -> None:
         "",
         *[f"* {p}" for p in predictions],
     ]
-    os.makedirs(OUT, exist_ok=True)
-    text = "\n".join(lines).replace("{elapsed}", f"{time.time() - started:.0f}") + "\n"
-    with open(os.path.join(OUT, "variable_shapes.md"), "w") as f:
-        f.write(text)
-    print(f"wrote {OUT}/variable_shapes.md")
+    elapsed = f"{time.time() - started:.0f}"
+    page = write_page("variable_shapes.md", [line.replace("{elapsed}", elapsed) for line in lines])
+    print(f"wrote {page}")
 
 
 if __name__ == "__main__":

@@ -1,0 +1,16 @@
+"""Where the benchmarks write their results: ``benchmarks/results/``."""
+
+from __future__ import annotations
+
+import os
+
+RESULTS = os.path.join(os.path.dirname(__file__), "results")
+
+
+def write_page(name: str, lines: list[str]) -> str:
+    """Write ``lines`` (markdown) as ``benchmarks/results/<name>``; return its path."""
+    os.makedirs(RESULTS, exist_ok=True)
+    path = os.path.join(RESULTS, name)
+    with open(path, "w") as f:
+        f.write("\n".join(lines) + "\n")
+    return path
