@@ -102,10 +102,11 @@ class MemoryLimits:
     per_rank: Mapping[int, int]
     """Per pipeline rank: microbatches held at once by all its stages together."""
 
-    def stages_below(self, peaks: Mapping[int, int]) -> dict[int, tuple[int, int]]:
-        """Stages whose limit is below ``peaks`` (a hint's own): stage -> (limit, peak)."""
-        return {s: (self.per_stage[s], peak) for s, peak in peaks.items()
-                if self.per_stage[s] < peak}
+    def first_stage_below(self, peaks: Mapping[int, int]) -> tuple[int, int, int] | None:
+        """The first stage whose limit is below ``peaks`` (a hint's own), as
+        ``(stage, limit, peak)``; None if every stage's limit reaches its peak."""
+        return next(((s, self.per_stage[s], peak) for s, peak in peaks.items()
+                     if self.per_stage[s] < peak), None)
 
 
 class Arbiter:
@@ -230,11 +231,9 @@ class Arbiter:
     def lead(self) -> int:
         """Hint position of the action to run next were every action ready: a gradient
         reduction that is ready (``choose`` runs those first), else the policy's lead."""
-        sid = self._stream_ids.get(("R",))
-        if sid is not None and self._heads[sid] < len(self._streams[sid]):
-            reduce = self.nodes[self._streams[sid][self._heads[sid]]]
-            if self._may_run(reduce):
-                return reduce.index
+        reduce = self._head(("R",))
+        if reduce is not None and self._may_run(reduce):
+            return reduce.index
         return self.policy.lead(self)
 
     def may_run(self, action: _Action) -> bool:
@@ -255,7 +254,10 @@ class Arbiter:
 
     def stream_head(self, stage: int, stream: str) -> Node | None:
         """Next action of ``stage``'s ``"F"``, ``"BI"`` or ``"GRAD"`` stream (None: done)."""
-        sid = self._stream_ids.get((stage, stream))
+        return self._head((stage, stream))
+
+    def _head(self, key: tuple) -> Node | None:
+        sid = self._stream_ids.get(key)
         if sid is None or self._heads[sid] >= len(self._streams[sid]):
             return None
         return self.nodes[self._streams[sid][self._heads[sid]]]
@@ -483,9 +485,9 @@ def check_limits(limits: MemoryLimits, hint: Hint, spec: object) -> None:
                 "a rank with several stages needs to be deadlock-free; use 'hint', 'hint+k' "
                 f"or an int >= {max(rank_peaks.values())}")
     if not hint.streams_share_one_order():
-        short = limits.stages_below(peaks)
-        if short:
-            s, (got, need) = next(iter(short.items()))
+        below = limits.first_stage_below(peaks)
+        if below is not None:
+            s, got, need = below
             raise ValueError(
                 f"buffer_limit={spec!r} allows {got} microbatches in flight on stage {s}, "
                 f"but hint {hint.name!r} runs its backwards in a different microbatch order "

@@ -198,9 +198,9 @@ class ScheduleRRFP(PipelineScheduleMulti):
         self.policy = policy or default_policy(
             self._hint.policy, at_hint_memory, self._hint.num_stages // self._hint.num_ranks)
         if self.policy == "fixed":
-            short = self.buffer_limits.stages_below(self._hint.peak_in_flight())
-            if short:
-                s, (got, need) = next(iter(short.items()))
+            below = self.buffer_limits.first_stage_below(self._hint.peak_in_flight())
+            if below is not None:
+                s, got, need = below
                 raise ValueError(
                     f"policy='fixed' runs hint {self._hint.name!r} in its own order, which "
                     f"holds up to {need} microbatches on stage {s}, but "
@@ -254,7 +254,7 @@ class ScheduleRRFP(PipelineScheduleMulti):
     @property
     def history(self) -> History:
         """What earlier steps showed this rank (device durations per stage and kind,
-        arrival times): what the ``lookahead`` policy decides by."""
+        arrival times): what the ``lookahead`` and ``critical`` policies decide by."""
         return self._history
 
     def _step_microbatches(
