@@ -84,6 +84,14 @@ class Edge(NamedTuple):
         return f"{kind} {self.src}->{self.dst}"
 
 
+class _Held(NamedTuple):
+    rank_totals: dict[int, list[int]]
+    """Per rank: held by all its stages together after each prefix of its fixed order
+    (``0..len``)."""
+    stage_peaks: dict[int, int]
+    """Per stage: the most it holds at once."""
+
+
 @dataclass(frozen=True)
 class Hint:
     """A validated hint: the fixed per-rank order RRFP ranks ready actions by."""
@@ -176,13 +184,14 @@ class Hint:
         return orders
 
     def peak_in_flight(self) -> dict[int, int]:
-        """Per stage, the fixed order's peak of microbatches held (see ``held_after``)."""
-        return dict(self._peaks)
+        """Per stage, the fixed order's peak of microbatches held (from a microbatch's F
+        until its last backward piece)."""
+        return dict(self._held.stage_peaks)
 
     def rank_peaks(self) -> dict[int, int]:
         """Per rank, the fixed order's peak of microbatches held by all the rank's stages
         together (the maximum over time of their sum, not the sum of their peaks)."""
-        return {r: max(total for total, _ in self._held[r]) for r in self.orders}
+        return {r: self._future_peaks[r][0] for r in self.orders}
 
     def future_rank_peak(self, rank: int) -> tuple[int, ...]:
         """``[p]``: the most the rank's stages hold together from position ``p`` of its
@@ -190,35 +199,32 @@ class Hint:
         return self._future_peaks[rank]
 
     @cached_property
-    def _held(self) -> dict[int, list[tuple[int, dict[int, int]]]]:
-        """Per rank, after each prefix of its fixed order (``0..len``): (total, per stage)
-        microbatches held. A microbatch's activations on a stage are held from its F until
-        its last backward piece: B, or W when backward is split (after I the autograd
-        state stays alive until W)."""
-        held: dict[int, list[tuple[int, dict[int, int]]]] = {}
+    def _held(self) -> _Held:
+        """Microbatches held under the fixed order. A microbatch's activations on a stage
+        are held from its F until its last backward piece: B, or W when backward is split
+        (after I the autograd state stays alive until W)."""
+        totals: dict[int, list[int]] = {}
+        peaks: dict[int, int] = {}
         for rank, acts in self.orders.items():
             per_stage = {s: 0 for s in self.stages_on(rank)}
-            history = [(0, dict(per_stage))]
+            peaks.update(per_stage)
+            totals[rank] = [0]
             for a in acts:
+                s = a.stage_index
                 if a.computation_type == F:
-                    per_stage[a.stage_index] += 1
+                    per_stage[s] += 1
+                    peaks[s] = max(peaks[s], per_stage[s])
                 elif a.computation_type in WEIGHT_GRAD_KINDS:  # the last backward piece
-                    per_stage[a.stage_index] -= 1
-                history.append((sum(per_stage.values()), dict(per_stage)))
-            held[rank] = history
-        return held
-
-    @cached_property
-    def _peaks(self) -> dict[int, int]:
-        return {s: max(stages[s] for _, stages in self._held[self.stage_to_rank[s]])
-                for s in range(self.num_stages)}
+                    per_stage[s] -= 1
+                totals[rank].append(sum(per_stage.values()))
+        return _Held(totals, peaks)
 
     @cached_property
     def _future_peaks(self) -> dict[int, tuple[int, ...]]:
         future = {}
-        for rank, history in self._held.items():
+        for rank, totals in self._held.rank_totals.items():
             peaks, running = [], 0
-            for total, _ in reversed(history):
+            for total in reversed(totals):
                 running = max(running, total)
                 peaks.append(running)
             future[rank] = tuple(reversed(peaks))
