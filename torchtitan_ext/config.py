@@ -3,6 +3,8 @@
 
 from dataclasses import dataclass, field
 
+from rrfp.loop import DEFAULT_LAUNCH_DEPTH
+
 
 @dataclass
 class RRFP:
@@ -24,7 +26,7 @@ class RRFP:
     rank decides and broadcasts) or ``agree`` (all-gather proposals, defer on
     disagreement). ``leader`` was faster in benchmarks/results/coordination.md."""
 
-    launch_depth: int = 2
+    launch_depth: int = DEFAULT_LAUNCH_DEPTH
     """Launched actions the device may hold before the rank decides again (0: no bound).
     The rank picks what runs next when its GPU is free, so choices see the latest
     arrivals; 2 hides the CPU's launch cost behind the running action
