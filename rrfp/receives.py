@@ -261,7 +261,8 @@ class ReceiveRings:
             else:
                 continue
             ring.post(self._transport)  # type: ignore[arg-type]
-        self.peak_bytes = max(self.peak_bytes, self._bytes())
+        if self.variable_shapes:  # fixed shapes: the rings' buffers are those of start()
+            self.peak_bytes = max(self.peak_bytes, self._bytes())
 
     def _bytes(self) -> int:
         return sum(ring.nbytes for ring in self._active)
