@@ -413,7 +413,8 @@ class Arbiter:
             raise KeyError(f"{action} is not in rank {self.rank}'s hint") from None
 
 
-def resolve_buffer_limits(spec: str | int, hint: Hint) -> MemoryLimits:
+def resolve_buffer_limits(spec: str | int, hint: Hint, *,
+                          fixed_order: bool = False) -> MemoryLimits:
     """Memory limits from ``"hint"``, ``"hint+k"`` or an int, in microbatches of activations
     held (from a microbatch's F until its last backward piece, B or W):
 
@@ -437,7 +438,8 @@ def resolve_buffer_limits(spec: str | int, hint: Hint) -> MemoryLimits:
     the earliest action of its dependency order not yet launched is always launchable:
     RRFP always progresses, whatever the timing, under any policy that, on an idle device,
     runs some ready action whenever the hint's next one is ready (every policy here does:
-    lookahead, window and fixed accept the hint's next action; the others are greedy). (2) Below the hint's peak on a stage that is alone on its rank, when every
+    lookahead, window and fixed accept the hint's next action; the others are greedy).
+    (2) Below the hint's peak on a stage that is alone on its rank, when every
     stage's F and B/I streams follow one common microbatch order: the earliest microbatch in
     flight can always move, since every forward it still needs is the hint's next action on
     its rank and its stage holds nothing older. Limits below the hint's peak elsewhere (a
@@ -467,14 +469,24 @@ def resolve_buffer_limits(spec: str | int, hint: Hint) -> MemoryLimits:
             )
         limits = MemoryLimits({s: peak + extra for s, peak in peaks.items()},
                               {r: peak + extra for r, peak in rank_peaks.items()})
-    check_limits(limits, hint, spec)
+    check_limits(limits, hint, spec, fixed_order=fixed_order)
     return limits
 
 
-def check_limits(limits: MemoryLimits, hint: Hint, spec: object) -> None:
+def check_limits(limits: MemoryLimits, hint: Hint, spec: object, *,
+                 fixed_order: bool = False) -> None:
     """``ValueError`` unless ``limits`` are deadlock-free for ``hint`` (see
-    ``resolve_buffer_limits``); ``spec``: how the user wrote them, for the message."""
+    ``resolve_buffer_limits``); ``spec``: how the user wrote them, for the message.
+    ``fixed_order``: the hint's order runs as it is (``policy="fixed"``), which needs every
+    stage's own peak."""
     peaks, rank_peaks = hint.peak_in_flight(), hint.rank_peaks()
+    below = limits.first_stage_below(peaks)
+    if fixed_order and below is not None:
+        s, got, need = below
+        raise ValueError(
+            f"policy='fixed' runs hint {hint.name!r} in its own order, which holds up to "
+            f"{need} microbatches on stage {s}, but buffer_limit={spec!r} allows {got}: it "
+            "would stall; use buffer_limit='hint' (or larger) with policy='fixed'")
     for rank, peak in rank_peaks.items():
         stages = hint.stages_on(rank)
         if len(stages) > 1 and limits.per_rank[rank] < peak:
@@ -485,7 +497,6 @@ def check_limits(limits: MemoryLimits, hint: Hint, spec: object) -> None:
                 "a rank with several stages needs to be deadlock-free; use 'hint', 'hint+k' "
                 f"or an int >= {max(rank_peaks.values())}")
     if not hint.streams_share_one_order():
-        below = limits.first_stage_below(peaks)
         if below is not None:
             s, got, need = below
             raise ValueError(

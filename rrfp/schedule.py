@@ -193,19 +193,11 @@ class ScheduleRRFP(PipelineScheduleMulti):
                 _check_torch_compile_compatibility(stages, f"RRFP with hint {self._hint.name}")
             except RuntimeError as e:
                 raise ValueError(f"{e}; use a hint without split backward (I/W)") from None
-        self.buffer_limits = resolve_buffer_limits(buffer_limit, self._hint)
+        self.buffer_limits = resolve_buffer_limits(buffer_limit, self._hint,
+                                                   fixed_order=policy == "fixed")
         at_hint_memory = self.buffer_limits == resolve_buffer_limits("hint", self._hint)
         self.policy = policy or default_policy(
             self._hint.policy, at_hint_memory, self._hint.num_stages // self._hint.num_ranks)
-        if self.policy == "fixed":
-            below = self.buffer_limits.first_stage_below(self._hint.peak_in_flight())
-            if below is not None:
-                s, got, need = below
-                raise ValueError(
-                    f"policy='fixed' runs hint {self._hint.name!r} in its own order, which "
-                    f"holds up to {need} microbatches on stage {s}, but "
-                    f"buffer_limit={buffer_limit!r} allows {got}: it would stall; use "
-                    "buffer_limit='hint' (or larger) with policy='fixed'")
         self._history = History()
         check_deadlock_free(self._hint)
         self._forward_only_hint = self._hint.forward_only()

@@ -92,6 +92,7 @@ def test_schedule_names():
     (["--rrfp.buffer_limit", "0"], "buffer_limit=0 is below 1"),
     (["--rrfp.buffer_limit", "lots"], "is not understood"),
     (["--rrfp.policy", "eager"], "is not one of"),
+    (["--rrfp.policy", "fixed", "--rrfp.buffer_limit", "1"], "policy='fixed' runs hint"),
     (["--parallelism.pipeline_parallel_degree", "1"], "pipeline_parallel_degree >= 2"),
     (["--rrfp.coordination", "vote"], "is not one of"),
     (["--parallelism.context_parallel_degree", "2"],

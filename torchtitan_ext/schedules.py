@@ -150,7 +150,8 @@ def validate(job_config, n_layers: int) -> None:
     built = build_hint(hint, num_ranks=pp, num_stages=pp * per_rank,
                        n_microbatches=n_microbatches(job_config), layout=layout)
     settings = rrfp_settings(job_config)
-    resolve_buffer_limits(parse_buffer_limit(settings.buffer_limit), built)
+    resolve_buffer_limits(parse_buffer_limit(settings.buffer_limit), built,
+                          fixed_order=settings.policy == "fixed")
     if settings.policy and settings.policy not in POLICIES:
         raise ValueError(f"rrfp.policy={settings.policy!r} is not one of {list(POLICIES)}")
     if settings.coordination not in COORDINATIONS:
