@@ -320,8 +320,8 @@ def _critical_tails(hint: Hint, limits: MemoryLimits | None,
     return hit[2]
 
 
-def default_policy(hint_policy: str, at_hint_memory: bool, stages_per_rank: int) -> str:
-    """The policy ScheduleRRFP uses when none is given.
+def default_policy(hint: Hint, limits: MemoryLimits) -> str:
+    """The policy ScheduleRRFP uses for ``hint`` within ``limits`` when none is given.
 
     Measured in the simulator (benchmarks/results): at the hint's own memory the
     lookahead guard loses at most ~1% where plain readiness-first loses up to ~5% (1F1B,
@@ -331,11 +331,12 @@ def default_policy(hint_policy: str, at_hint_memory: bool, stages_per_rank: int)
     61%/66%/67%; several stages per rank: the hint's order, as the others then lost up to
     4 points (Interleaved1F1B). The BF/BFW rules keep their own policy.
     """
-    if hint_policy != "hint":
-        return hint_policy
-    if at_hint_memory:
-        return "lookahead"
-    return "critical" if stages_per_rank == 1 else "hint"
+    if hint.policy != "hint":
+        return hint.policy
+    if (dict(limits.per_stage), dict(limits.per_rank)) == (hint.peak_in_flight(),
+                                                          hint.rank_peaks()):
+        return "lookahead"  # the hint's own memory
+    return "critical" if hint.num_stages == hint.num_ranks else "hint"
 
 
 def make_policy(name: str, *, history: History | None = None,

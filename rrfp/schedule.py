@@ -195,9 +195,7 @@ class ScheduleRRFP(PipelineScheduleMulti):
                 raise ValueError(f"{e}; use a hint without split backward (I/W)") from None
         self.buffer_limits = resolve_buffer_limits(buffer_limit, self._hint,
                                                    fixed_order=policy == "fixed")
-        at_hint_memory = self.buffer_limits == resolve_buffer_limits("hint", self._hint)
-        self.policy = policy or default_policy(
-            self._hint.policy, at_hint_memory, self._hint.num_stages // self._hint.num_ranks)
+        self.policy = policy or default_policy(self._hint, self.buffer_limits)
         self._history = History()
         check_deadlock_free(self._hint)
         self._forward_only_hint = self._hint.forward_only()

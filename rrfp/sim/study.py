@@ -82,8 +82,7 @@ def compare(hint: Hint, workload: str | Timing, seed: int, *, limit: str | int =
     device without bound, as torch's schedules do on CUDA.
     """
     limits = resolve_limit(limit, hint)
-    policy = policy or default_policy(hint.policy, limits == resolve_buffer_limits("hint", hint),
-                                      hint.num_stages // hint.num_ranks)
+    policy = policy or default_policy(hint, limits)
     timing = timing_for(hint, workload, seed, params)
     fixed = simulate(hint, timing.duration, latency=timing.latency, policy="fixed",
                      launch_depth=math.inf, launch_cost=launch_cost)
