@@ -300,7 +300,6 @@ class ScheduleRRFP(PipelineScheduleMulti):
             coordinator=coordinator, block=self._wakeup.wait,
         )
         self._device.begin_step(origin, self._wakeup)
-        sent_before = (self._transport.messages_sent, self._transport.bytes_sent)
         try:
             self._receives.start(self._transport, hint, self._stage_by_index,
                                  self.buffer_limits.per_stage, training=self._has_backward)
@@ -316,9 +315,8 @@ class ScheduleRRFP(PipelineScheduleMulti):
             self._abandon(e)
             raise
         finally:
-            sent = (self._transport.messages_sent - sent_before[0],
-                    self._transport.bytes_sent - sent_before[1])
-            self.last_step_stats = _step_stats(self, loop, executor, coordinator, clock(), sent)
+            self.last_step_stats = _step_stats(self, loop, executor, coordinator, clock(),
+                                               self._transport.take_sent())
         if self._has_backward:
             loop.teach(self._history)
         else:  # no gradient reduction will reshard them

@@ -417,9 +417,8 @@ class Transport:
         self._arrivals = _Polling(wakeup) if polled else _WaiterThreads(wakeup)
         self._send_delay = send_delay
         self._sends = _SendCompletion(polled)
-        self.messages_sent = 0
-        """Messages sent since construction (each tensor of a message counts once)."""
-        self.bytes_sent = 0
+        self._messages_sent = 0
+        self._bytes_sent = 0
         self._delayed = ({e: _DelayedSender(c, self._sends) for e, c in channels.items()
                           if c.rank == 0} if send_delay is not None else {})
 
@@ -434,13 +433,19 @@ class Transport:
         self._arrivals.watch(edge, microbatch, [channel.recv(b) for b in buffers], header)
 
     def send(self, edge: Edge, microbatch: int, tensors: list[torch.Tensor]) -> None:
-        self.messages_sent += len(tensors)
-        self.bytes_sent += sum(t.numel() * t.element_size() for t in tensors)
+        self._messages_sent += len(tensors)
+        self._bytes_sent += sum(t.nbytes for t in tensors)
         if self._send_delay is not None:
             self._delayed[edge].submit(microbatch, tensors, self._send_delay(edge, microbatch))
             return
         self._sends.watch(edge, microbatch, [self.channels[edge].send(t) for t in tensors],
                           tensors)
+
+    def take_sent(self) -> tuple[int, int]:
+        """(messages, bytes) sent since the last call (each tensor of a message counts once)."""
+        sent = (self._messages_sent, self._bytes_sent)
+        self._messages_sent = self._bytes_sent = 0
+        return sent
 
     def collect(self) -> list[Received]:
         """Messages that arrived since the last call; never blocks."""
