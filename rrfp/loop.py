@@ -225,9 +225,8 @@ class StepLoop:
     def teach(self, history: History) -> None:
         """Record this step's device durations and arrivals for the next step's policy."""
         history.start_step()
-        for c in self.completions:
-            history.record_duration(c.action.stage_index, c.action.computation_type.value,
-                                    c.end - c.start)
+        history.record_durations((c.action.stage_index, c.action.computation_type.value,
+                                  c.end - c.start) for c in self.completions)
         for arrival in self.received:
             history.record_arrival(arrival.edge, arrival.microbatch, arrival.at)
 

@@ -9,7 +9,7 @@ ready action (return None) must not do so forever, or the pipeline would stall.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol, TYPE_CHECKING
 
@@ -111,8 +111,8 @@ class BackwardFirst(HintLed):
 class History:
     """What earlier steps showed one rank.
 
-    ``durations[(stage, kind)]``: a running average of that stage and kind's run time
-    (seconds; each new run weighs one half). ``arrivals[(edge, microbatch)]``: the earliest
+    ``durations[(stage, kind)]``: that stage and kind's mean run time (seconds); each
+    step's mean weighs one half against what the steps before it showed. ``arrivals[(edge, microbatch)]``: the earliest
     arrival seen, in seconds after the step start (the cautious side for the guard).
     """
 
@@ -127,9 +127,18 @@ class History:
     def start_step(self) -> None:
         self._last.clear()
 
-    def record_duration(self, stage: int, kind: str, seconds: float) -> None:
-        previous = self.durations.get((stage, kind))
-        self.durations[(stage, kind)] = seconds if previous is None else 0.5 * (seconds + previous)
+    def record_durations(self, runs: Iterable[tuple[int, str, float]]) -> None:
+        """One step's run times, as (stage, kind, seconds)."""
+        # The step's mean, not a per-run average: that would rest on its last few runs,
+        # which under compute noise made the critical policy's costs differ by up to a
+        # forward from rank to rank.
+        step: dict[tuple[int, str], list[float]] = {}
+        for stage, kind, seconds in runs:
+            step.setdefault((stage, kind), []).append(seconds)
+        for key, seen in step.items():
+            mean = sum(seen) / len(seen)
+            previous = self.durations.get(key)
+            self.durations[key] = mean if previous is None else 0.5 * (mean + previous)
 
     def record_arrival(self, edge: Edge, microbatch: int, offset: float) -> None:
         key = (edge, microbatch)

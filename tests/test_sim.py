@@ -264,6 +264,18 @@ def test_critical_path_order_loses_nothing_when_nothing_varies(name):
         assert compare(hint, "uniform", 0, limit=limit, policy="critical").speedup >= 1.0
 
 
+def test_history_durations_are_step_means_that_earlier_steps_temper():
+    from rrfp.policy import History
+
+    history = History()
+    history.record_durations([(0, "F", 1.0), (0, "F", 1.0), (0, "F", 1.0), (0, "F", 3.0),
+                              (0, "B", 2.0)])
+    # The step's mean: its last run weighs no more than the others.
+    assert history.durations == {(0, "F"): 1.5, (0, "B"): 2.0}
+    history.record_durations([(0, "F", 2.5), (1, "F", 4.0)])
+    assert history.durations == {(0, "F"): 2.0, (0, "B"): 2.0, (1, "F"): 4.0}
+
+
 def test_critical_priorities_follow_measured_costs_and_keep_them_while_they_stay_close():
     from rrfp.arbiter import Arbiter
     from rrfp.policy import History, make_policy
@@ -279,8 +291,7 @@ def test_critical_priorities_follow_measured_costs_and_keep_them_while_they_stay
         return None if history.priority_costs is None else dict(history.priority_costs)
 
     assert rank_by_costs() is None  # nothing measured yet: the default costs, not kept
-    history.record_duration(1, "F", 0.010)
-    history.record_duration(1, "B", 0.0225)
+    history.record_durations([(1, "F", 0.010), (1, "B", 0.0225)])
     assert rank_by_costs() == {"F": 1.0, "B": 2.25, "I": 1.0, "W": 1.0}  # in forwards
     history.durations[(1, "B")] = 0.0250  # 2.5 forwards: close, the costs stay
     assert rank_by_costs()["B"] == 2.25
