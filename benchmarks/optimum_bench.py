@@ -9,7 +9,10 @@ at the hint's memory and at ``hint+2``: the fixed schedule's makespan, the memor
 lower bound, the best schedule known (``rrfp.sim.optimum``: CP-SAT over per-rank orders
 with full knowledge of every duration and latency, within a time limit, or a policy's if
 better), and each policy's speedup and **fraction of the achievable gain** it captures:
-``(fixed / policy - 1) / (fixed / best - 1)``. Every figure is simulated.
+``(fixed / policy - 1) / (fixed / best - 1)``. The ``clairvoyant`` column is not a policy a
+rank could run: it is ``lookahead``'s rule (run a ready action ranked below the hint's next
+only if it ends before that action's input arrives) with the simulator's exact durations
+and arrival times, the most that rule could capture. Every figure is simulated.
 """
 
 from __future__ import annotations
@@ -30,8 +33,9 @@ from rrfp.sim.workloads import make_timing
 CACHE = os.path.join(RESULTS, "optimum.json")
 WORKLOADS = ("jitter", "multimodal", "spikes")
 LIMITS = ("hint", "hint+2")
-POLICIES = (None, "hint", "lookahead", "arrival", "critical", "window", "BF")
-"""None: what ScheduleRRFP picks at that limit."""
+POLICIES = (None, "hint", "lookahead", "arrival", "critical", "window", "BF", "clairvoyant")
+"""None: what ScheduleRRFP picks at that limit. ``clairvoyant``: lookahead's rule knowing
+every in-flight message's arrival and every duration (a yardstick no rank can run)."""
 
 
 def _label(policy: str | None) -> str:

@@ -188,30 +188,29 @@ class Lookahead(HintLed):
         head = arbiter.nodes[arbiter.first_undone]
         if ready[0] is head or arbiter.below_hint_memory:
             return ready[0]
-        if self.history is None:
-            return None
-        expected = self._expected_ready(head, arbiter)
+        message = _awaited_message(head, arbiter)
+        expected = None if message is None else self.expected_arrival(message, arbiter)
         if expected is None:
             return None
         now = self.clock()
         for node in ready:
-            estimate = self.history.durations.get((node.stage, node.action.computation_type.value))
+            estimate = self.duration(node)
             if estimate is not None and now + estimate <= expected:
                 return node
         return None
 
-    def _expected_ready(self, head: Node, arbiter: Arbiter) -> float | None:
-        """When the hint's next action is expected to become ready (None: unknown)."""
-        message = head.message
-        if message is None or arbiter.has_arrived(message):
-            # A forward held by backpressure: it waits for the stage's next backward,
-            # which waits for its gradient.
-            backward = arbiter.stream_head(head.stage, "BI")
-            message = backward.message if backward is not None else None
-            if message is None or arbiter.has_arrived(message):
-                return None
+    def duration(self, node: Node) -> float | None:
+        """How long ``node`` is expected to run (None: unknown)."""
+        if self.history is None:
+            return None
+        return self.history.durations.get((node.stage, node.action.computation_type.value))
+
+    def expected_arrival(self, message: tuple[Edge, int], arbiter: Arbiter) -> float | None:
+        """When ``message``, not yet here, is expected (None: unknown)."""
         history = self.history
-        expected = history.arrivals.get(message)  # type: ignore[union-attr]
+        if history is None:
+            return None
+        expected = history.arrivals.get(message)
         if expected is None:
             return None
         # The step may run ahead of earlier ones: also expect it one shortest-seen gap
@@ -221,10 +220,23 @@ class Lookahead(HintLed):
         if position > 0:
             before = arbiter.arrival_times.get(
                 (edge, arbiter.hint.message_order(edge)[position - 1]))
-            gap = history.gaps.get(message)  # type: ignore[union-attr]
+            gap = history.gaps.get(message)
             if before is not None and gap is not None:
                 expected = min(expected, before + gap)
         return expected
+
+
+def _awaited_message(head: Node, arbiter: Arbiter) -> tuple[Edge, int] | None:
+    """The message the hint's next action waits for (None: none it waits for)."""
+    message = head.message
+    if message is None or arbiter.has_arrived(message):
+        # A forward held by backpressure: it waits for the stage's next backward,
+        # which waits for its gradient.
+        backward = arbiter.stream_head(head.stage, "BI")
+        message = backward.message if backward is not None else None
+        if message is None or arbiter.has_arrived(message):
+            return None
+    return message
 
 
 DEFAULT_COSTS = {"F": 1.0, "B": 2.0, "I": 1.0, "W": 1.0}
@@ -335,7 +347,7 @@ def default_policy(hint: Hint, limits: MemoryLimits) -> str:
     Measured in the simulator (benchmarks/results): at the hint's own memory the
     lookahead guard loses at most ~1% where plain readiness-first loses up to ~5% (1F1B,
     compute jitter). With memory slack, one stage per rank: the critical-path order
-    captured 83%/79%/75% of the best known gain at hint+2 (1F1B, 8 ranks, 5 seeds;
+    captured 86%/79%/75% of the best known gain at hint+2 (1F1B, 8 ranks, 5 seeds;
     jitter, multimodal, heavy-tailed latency) where the arrival order captured
     61%/66%/67%; several stages per rank: the hint's order, as the others then lost up to
     4 points (Interleaved1F1B). The BF/BFW rules keep their own policy.

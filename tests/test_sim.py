@@ -264,6 +264,41 @@ def test_critical_path_order_loses_nothing_when_nothing_varies(name):
         assert compare(hint, "uniform", 0, limit=limit, policy="critical").speedup >= 1.0
 
 
+def test_clairvoyant_yardstick_runs_a_backward_early_only_where_it_ends_before_the_late_input():
+    """The simulator-only yardstick sees when in-flight messages arrive. At the hint's
+    memory under latency spikes it must deviate (lookahead's rule without foresight, on a
+    first step, cannot), and each deviation must end before the postponed forward's input
+    came, so it never loses."""
+    from rrfp.hints import Edge
+    from rrfp.sim.study import compare, timing_for
+
+    hint = build_hint("1F1B", num_ranks=8, num_stages=8, n_microbatches=32)
+    deviations = 0
+    for seed in range(3):
+        comparison = compare(hint, "spikes", seed, policy="clairvoyant")
+        assert comparison.speedup >= 1.0
+        spans = comparison.rrfp.spans
+        arrivals = {}  # when each forward's input arrived: one latency after the send
+        timing = timing_for(hint, "spikes", seed)
+        for rank in range(1, 8):
+            for span in spans[rank - 1]:
+                if span.kind == "F":
+                    arrivals[(rank, span.microbatch)] = span.end + timing.latency(
+                        Edge(rank - 1, rank), span.microbatch)
+        for rank in range(1, 8):
+            done: set = set()
+            hint_order = [(a.computation_type.value, a.microbatch_index)
+                          for a in hint.orders[rank]]
+            for span in spans[rank]:
+                action = (span.kind, span.microbatch)
+                head = next(a for a in hint_order if a not in done)
+                done.add(action)
+                if action != head and head[0] == "F" and arrivals[(rank, head[1])] > span.start:
+                    deviations += 1
+                    assert span.end <= arrivals[(rank, head[1])] + 1e-9
+    assert deviations > 0
+
+
 def test_history_durations_are_step_means_that_earlier_steps_temper():
     from rrfp.policy import History
 

@@ -18,7 +18,7 @@ import time
 
 from rrfp.hints import build_hint, Hint, HINT_NAMES, RULE_NAMES
 from rrfp.loop import DEFAULT_LAUNCH_DEPTH
-from rrfp.policy import POLICIES
+from rrfp.sim.engine import SIM_POLICIES
 from rrfp.sim.study import compare, resolve_limit, SWEEP_LIMITS, sweep_limits, timing_for
 from rrfp.sim.workloads import Timing, WORKLOADS, WorkloadParams
 
@@ -98,7 +98,7 @@ def build_parser() -> argparse.ArgumentParser:
     rrfp.add_argument("--limit", type=_limit, default="hint",
                       help="buffer limit (forwards in flight per stage): hint, hint+k, "
                            "'2x hint' or an integer (default: %(default)s)")
-    rrfp.add_argument("--policy", choices=POLICIES,
+    rrfp.add_argument("--policy", choices=SIM_POLICIES,
                       help="arbitration policy (default: what ScheduleRRFP would pick)")
     rrfp.add_argument("--launch-depth", type=_launch_depth, default=DEFAULT_LAUNCH_DEPTH,
                       help="launched actions a device may hold before its rank decides "

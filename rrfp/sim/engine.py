@@ -17,10 +17,13 @@ from dataclasses import dataclass, field
 from rrfp.arbiter import Arbiter, MemoryLimits
 from rrfp.hints import _Action, Edge, Hint
 from rrfp.loop import Arrival, Completion, DEFAULT_LAUNCH_DEPTH, StepLoop
-from rrfp.policy import History, make_policy
+from rrfp.policy import History, make_policy, Policy, POLICIES
+from rrfp.sim.foresight import ClairvoyantFit
 from rrfp.graph import step_graph
 from rrfp.stats import Span
 
+SIM_POLICIES = (*POLICIES, ClairvoyantFit.name)
+"""What ``simulate`` runs: the runtime's policies and the simulator-only yardstick."""
 Duration = Callable[[_Action], float]
 """Seconds (or any time unit) the compute of an action takes."""
 Latency = Callable[[Edge, int], float]
@@ -66,6 +69,8 @@ class _Simulation:
         self.cpu_free = {r: 0.0 for r in range(hint.num_ranks)}
         self.devices = {r: _SimDevice(self, r) for r in range(hint.num_ranks)}
         self.inbox: dict[int, list[Arrival]] = {r: [] for r in range(hint.num_ranks)}
+        self.in_flight: dict[tuple[Edge, int], float] = {}
+        """Messages sent and not yet delivered: when each will arrive."""
 
     def push(self, time: float, rank: int, payload: object) -> None:
         heapq.heappush(self._events, (time, self._seq, rank, payload))
@@ -86,6 +91,7 @@ class _Simulation:
             for edge in sends:
                 mb = action.microbatch_index
                 delay = self.latency(edge, mb) if self.latency is not None else 0.0
+                self.in_flight[(edge, mb)] = self.now + delay
                 self.push(self.now + delay, self.hint.stage_to_rank[edge.dst], (edge, mb))
         return send
 
@@ -117,6 +123,7 @@ class _Simulation:
                     self.devices[rank].finish(payload)
                 elif payload is not None:
                     edge, mb = payload  # type: ignore[misc]
+                    del self.in_flight[(edge, mb)]
                     self.inbox[rank].append(Arrival(edge, mb, self.now))
             for rank in sorted(touched):
                 if rank in steps and self.cpu_free[rank] <= self.now:
@@ -178,7 +185,9 @@ def simulate(
     """Simulate one step of ``hint`` under ``policy`` ("fixed" is the fixed schedule).
 
     ``histories``: per rank, what earlier steps showed (``SimResult.histories`` of the
-    previous step), for the ``"lookahead"`` and ``"critical"`` policies. ``launch_depth``: actions a device may
+    previous step), for the ``"lookahead"`` and ``"critical"`` policies. ``policy`` may
+    also be ``"clairvoyant"`` (``ClairvoyantFit``: a yardstick that sees the simulation's
+    future). ``launch_depth``: actions a device may
     hold launched but incomplete (``math.inf``: no bound); ``launch_cost``: CPU time of
     each launch, in the unit of ``duration``; ``reorder_ahead``: see ``StepLoop``.
     """
@@ -189,8 +198,7 @@ def simulate(
                for r in range(hint.num_ranks)}
     loops = {
         r: StepLoop(
-            Arbiter(hint, r, limits=limits,
-                    policy=make_policy(policy, history=learned[r], clock=sim.clock(r))),
+            Arbiter(hint, r, limits=limits, policy=_policy(policy, sim, r, learned[r])),
             sim.devices[r], sim, sim.arrivals(r), sim.clock(r), launch_depth=launch_depth,
             reorder_ahead=reorder_ahead)
         for r in range(hint.num_ranks)
@@ -213,6 +221,12 @@ def simulate(
         out_of_order={r: loop.arbiter.out_of_order for r, loop in loops.items()},
         histories=learned,
     )
+
+
+def _policy(name: str, sim: _Simulation, rank: int, history: History) -> Policy:
+    if name == ClairvoyantFit.name:
+        return ClairvoyantFit(sim.clock(rank), sim.duration, sim.in_flight.get)
+    return make_policy(name, history=history, clock=sim.clock(rank))
 
 
 @dataclass(frozen=True)
