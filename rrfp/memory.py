@@ -1,9 +1,10 @@
 """A byte meter for activations: what the tensors saved for backward really hold.
 
 Counts the bytes of every tensor autograd saves during the metered forwards (through
-``torch.autograd.graph.saved_tensors_hooks``) for as long as that tensor object is alive,
-one count per storage, parameters excluded. A tensor stays counted while anything holds it:
-the autograd graph until its last backward piece, a stage's caches, a receive buffer. It
+``torch.autograd.graph.saved_tensors_hooks``) for as long as that tensor object, or the
+alias autograd keeps of it, is alive, one count per storage, parameters excluded. A tensor
+stays counted while anything holds it: the autograd graph until its last backward piece, a
+stage's caches, a receive buffer. It
 measures the tensors themselves, independently of any scheduler's own bookkeeping, so it
 can meter torch's fixed schedules (``MeteredModule``) and ``ScheduleRRFP`` (which meters
 its stages' forwards itself) alike.
@@ -14,10 +15,23 @@ from __future__ import annotations
 import contextlib
 import threading
 import weakref
+from collections import deque
 from collections.abc import Iterable, Iterator
+from functools import partial
 
 import torch
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass
+
+
+class _Storage:
+    """A metered storage: its bytes and how many of the saved tensors using it live."""
+
+    __slots__ = ("address", "nbytes", "live", "refs")
+
+    def __init__(self, address: int, nbytes: int) -> None:
+        self.address, self.nbytes, self.live = address, nbytes, 0
+        self.refs: list[weakref.ref] = []
+        """Weak references to those tensors, kept so that their callbacks fire."""
 
 
 class ActivationMeter:
@@ -25,8 +39,12 @@ class ActivationMeter:
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._saved: dict[int, tuple[int, list[weakref.ref]]] = {}
-        """Storage address -> (bytes, weak references to the saved tensors using it)."""
+        self._storages: dict[int, _Storage] = {}
+        """Storage address -> the storage while a saved tensor using it lives."""
+        self._died: deque[_Storage] = deque()
+        """One entry per saved tensor that died and is not yet accounted for: appended by
+        weak-reference callbacks, which run on whichever thread drops the tensor."""
+        self._live = 0
         self._parameters: set[int] = set()
         self.peak = 0
         """Most bytes alive at once since construction or ``reset``, at the samples."""
@@ -34,7 +52,9 @@ class ActivationMeter:
     def reset(self, parameters: Iterable[torch.Tensor] = ()) -> None:
         """Start a new measurement; ``parameters``' storages are never counted."""
         with self._lock:
-            self._saved.clear()
+            self._storages.clear()
+            self._died.clear()
+            self._live = 0
             self._parameters = {storage.data_ptr() for p in parameters
                                 for storage in _storages(p)}
             self.peak = 0
@@ -48,29 +68,43 @@ class ActivationMeter:
     def _pack(self, tensor: torch.Tensor) -> torch.Tensor:
         if tensor.device.type == "meta":
             return tensor
+        # Autograd keeps an alias, not the tensor itself: an output saved by the node that
+        # made it would hold its own grad_fn, a cycle through the C++ graph that Python's
+        # collector cannot break, so a graph dropped before its backward (a failed step)
+        # would never free it. The storage counts while either object lives.
+        saved = tensor.detach()
         with self._lock:
+            # Before a storage is looked up by address: a freed storage's address may be
+            # reused by the one being saved, and its deaths are queued by then.
+            self._account_for_deaths()
             for storage in _storages(tensor):
                 address = storage.data_ptr()
                 if address in self._parameters:
                     continue
-                _, refs = self._saved.setdefault(address, (storage.nbytes(), []))
-                refs.append(weakref.ref(tensor))
-        return tensor
+                metered = self._storages.get(address)
+                if metered is None:
+                    metered = self._storages[address] = _Storage(address, storage.nbytes())
+                    self._live += metered.nbytes
+                for holder in (tensor, saved):
+                    metered.live += 1
+                    metered.refs.append(weakref.ref(holder, partial(_died, self._died, metered)))
+        return saved
+
+    def _account_for_deaths(self) -> None:
+        """Under the lock: drop the storages no live saved tensor uses any more."""
+        while self._died:
+            metered = self._died.popleft()
+            metered.live -= 1
+            # A storage metered before the last reset is not counted any more.
+            if metered.live == 0 and self._storages.get(metered.address) is metered:
+                del self._storages[metered.address]
+                self._live -= metered.nbytes
 
     def live_bytes(self) -> int:
         """Bytes of saved activations still alive now."""
         with self._lock:
-            dead = []
-            total = 0
-            for address, (nbytes, refs) in self._saved.items():
-                refs[:] = [r for r in refs if r() is not None]
-                if refs:
-                    total += nbytes
-                else:
-                    dead.append(address)
-            for address in dead:
-                del self._saved[address]
-            return total
+            self._account_for_deaths()
+            return self._live
 
     def sample(self) -> int:
         """Measure the live bytes now and keep the peak (call after each forward: saved
@@ -78,6 +112,10 @@ class ActivationMeter:
         live = self.live_bytes()
         self.peak = max(self.peak, live)
         return live
+
+
+def _died(queue: deque[_Storage], metered: _Storage, _: weakref.ref) -> None:
+    queue.append(metered)  # atomic: no lock in a callback that may run inside a locked block
 
 
 def _unpack(tensor: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,91 @@
+"""The activation byte meter against sizes known from the operations themselves."""
+
+from __future__ import annotations
+
+import threading
+import weakref
+
+import torch
+
+from rrfp.memory import ActivationMeter
+
+FLOAT = 4
+ROWS, WIDTH = 64, 256
+ONE_ACTIVATION = ROWS * WIDTH * FLOAT
+
+
+def _forward(meter: ActivationMeter, weight: torch.Tensor) -> torch.Tensor:
+    """A matmul with a parameter (saves its input; the parameter is excluded) and a tanh
+    (saves its output), then a sum (saves nothing): two activations' bytes."""
+    with meter.saving():
+        return (torch.randn(ROWS, WIDTH) @ weight).tanh().sum()
+
+
+def test_meter_counts_what_backward_needs_until_backward_frees_it():
+    meter = ActivationMeter()
+    weight = torch.randn(WIDTH, WIDTH, requires_grad=True)
+    meter.reset([weight])
+    losses = [_forward(meter, weight) for _ in range(3)]
+    assert meter.sample() == 3 * 2 * ONE_ACTIVATION
+    for count, loss in enumerate(losses, 1):
+        loss.backward()  # frees the graph, and with it the saved tensors
+        assert meter.sample() == (3 - count) * 2 * ONE_ACTIVATION
+    del losses, loss
+    assert meter.live_bytes() == 0
+    assert meter.peak == 3 * 2 * ONE_ACTIVATION
+
+
+def test_meter_counts_a_storage_once_however_many_views_of_it_are_saved():
+    meter = ActivationMeter()
+    meter.reset()
+    base = torch.randn(ROWS, WIDTH, requires_grad=True)
+    with meter.saving():
+        activation = base.exp()  # saves its output
+        loss = (activation[: ROWS // 2].sin().sum()  # each saves a view of that output
+                + activation[ROWS // 2:].sin().sum())
+    del activation
+    assert meter.sample() == ONE_ACTIVATION
+    loss.backward()
+    assert meter.live_bytes() == 0
+
+
+def test_meter_after_reset_ignores_what_dies_from_before_and_what_dies_on_other_threads():
+    meter = ActivationMeter()
+    weight = torch.randn(WIDTH, WIDTH, requires_grad=True)
+    meter.reset([weight])
+    earlier = _forward(meter, weight)
+    meter.reset([weight])
+    assert meter.live_bytes() == 0
+    earlier.backward()  # its saved tensors die after the reset: nothing to subtract
+    assert meter.live_bytes() == 0
+    later = _forward(meter, weight)
+    assert meter.live_bytes() == 2 * ONE_ACTIVATION
+    # Saved tensors freed on another thread (as the emulated device's backward frees them).
+    thread = threading.Thread(target=later.backward)
+    thread.start()
+    thread.join()
+    assert meter.live_bytes() == 0
+    # Storages freed and allocated again (possibly at the same addresses) count anew.
+    again = _forward(meter, weight)
+    assert meter.sample() == 2 * ONE_ACTIVATION
+    again.backward()
+    assert meter.live_bytes() == 0
+
+
+def test_a_graph_dropped_before_its_backward_frees_what_the_meter_saw_saved():
+    """A failed step drops the graphs of microbatches that never ran backward. The meter
+    must not keep their activations alive: a saved tensor returned as-is by the pack hook
+    is an output whose grad_fn holds it, a cycle through autograd's C++ graph that
+    Python's collector cannot free."""
+    meter = ActivationMeter()
+    weight = torch.randn(WIDTH, WIDTH, requires_grad=True)
+    meter.reset([weight])
+    with meter.saving():
+        output = (torch.randn(ROWS, WIDTH) @ weight).tanh()  # tanh saves this very tensor
+    alive = weakref.ref(output)
+    loss = output.sum()
+    del output
+    assert meter.live_bytes() == 2 * ONE_ACTIVATION
+    del loss  # the graph is dropped without a backward
+    assert alive() is None
+    assert meter.live_bytes() == 0
