@@ -292,8 +292,9 @@ class _SendCompletion:
         self._polled = polled
         self._cond = threading.Condition()
         self._pending: deque[tuple[Edge, int, list[dist.Work], list[torch.Tensor]]] = deque()
+        """Sends issued and not yet completed, in issue order (gloo: the thread's queue)."""
         self._error: BaseException | None = None
-        self._jobs: queue.SimpleQueue = queue.SimpleQueue()
+        self._closed = False
         self.thread: threading.Thread | None = None
         if not polled:
             self.thread = threading.Thread(target=self._wait_in_order, daemon=True,
@@ -304,11 +305,16 @@ class _SendCompletion:
               tensors: list[torch.Tensor]) -> None:
         with self._cond:
             self._pending.append((edge, microbatch, works, tensors))
-        if not self._polled:
-            self._jobs.put(works)
+            self._cond.notify_all()
 
     def _wait_in_order(self) -> None:
-        while (works := self._jobs.get()) is not None:
+        while True:
+            with self._cond:
+                while not self._pending and not self._closed:
+                    self._cond.wait()
+                if not self._pending:
+                    return
+                works = self._pending[0][2]
             try:
                 for work in works:
                     work.wait()
@@ -345,7 +351,11 @@ class _SendCompletion:
             raise RuntimeError("a send failed") from self._error
 
     def close(self) -> None:
-        self._jobs.put(None)
+        """Let the thread end once the sends issued so far are done (closing the channels
+        first makes them fail at once)."""
+        with self._cond:
+            self._closed = True
+            self._cond.notify_all()
 
 
 class _DelayedSender:
