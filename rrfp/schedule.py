@@ -329,12 +329,16 @@ class ScheduleRRFP(PipelineScheduleMulti):
     def _abandon(self, error: BaseException) -> None:
         """After a failed step: close the channels, so that the peers' pending receives
         from this rank fail at once instead of waiting for their stall timeout, and stop
-        the device; refuse further steps."""
+        the device; free the unfinished microbatches' activations; refuse further steps."""
         self._failure = f"a step failed with {type(error).__name__} on pipeline rank {self.rank}"
         try:
             self.close()
         except RuntimeError as e:  # the step's own error is the one to raise
             logger.warning("pipeline rank %d: %s", self.rank, e)
+            return  # a thread still running may read the stages' caches
+        # Their graphs, and what those saved, go now rather than at the stages' next step.
+        for stage in self._stages:
+            stage.clear_runtime_states()
 
     def close(self, timeout: float = 10.0) -> None:
         """Stop this schedule's threads and close its channels (idempotent).

@@ -212,6 +212,7 @@ def test_a_failed_step_fails_every_rank_promptly_and_a_new_schedule_recovers(fai
         assert result["elapsed"] < 10, result
         assert "cannot run another step" in result["refused"]
         assert result["threads_after_failure"] == [], result["threads_after_failure"]
+        assert result["cached_after_failure"] == 0
         assert result["threads_at_end"] == []
         assert result["bitwise"], f"rank {rank}: the recovered step differs from torch's GPipe"
 

@@ -683,6 +683,8 @@ def failure_and_recovery(rank: int, world_size: int, failing_rank: int) -> dict:
         error = error_chain(e)
     elapsed = time.perf_counter() - start
     threads_after_failure = rrfp_threads()
+    # Microbatches forwarded but never backwarded: their graphs must not outlive the failure.
+    cached_after_failure = sum(len(stage.fwd_cache) for stage in stages)
     try:
         run_steps(schedule, stages, blocks, x, y, 1)
         refused = None
@@ -704,6 +706,7 @@ def failure_and_recovery(rank: int, world_size: int, failing_rank: int) -> dict:
                          x, y, 1)
     return {"error": error, "elapsed": elapsed, "refused": refused,
             "threads_after_failure": threads_after_failure, "threads_at_end": rrfp_threads(),
+            "cached_after_failure": cached_after_failure,
             "bitwise": bitwise_equal(got, expected)}
 
 
