@@ -4,10 +4,9 @@ Counts the bytes of every tensor autograd saves during the metered forwards (thr
 ``torch.autograd.graph.saved_tensors_hooks``) for as long as that tensor object, or the
 alias autograd keeps of it, is alive, one count per storage, parameters excluded. A tensor
 stays counted while anything holds it: the autograd graph until its last backward piece, a
-stage's caches, a receive buffer. It
-measures the tensors themselves, independently of any scheduler's own bookkeeping, so it
-can meter torch's fixed schedules (``MeteredModule``) and ``ScheduleRRFP`` (which meters
-its stages' forwards itself) alike.
+stage's caches, a receive buffer. It measures the tensors themselves, independently of any
+scheduler's own bookkeeping, so it can meter torch's fixed schedules (``MeteredModule``)
+and ``ScheduleRRFP`` (which meters its stages' forwards itself) alike.
 """
 
 from __future__ import annotations

@@ -112,8 +112,9 @@ class History:
     """What earlier steps showed one rank.
 
     ``durations[(stage, kind)]``: that stage and kind's mean run time (seconds); each
-    step's mean weighs one half against what the steps before it showed. ``arrivals[(edge, microbatch)]``: the earliest
-    arrival seen, in seconds after the step start (the cautious side for the guard).
+    step's mean weighs one half against what the steps before it showed.
+    ``arrivals[(edge, microbatch)]``: the earliest arrival seen, in seconds after the step
+    start (the cautious side for the guard).
     """
 
     durations: dict[tuple[int, str], float] = field(default_factory=dict)
