@@ -23,14 +23,15 @@ from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 
 class _Storage:
-    """A metered storage: its bytes and how many of the saved tensors using it live."""
+    """A metered storage: its bytes and how many of the objects holding it for autograd
+    (saved tensors and the aliases autograd keeps) live."""
 
     __slots__ = ("address", "nbytes", "live", "refs")
 
     def __init__(self, address: int, nbytes: int) -> None:
         self.address, self.nbytes, self.live = address, nbytes, 0
         self.refs: list[weakref.ref] = []
-        """Weak references to those tensors, kept so that their callbacks fire."""
+        """Weak references to those objects, kept so that their callbacks fire."""
 
 
 class ActivationMeter:
@@ -41,8 +42,8 @@ class ActivationMeter:
         self._storages: dict[int, _Storage] = {}
         """Storage address -> the storage while a saved tensor using it lives."""
         self._died: deque[_Storage] = deque()
-        """One entry per saved tensor that died and is not yet accounted for: appended by
-        weak-reference callbacks, which run on whichever thread drops the tensor."""
+        """One entry per holder that died and is not yet accounted for: appended by
+        weak-reference callbacks, which run on whichever thread drops the holder."""
         self._live = 0
         self._parameters: set[int] = set()
         self.peak = 0
@@ -67,11 +68,14 @@ class ActivationMeter:
     def _pack(self, tensor: torch.Tensor) -> torch.Tensor:
         if tensor.device.type == "meta":
             return tensor
-        # Autograd keeps an alias, not the tensor itself: an output saved by the node that
-        # made it would hold its own grad_fn, a cycle through the C++ graph that Python's
-        # collector cannot break, so a graph dropped before its backward (a failed step)
-        # would never free it. The storage counts while either object lives.
-        saved = tensor.detach()
+        # Autograd keeps an alias of a tensor made by an op, not the tensor itself: an
+        # output saved by the node that made it would hold its own grad_fn, a cycle
+        # through the C++ graph that Python's collector cannot break, so a graph dropped
+        # before its backward (a failed step) would never free it. The storage counts
+        # while either object lives. A leaf is kept as itself, as autograd keeps it (a
+        # later ``.data`` rebinding must reach backward).
+        saved = tensor if tensor.grad_fn is None else tensor.detach()
+        holders = (tensor,) if saved is tensor else (tensor, saved)
         with self._lock:
             # Before a storage is looked up by address: a freed storage's address may be
             # reused by the one being saved, and its deaths are queued by then.
@@ -84,13 +88,13 @@ class ActivationMeter:
                 if metered is None:
                     metered = self._storages[address] = _Storage(address, storage.nbytes())
                     self._live += metered.nbytes
-                for holder in (tensor, saved):
+                for holder in holders:
                     metered.live += 1
                     metered.refs.append(weakref.ref(holder, partial(_died, self._died, metered)))
         return saved
 
     def _account_for_deaths(self) -> None:
-        """Under the lock: drop the storages no live saved tensor uses any more."""
+        """Under the lock: drop the storages no live holder uses any more."""
         while self._died:
             metered = self._died.popleft()
             metered.live -= 1

@@ -65,11 +65,43 @@ def test_meter_after_reset_ignores_what_dies_from_before_and_what_dies_on_other_
     thread.start()
     thread.join()
     assert meter.live_bytes() == 0
-    # Storages freed and allocated again (possibly at the same addresses) count anew.
-    again = _forward(meter, weight)
-    assert meter.sample() == 2 * ONE_ACTIVATION
-    again.backward()
-    assert meter.live_bytes() == 0
+
+
+def test_meter_counts_a_storage_anew_when_its_address_comes_back_with_another_size():
+    """The allocator hands a freed block's address to the next storage, possibly of
+    another size; the meter must settle the deaths before looking the address up (it is
+    not read in between here). Whether an address comes back with another size is the
+    allocator's choice: without that settling this test failed in 4 of 6 runs here."""
+    meter = ActivationMeter()
+    meter.reset()
+    loss = None
+    for rows in [ROWS, ROWS * 3 // 4] * 15:
+        leaf = torch.randn(rows, WIDTH, requires_grad=True)  # before the old graph goes
+        if loss is not None:
+            loss.backward()
+        with meter.saving():
+            output = leaf.exp()  # saves its output: often where the last one was
+        loss = output.sum()
+        del output
+        assert meter.sample() == rows * WIDTH * FLOAT
+
+
+def test_a_saved_leaf_stays_itself_so_backward_sees_its_data_rebound():
+    """Autograd keeps a saved leaf as the object itself; the meter must not change that
+    (only tensors made by ops are handed over as aliases)."""
+    def gradient(meter: ActivationMeter | None) -> torch.Tensor:
+        data = torch.ones(4, requires_grad=True)
+        weight = torch.full((4,), 2.0, requires_grad=True)
+        if meter is None:
+            loss = (data * weight).sum()
+        else:
+            with meter.saving():
+                loss = (data * weight).sum()
+        weight.data = torch.full((4,), 5.0)
+        loss.backward()
+        return data.grad
+
+    assert torch.equal(gradient(ActivationMeter()), gradient(None))
 
 
 def test_a_graph_dropped_before_its_backward_frees_what_the_meter_saw_saved():
