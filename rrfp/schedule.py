@@ -336,9 +336,12 @@ class ScheduleRRFP(PipelineScheduleMulti):
         except RuntimeError as e:  # the step's own error is the one to raise
             logger.warning("pipeline rank %d: %s", self.rank, e)
             return  # a thread still running may read the stages' caches
-        # Their graphs, and what those saved, go now rather than at the stages' next step.
+        # Their graphs, and what those saved, go now rather than at the stages' next step;
+        # torch's own clearing leaves the state a split backward keeps from I to W.
         for stage in self._stages:
             stage.clear_runtime_states()
+            for held in (stage.backward_state, stage.dw_runner, stage.bwd_cache):
+                held.clear()
 
     def close(self, timeout: float = 10.0) -> None:
         """Stop this schedule's threads and close its channels (idempotent).

@@ -303,8 +303,11 @@ class _SendCompletion:
 
     def watch(self, edge: Edge, microbatch: int, works: list[dist.Work],
               tensors: list[torch.Tensor]) -> None:
+        # Their data, not the tensors: a stage's output holds its graph, which must go with
+        # the step when it fails (NCCL sends are not waited for after a failure).
+        data = [t.detach() for t in tensors]
         with self._cond:
-            self._pending.append((edge, microbatch, works, tensors))
+            self._pending.append((edge, microbatch, works, data))
             self._cond.notify_all()
 
     def _wait_in_order(self) -> None:

@@ -121,3 +121,26 @@ def test_a_graph_dropped_before_its_backward_frees_what_the_meter_saw_saved():
     del loss  # the graph is dropped without a backward
     assert alive() is None
     assert meter.live_bytes() == 0
+
+
+def test_a_pending_send_keeps_the_data_it_sends_not_the_graph_behind_it():
+    """Until a send completes its tensor's data must stay alive, but not the graph that
+    made it: after a failed step NCCL sends are never waited for."""
+    from rrfp.hints import Edge
+    from rrfp.transport import _SendCompletion
+
+    class NotYetCompleted:
+        def is_completed(self) -> bool:
+            return False
+
+    sends = _SendCompletion(polled=True)  # NCCL's: completion is polled
+    output = torch.randn(ROWS, WIDTH, requires_grad=True).exp()
+    graph = weakref.ref(output)  # the tensor object holds its grad_fn
+    sends.watch(Edge(0, 1), 0, [NotYetCompleted()], [output])
+    data = output.untyped_storage().data_ptr()
+    del output
+    sends.poll()
+    sends.close()
+    assert graph() is None
+    (_, _, _, kept), = sends._pending  # still pending: what it keeps is the same data
+    assert [t.untyped_storage().data_ptr() for t in kept] == [data]

@@ -180,6 +180,17 @@ def test_lazily_connected_channels_deadlock_unless_connected_first():
     assert all(result.get("bitwise") for result in connected), connected
 
 
+def test_a_failed_step_under_split_backward_leaves_no_unfinished_microbatch_held():
+    """With I and W split, a microbatch between its I and its W keeps its graph in the
+    stage's backward state: a failed step must let go of that too, not only of the
+    forward caches."""
+    for rank, result in enumerate(run_local_world(2, workers.split_backward_failure,
+                                                  timeout=120)):
+        assert result["error"] is not None, f"rank {rank} did not fail"
+        assert result["held"] == {"fwd_cache": 0, "backward_state": 0, "dw_runner": 0,
+                                  "bwd_cache": 0}, (rank, result)
+
+
 def test_stats_and_history_hold_device_durations_not_launch_times():
     ranks = run_local_world(2, workers.device_durations, 0.005, timeout=120)
     for result in ranks:

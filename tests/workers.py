@@ -710,6 +710,28 @@ def failure_and_recovery(rank: int, world_size: int, failing_rank: int) -> dict:
             "bitwise": bitwise_equal(got, expected)}
 
 
+def split_backward_failure(rank: int, world_size: int) -> dict:
+    """ZBVZeroBubble (backward split into I and W) over the emulated device; the loss of
+    the third microbatch raises on the rank that holds the last stage. What each rank's
+    stages still hold for unfinished microbatches once the step has failed."""
+    M = 4
+    chain = make_chain(2 * world_size)
+    x, y = make_batch(M)
+    failing_loss = FailingLoss(fail_at_call=3)
+    stages, blocks = build_stages(chain, rank, world_size, "v")
+    failing_loss.armed = any(stage.is_last for stage in stages)
+    schedule = ScheduleRRFP(stages, M, loss_fn=failing_loss, hint="ZBVZeroBubble",
+                            stall_timeout=30, device=EmulatedDevice(), launch_depth=1)
+    error = None
+    try:
+        run_steps(schedule, stages, blocks, x, y, 1)
+    except Exception as e:
+        error = error_chain(e)
+    held = {name: sum(len(getattr(stage, name)) for stage in stages)
+            for name in ("fwd_cache", "backward_state", "dw_runner", "bwd_cache")}
+    return {"error": error, "held": held}
+
+
 class LazilyConnectedGroup:
     """A gloo channel group that connects at its first operation, as NCCL creates a
     communicator lazily (no bound device): the first operation on the channel blocks until
