@@ -12,7 +12,8 @@ better), and each policy's speedup and **fraction of the achievable gain** it ca
 ``(fixed / policy - 1) / (fixed / best - 1)``. The ``clairvoyant`` column is not a policy a
 rank could run: it is ``lookahead``'s rule (run a ready action ranked below the hint's next
 only if it ends before that action's input arrives) with the simulator's exact durations
-and arrival times, the most that rule could capture. Every figure is simulated.
+and arrival times: what that rule captures when its estimates are exact. Every figure is
+simulated.
 """
 
 from __future__ import annotations

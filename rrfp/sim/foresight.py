@@ -16,8 +16,10 @@ class ClairvoyantFit(Lookahead):
     """``lookahead``'s rule with perfect foresight: a ready action ranked below the hint's
     next runs only if it ends before that next action's input arrives, by its true
     duration and the true arrival time of the input (an input not yet sent counts as
-    unknown, as nothing then fixes when it will come). The most that running an action
-    only when it fits could capture; not a policy a rank could run.
+    unknown, as nothing then fixes when it will come). What that rule captures when its
+    estimates are exact: not a bound on other rules, and exact only where an action starts
+    when it is chosen (no launch cost, deviations chosen on an idle device: the
+    simulator's defaults). Not a policy a rank could run.
     """
 
     name = "clairvoyant"
