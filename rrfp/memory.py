@@ -16,6 +16,7 @@ import threading
 import weakref
 from collections import deque
 from collections.abc import Iterable, Iterator
+from typing import NamedTuple
 from functools import partial
 
 import torch
@@ -65,7 +66,7 @@ class ActivationMeter:
         with torch.autograd.graph.saved_tensors_hooks(self._pack, _unpack):
             yield
 
-    def _pack(self, tensor: torch.Tensor) -> torch.Tensor:
+    def _pack(self, tensor: torch.Tensor) -> _Saved | torch.Tensor:
         if tensor.device.type == "meta":
             return tensor
         # Autograd keeps an alias of a tensor made by an op, not the tensor itself: an
@@ -91,7 +92,7 @@ class ActivationMeter:
                 for holder in holders:
                     metered.live += 1
                     metered.refs.append(weakref.ref(holder, partial(_died, self._died, metered)))
-        return saved
+        return _Saved(saved, saved._version)
 
     def _account_for_deaths(self) -> None:
         """Under the lock: drop the storages no live holder uses any more."""
@@ -121,7 +122,23 @@ def _died(queue: deque[_Storage], metered: _Storage, _: weakref.ref) -> None:
     queue.append(metered)  # atomic: no lock in a callback that may run inside a locked block
 
 
-def _unpack(tensor: torch.Tensor) -> torch.Tensor:
+class _Saved(NamedTuple):
+    tensor: torch.Tensor
+    version: int
+    """Its version when saved: with saved-tensor hooks autograd no longer checks it."""
+
+
+def _unpack(packed: _Saved | torch.Tensor) -> torch.Tensor:
+    if not isinstance(packed, _Saved):
+        return packed
+    tensor, version = packed
+    if tensor._version != version:
+        # The error autograd raises without hooks: gradients from modified inputs are wrong.
+        raise RuntimeError(
+            "one of the variables needed for gradient computation has been modified by an "
+            f"inplace operation: [{tensor.type()} {list(tensor.shape)}] is at version "
+            f"{tensor._version}; expected version {version} instead (saved for backward "
+            "inside rrfp's activation meter)")
     return tensor
 
 

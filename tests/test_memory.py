@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import weakref
 
+import pytest
 import torch
 
 from rrfp.memory import ActivationMeter
@@ -144,3 +146,21 @@ def test_a_pending_send_keeps_the_data_it_sends_not_the_graph_behind_it():
     assert graph() is None
     (_, _, _, kept), = sends._pending  # still pending: what it keeps is the same data
     assert [t.untyped_storage().data_ptr() for t in kept] == [data]
+
+
+def test_an_in_place_change_to_a_saved_tensor_fails_backward_as_without_the_meter():
+    """Saved-tensor hooks switch off autograd's own check; the meter keeps it, so a
+    model that modifies what backward needs fails loudly instead of computing wrong
+    gradients."""
+    def backward_after_in_place(meter: ActivationMeter | None) -> str:
+        data = torch.randn(4, requires_grad=True)
+        with meter.saving() if meter is not None else contextlib.nullcontext():
+            output = data.exp()  # saves its output
+        output.mul_(2)
+        with pytest.raises(RuntimeError) as error:
+            output.sum().backward()
+        return str(error.value)
+
+    plain, metered = backward_after_in_place(None), backward_after_in_place(ActivationMeter())
+    for message in (plain, metered):
+        assert "modified by an inplace operation" in message
