@@ -17,22 +17,9 @@ import weakref
 from collections import deque
 from collections.abc import Iterable, Iterator
 from typing import NamedTuple
-from functools import partial
 
 import torch
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass
-
-
-class _Storage:
-    """A metered storage: its bytes and how many of the objects holding it for autograd
-    (saved tensors and the aliases autograd keeps) live."""
-
-    __slots__ = ("address", "nbytes", "live", "refs")
-
-    def __init__(self, address: int, nbytes: int) -> None:
-        self.address, self.nbytes, self.live = address, nbytes, 0
-        self.refs: list[weakref.ref] = []
-        """Weak references to those objects, kept so that their callbacks fire."""
 
 
 class ActivationMeter:
@@ -40,11 +27,19 @@ class ActivationMeter:
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._storages: dict[int, _Storage] = {}
-        """Storage address -> the storage while a saved tensor using it lives."""
-        self._died: deque[_Storage] = deque()
-        """One entry per holder that died and is not yet accounted for: appended by
-        weak-reference callbacks, which run on whichever thread drops the holder."""
+        self._bytes: dict[int, int] = {}
+        """Storage address -> its bytes, while an object holding it for autograd lives."""
+        self._holders: dict[int, int] = {}
+        """Storage address -> how many such objects (saved tensors, their aliases) live."""
+        self._refs: dict[int, weakref.ref] = {}
+        """A weak reference to each such object, by its id (kept so that its callback
+        fires; keyed by id, as references to live tensors compare by their values)."""
+        self._addresses: dict[int, int] = {}
+        """The id of each such reference -> the storage address its object holds (ints:
+        little for the garbage collector to walk)."""
+        self._died: deque[weakref.ref] = deque()
+        """References whose object died, not yet accounted for: appended by the callback,
+        which runs on whichever thread drops the object."""
         self._live = 0
         self._parameters: set[int] = set()
         self.peak = 0
@@ -53,7 +48,10 @@ class ActivationMeter:
     def reset(self, parameters: Iterable[torch.Tensor] = ()) -> None:
         """Start a new measurement; ``parameters``' storages are never counted."""
         with self._lock:
-            self._storages.clear()
+            self._refs.clear()  # a dropped reference calls back no more
+            self._addresses.clear()
+            self._bytes.clear()
+            self._holders.clear()
             self._died.clear()
             self._live = 0
             self._parameters = {storage.data_ptr() for p in parameters
@@ -85,24 +83,28 @@ class ActivationMeter:
                 address = storage.data_ptr()
                 if address in self._parameters:
                     continue
-                metered = self._storages.get(address)
-                if metered is None:
-                    metered = self._storages[address] = _Storage(address, storage.nbytes())
-                    self._live += metered.nbytes
+                if address not in self._bytes:
+                    self._bytes[address] = storage.nbytes()
+                    self._holders[address] = 0
+                    self._live += self._bytes[address]
                 for holder in holders:
-                    metered.live += 1
-                    metered.refs.append(weakref.ref(holder, partial(_died, self._died, metered)))
+                    self._holders[address] += 1
+                    ref = weakref.ref(holder, self._died.append)
+                    self._refs[id(ref)] = ref
+                    self._addresses[id(ref)] = address
         return _Saved(saved, saved._version)
 
     def _account_for_deaths(self) -> None:
         """Under the lock: drop the storages no live holder uses any more."""
         while self._died:
-            metered = self._died.popleft()
-            metered.live -= 1
-            # A storage metered before the last reset is not counted any more.
-            if metered.live == 0 and self._storages.get(metered.address) is metered:
-                del self._storages[metered.address]
-                self._live -= metered.nbytes
+            key = id(self._died.popleft())
+            if self._refs.pop(key, None) is None:  # held since before the last reset
+                continue
+            address = self._addresses.pop(key)
+            self._holders[address] -= 1
+            if self._holders[address] == 0:
+                del self._holders[address]
+                self._live -= self._bytes.pop(address)
 
     def live_bytes(self) -> int:
         """Bytes of saved activations still alive now."""
@@ -116,10 +118,6 @@ class ActivationMeter:
         live = self.live_bytes()
         self.peak = max(self.peak, live)
         return live
-
-
-def _died(queue: deque[_Storage], metered: _Storage, _: weakref.ref) -> None:
-    queue.append(metered)  # atomic: no lock in a callback that may run inside a locked block
 
 
 class _Saved(NamedTuple):
