@@ -115,9 +115,10 @@ class ActivationMeter:
     def sample(self) -> int:
         """Measure the live bytes now and keep the peak (call after each forward: saved
         bytes only grow during forwards)."""
-        live = self.live_bytes()
-        self.peak = max(self.peak, live)
-        return live
+        with self._lock:
+            self._account_for_deaths()
+            self.peak = max(self.peak, self._live)
+            return self._live
 
 
 class _Saved(NamedTuple):
