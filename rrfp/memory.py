@@ -73,7 +73,7 @@ class ActivationMeter:
         # before its backward (a failed step) would never free it. The storage counts
         # while either object lives. A leaf is kept as itself, as autograd keeps it (a
         # later ``.data`` rebinding must reach backward).
-        saved = tensor if tensor.grad_fn is None else tensor.detach()
+        saved = tensor if tensor.is_leaf else tensor.detach()
         holders = (tensor,) if saved is tensor else (tensor, saved)
         with self._lock:
             # Before a storage is looked up by address: a freed storage's address may be
