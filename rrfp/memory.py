@@ -40,6 +40,7 @@ class ActivationMeter:
         self._died: deque[weakref.ref] = deque()
         """References whose object died, not yet accounted for: appended by the callback,
         which runs on whichever thread drops the object."""
+        self._on_death = self._died.append
         self._live = 0
         self._parameters: set[int] = set()
         self.peak = 0
@@ -89,7 +90,7 @@ class ActivationMeter:
                     self._live += self._bytes[address]
                 for holder in holders:
                     self._holders[address] += 1
-                    ref = weakref.ref(holder, self._died.append)
+                    ref = weakref.ref(holder, self._on_death)
                     self._refs[id(ref)] = ref
                     self._addresses[id(ref)] = address
         return _Saved(saved, saved._version)
