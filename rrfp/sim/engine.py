@@ -187,9 +187,9 @@ def simulate(
     ``histories``: per rank, what earlier steps showed (``SimResult.histories`` of the
     previous step), for the ``"lookahead"`` and ``"critical"`` policies. ``policy`` may
     also be ``"clairvoyant"`` (``ClairvoyantFit``: a yardstick that sees the simulation's
-    future). ``launch_depth``: actions a device may
-    hold launched but incomplete (``math.inf``: no bound); ``launch_cost``: CPU time of
-    each launch, in the unit of ``duration``; ``reorder_ahead``: see ``StepLoop``.
+    future). ``launch_depth``: actions a device may hold launched but incomplete
+    (``math.inf``: no bound); ``launch_cost``: CPU time of each launch, in the unit of
+    ``duration``; ``reorder_ahead``: see ``StepLoop``.
     """
     sim = _Simulation(hint, duration, latency, launch_cost)
     previous = histories or {}
