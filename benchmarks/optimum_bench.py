@@ -12,8 +12,8 @@ better), and each policy's speedup and **fraction of the achievable gain** it ca
 ``(fixed / policy - 1) / (fixed / best - 1)``. The ``clairvoyant`` column is not a policy a
 rank could run: it is ``lookahead``'s rule (run a ready action ranked below the hint's next
 only if it ends before that action's input arrives) with the simulator's exact durations
-and arrival times: what that rule captures when its estimates are exact. Every figure is
-simulated.
+and arrival times (for an input not yet sent, the earliest it could arrive): what that rule
+captures when its estimates are exact. Every figure is simulated.
 """
 
 from __future__ import annotations
@@ -36,7 +36,8 @@ WORKLOADS = ("jitter", "multimodal", "spikes")
 LIMITS = ("hint", "hint+2")
 POLICIES = (None, "hint", "lookahead", "arrival", "critical", "window", "BF", "clairvoyant")
 """None: what ScheduleRRFP picks at that limit. ``clairvoyant``: lookahead's rule knowing
-every in-flight message's arrival and every duration (a yardstick no rank can run)."""
+every duration and when every message arrives or, not yet sent, could arrive at the
+earliest (a yardstick no rank can run)."""
 
 
 def _label(policy: str | None) -> str:

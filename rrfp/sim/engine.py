@@ -15,11 +15,11 @@ from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 
 from rrfp.arbiter import Arbiter, MemoryLimits
-from rrfp.hints import _Action, Edge, Hint
+from rrfp.hints import _Action, Edge, F, Hint, INPUT_GRAD_KINDS
 from rrfp.loop import Arrival, Completion, DEFAULT_LAUNCH_DEPTH, StepLoop
 from rrfp.policy import History, make_policy, Policy, POLICIES
 from rrfp.sim.foresight import ClairvoyantFit
-from rrfp.graph import step_graph
+from rrfp.graph import step_graph, StepGraph
 from rrfp.stats import Span
 
 SIM_POLICIES = (*POLICIES, ClairvoyantFit.name)
@@ -71,6 +71,10 @@ class _Simulation:
         self.inbox: dict[int, list[Arrival]] = {r: [] for r in range(hint.num_ranks)}
         self.in_flight: dict[tuple[Edge, int], float] = {}
         """Messages sent and not yet delivered: when each will arrive."""
+        self.delivered: dict[tuple[Edge, int], float] = {}
+        self.ends: dict[_Action, float] = {}
+        """When each launched action ends (fixed at its launch)."""
+        self._graph: StepGraph | None = None
 
     def push(self, time: float, rank: int, payload: object) -> None:
         heapq.heappush(self._events, (time, self._seq, rank, payload))
@@ -84,6 +88,34 @@ class _Simulation:
             arrived, self.inbox[rank] = self.inbox[rank], []
             return arrived
         return take
+
+    def earliest_arrival(self, message: tuple[Edge, int]) -> float:
+        """When ``message`` arrives if it is in flight or here; if not yet sent, the earliest
+        it could: its sender's dependency chain with every action not yet launched
+        starting no earlier than now (ignoring the sender's other work). Sees the future:
+        for the clairvoyant yardstick only."""
+        edge, mb = message
+        if message in self.in_flight:
+            return self.in_flight[message]
+        if message in self.delivered:
+            return self.delivered[message]
+        if self._graph is None:
+            self._graph = step_graph(self.hint, self.latency)
+        graph, ends = self._graph, self.ends
+
+        def earliest_end(action: _Action) -> float:
+            if action not in ends:
+                start = max([self.now, *(earliest_end(p) + delay
+                                         for p, delay in graph.predecessors[action])])
+                return start + self.duration(action)
+            return ends[action]
+
+        kinds = {F} if edge.is_forward else INPUT_GRAD_KINDS
+        sender = next(a for a in self.hint.orders[self.hint.stage_to_rank[edge.src]]
+                      if (a.stage_index, a.microbatch_index) == (edge.src, mb)
+                      and a.computation_type in kinds)
+        delay = self.latency(edge, mb) if self.latency is not None else 0.0
+        return earliest_end(sender) + delay
 
     def work(self, action: _Action, sends: list[Edge]) -> Callable[[], None]:
         """Run at the action's end: its messages leave then."""
@@ -123,7 +155,7 @@ class _Simulation:
                     self.devices[rank].finish(payload)
                 elif payload is not None:
                     edge, mb = payload  # type: ignore[misc]
-                    del self.in_flight[(edge, mb)]
+                    self.delivered[(edge, mb)] = self.in_flight.pop((edge, mb))
                     self.inbox[rank].append(Arrival(edge, mb, self.now))
             for rank in sorted(touched):
                 if rank in steps and self.cpu_free[rank] <= self.now:
@@ -156,7 +188,7 @@ class _SimDevice:
         launched = max(sim.now, sim.cpu_free[self._rank]) + sim.launch_cost
         sim.cpu_free[self._rank] = launched
         start = max(self.free_at, launched)
-        self.free_at = start + sim.duration(action)
+        self.free_at = sim.ends[action] = start + sim.duration(action)
         self.outstanding += 1
         sim.push(self.free_at, self._rank, _Completing(action, start, self.free_at, work))
 
@@ -225,7 +257,7 @@ def simulate(
 
 def _policy(name: str, sim: _Simulation, rank: int, history: History) -> Policy:
     if name == ClairvoyantFit.name:
-        return ClairvoyantFit(sim.clock(rank), sim.duration, sim.in_flight.get)
+        return ClairvoyantFit(sim.clock(rank), sim.duration, sim.earliest_arrival)
     return make_policy(name, history=history, clock=sim.clock(rank))
 
 
