@@ -110,6 +110,11 @@ class ScheduleRRFP(PipelineScheduleMulti):
         device: where actions run. ``None``: the stages' CUDA stream for CUDA stages,
             synchronous execution for CPU stages. ``rrfp.device.EmulatedDevice(...)``: an
             emulated asynchronous device for CPU stages (tests and studies).
+        meter_activations: measure the bytes of the activations saved for backward
+            (``StepStats.peak_activation_bytes``, ``rrfp.memory.ActivationMeter``). The
+            meter costs about 10 us of CPU per saved tensor
+            (``benchmarks/results/memory.md``); False leaves autograd's saving untouched
+            and reports None. The memory limit holds either way: it counts microbatches.
     """
 
     def __init__(
@@ -133,6 +138,7 @@ class ScheduleRRFP(PipelineScheduleMulti):
         reorder_ahead: bool = False,
         device: EmulatedDevice | None = None,
         variable_shapes: bool = False,
+        meter_activations: bool = True,
     ):
         if policy is not None and policy not in POLICIES:
             raise ValueError(f"unknown policy {policy!r}: use one of {list(POLICIES)} or None")
@@ -218,7 +224,7 @@ class ScheduleRRFP(PipelineScheduleMulti):
         self._wakeup = Wakeup()
         self.variable_shapes = bool(variable_shapes)
         self._receives = ReceiveRings(self.variable_shapes)
-        self._meter = ActivationMeter()
+        self._meter = ActivationMeter() if meter_activations else None
         self._transport = Transport(create_channels(self._hint, stages[0].group, stage_device),
                                     self._wakeup, send_delay=send_delay)
         self._coordination_group = coordination_group
@@ -272,7 +278,8 @@ class ScheduleRRFP(PipelineScheduleMulti):
             self._check_intra_stage_collectives()
             self._check_variable_shapes()
             self._collectives_checked = True
-        self._meter.reset(p for stage in self._stages for p in stage.submod.parameters())
+        if self._meter is not None:
+            self._meter.reset(p for stage in self._stages for p in stage.submod.parameters())
         origin = time.perf_counter()
 
         def clock() -> float:
@@ -579,12 +586,14 @@ class _StageExecutor:
         with (record_function(_get_profiler_function_name(action))
               if torch.autograd.profiler._is_profiler_enabled else contextlib.nullcontext()):
             if ctype == F:
-                with schedule._meter.saving():
+                meter = schedule._meter
+                with meter.saving() if meter is not None else contextlib.nullcontext():
                     output = stage.forward_one_chunk(
                         mb, self.arg_mbs[mb], self.kwarg_mbs[mb],
                         save_forward_output=self.return_outputs,
                     )
-                schedule._meter.sample()
+                if meter is not None:
+                    meter.sample()
                 if stage.is_last and schedule._loss_fn is not None:
                     self.losses[mb] = schedule._compute_loss(
                         output, self.target_mbs[mb], self.loss_kwargs
@@ -649,7 +658,7 @@ def _step_stats(schedule: ScheduleRRFP, loop: StepLoop, executor: _StageExecutor
         hint_rank_peak=arbiter.hint.rank_peaks()[schedule.rank],
         peak_in_flight=dict(arbiter.peak_in_flight),
         peak_rank_in_flight=arbiter.peak_held,
-        peak_activation_bytes=schedule._meter.peak,
+        peak_activation_bytes=None if schedule._meter is None else schedule._meter.peak,
         receive_buffer_bytes=schedule._receives.peak_bytes,
         messages_sent=sent[0],
         bytes_sent=sent[1],

@@ -47,9 +47,10 @@ class StepStats:
     """Realized peak of microbatches held, per local stage."""
     peak_rank_in_flight: int
     """Realized peak of microbatches held by the rank's stages together."""
-    peak_activation_bytes: int
+    peak_activation_bytes: int | None
     """Most bytes of saved activations alive at once on the rank during the step, measured
-    on the tensors themselves (``rrfp.memory.ActivationMeter``; parameters excluded)."""
+    on the tensors themselves (``rrfp.memory.ActivationMeter``; parameters excluded).
+    None: not measured (``meter_activations=False``)."""
     receive_buffer_bytes: int
     """Most bytes the rank's receive buffers held at once (a ring per incoming channel)."""
     messages_sent: int
@@ -109,13 +110,15 @@ class StepStats:
         return self.decision_time / self.dispatched if self.dispatched else 0.0
 
     def summary(self) -> str:
+        activations = ("not metered" if self.peak_activation_bytes is None
+                       else f"{self.peak_activation_bytes} B")
         return (
             f"pp_rank {self.pp_rank}: hint {self.hint} (policy {self.policy}), limits "
             f"{self.buffer_limits}, step {self.step_time * 1e3:.1f} ms, idle "
             f"{self.idle_fraction:.1%}, out-of-hint-order {self.out_of_hint_order}/"
             f"{self.dispatched}, peak held {self.peak_in_flight} per stage, "
             f"{self.peak_rank_in_flight} on the rank (hint {self.hint_peak_in_flight}, "
-            f"{self.hint_rank_peak}), peak activations {self.peak_activation_bytes} B, "
+            f"{self.hint_rank_peak}), peak activations {activations}, "
             f"receive buffers {self.receive_buffer_bytes} B, backpressure entries "
             f"{self.backpressure_entries}, "
             f"dispatch overhead {self.overhead_per_action * 1e6:.0f} us/action, launch depth "

@@ -131,6 +131,23 @@ def test_measured_activation_bytes_stay_within_what_the_limit_allows(case):
                 f"(torch's fixed schedule: {fixed} B)")
 
 
+def test_without_the_meter_forwards_run_unhooked_and_match_torch():
+    """``meter_activations=False``: no saved-tensor hooks around the forwards, no bytes
+    reported, gradients and losses still bitwise torch's Schedule1F1B (the metered run is
+    the control: its forwards are hooked and it reports bytes)."""
+    ranks = run_local_world(2, workers.unmetered, timeout=120)
+    for rank, result in enumerate(ranks):
+        metered, unmetered = result[True], result[False]
+        assert metered["bitwise"] and unmetered["bitwise"], f"rank {rank}"
+        # 2 steps x 4 microbatches; the shape inference's forward runs unmetered in both.
+        assert metered["hooked"].count(True) == 8
+        assert len(unmetered["hooked"]) == len(metered["hooked"])
+        assert not any(unmetered["hooked"])
+        assert metered["bytes"] > 0
+        assert unmetered["bytes"] is None
+        assert "peak activations not metered" in unmetered["summary"]
+
+
 def test_every_waiting_rank_raises_when_a_peer_never_sends():
     ranks = run_local_world(4, workers.silent_first_rank, 2.0, timeout=120)
     assert ranks[0] == {}

@@ -160,8 +160,9 @@ def tensorboard_scalars(dump) -> dict[str, int]:
 
 
 STATS_LINE = (r"rrfp step {step:2}: {label}pp0 idle \d+% out-of-hint \d+ backpressure \d+ held \d+ "
-              r"activations \d+ B receive buffers \d+ B "
+              r"{activations} receive buffers \d+ B "
               r"dispatch \d+ us/action \| {label}pp1 idle")
+METERED = r"activations \d+ B"
 
 
 def test_main_job_trains_on_cpu_and_logs_rrfp_stats(tmp_path):
@@ -174,7 +175,7 @@ def test_main_job_trains_on_cpu_and_logs_rrfp_stats(tmp_path):
     assert float(losses[8]) < float(losses[1]) - 2.0
     assert ("ScheduleRRFP with hint Interleaved1F1B (loop placement), policy lookahead, buffer "
             "limit 'hint'") in out
-    assert re.search(STATS_LINE.format(step=8, label=""), out)
+    assert re.search(STATS_LINE.format(step=8, label="", activations=METERED), out)
     scalars = tensorboard_scalars(tmp_path)
     for tag in ("rrfp/idle_fraction/pp0", "rrfp/out_of_hint_order/pp1",
                 "rrfp/backpressure_entries/pp0", "rrfp/peak_in_flight/pp1",
@@ -203,7 +204,7 @@ def test_rrfp_logs_the_same_losses_as_the_fixed_schedule(fixed, nproc, steps, pa
         assert code == 0, out[-3000:]
         runs[schedule] = logged_losses(out)
     if "--parallelism.data_parallel_shard_degree" in parallelism:
-        assert re.search(STATS_LINE.format(step=steps, label="dp0/"), out), out[-3000:]
+        assert re.search(STATS_LINE.format(step=steps, label="dp0/", activations=METERED), out), out[-3000:]
     assert len(runs[fixed]) == steps
     assert runs[fixed] == runs[f"RRFP-{fixed}"]
 
@@ -218,16 +219,20 @@ def test_bad_config_stops_before_training_with_a_clear_message(module, tmp_path)
 
 
 def test_stock_torchtitan_train_with_custom_import(tmp_path):
+    """Also runs without the activation meter: the metric shows as not measured."""
     code, out = run_titan(2, "--training.steps", "2",
                           "--parallelism.pipeline_parallel_schedule", "RRFP-ZBVZeroBubble",
-                          "--rrfp.trace_folder", "traces",
+                          "--rrfp.trace_folder", "traces", "--rrfp.no-meter-activations",
                           dump=str(tmp_path), module="torchtitan.train")
     assert code == 0, out[-3000:]
     assert_one_rank_prints(out)
     assert "ScheduleRRFP with hint ZBVZeroBubble (v placement)" in out
     assert sorted(logged_losses(out)) == [1, 2]
-    assert re.search(STATS_LINE.format(step=2, label=""), out)
-    assert tensorboard_scalars(tmp_path).get("rrfp/dispatch_overhead_us/pp1") == 2
+    assert re.search(STATS_LINE.format(
+        step=2, label="", activations="peak_activation_bytes not measured"), out)
+    scalars = tensorboard_scalars(tmp_path)
+    assert scalars.get("rrfp/dispatch_overhead_us/pp1") == 2
+    assert not any("peak_activation_bytes" in tag for tag in scalars)
     (run_traces,) = (tmp_path / "traces").iterdir()
     assert sorted(p.name for p in run_traces.iterdir()) == ["step1.json", "step2.json"]
 

@@ -378,6 +378,44 @@ def memory_world(rank: int, world_size: int, hint: str, reference: str, per_rank
     return results
 
 
+class HookProbe(torch.nn.Module):
+    """A block that records, at each forward, whether saved-tensor hooks are installed."""
+
+    def __init__(self, inner: torch.nn.Module):
+        super().__init__()
+        self.inner = inner
+        self.hooked: list[bool] = []
+
+    def forward(self, x):
+        self.hooked.append(torch._C._autograd._top_saved_tensors_default_hooks(False) is not None)
+        return self.inner(x)
+
+
+def unmetered(rank: int, world_size: int) -> dict:
+    """1F1B with and without the activation meter, against torch's Schedule1F1B: the
+    gradients and losses, the bytes reported, and whether forwards ran under hooks."""
+    M, steps = 4, 2
+    chain = make_chain(world_size)
+    x, y = make_batch(M)
+    stages, blocks = build_stages(chain, rank, world_size, "loop")
+    fixed = run_steps(torch_schedule("1F1B", stages, M), stages, blocks, x, y, steps)
+    results = {}
+    for metered in (True, False):
+        stages, blocks = build_stages(chain, rank, world_size, "loop",
+                                      wrap=lambda s, b: HookProbe(b))
+        schedule = ScheduleRRFP(stages, M, loss_fn=loss_fn, hint="1F1B", stall_timeout=60,
+                                meter_activations=metered)
+        history = run_steps(schedule, stages, blocks, x, y, steps)
+        schedule.close()
+        results[metered] = {
+            "bitwise": bitwise_equal(history, fixed),
+            "bytes": schedule.last_step_stats.peak_activation_bytes,
+            "summary": schedule.last_step_stats.summary(),
+            "hooked": [h for stage in stages for h in stage.submod.hooked],
+        }
+    return results
+
+
 def silent_first_rank(rank: int, world_size: int, stall_timeout: float) -> dict:
     """After one normal step, rank 0 stops stepping: every rank downstream must raise.
 

@@ -38,6 +38,11 @@ class RRFP:
     ``torchtitan_ext.data``; for the ``rrfp_llama3_documents`` and ``rrfp_multimodal``
     models, whose samples are not packed)."""
 
+    meter_activations: bool = True
+    """Measure the bytes of the activations saved for backward (``peak_activation_bytes`` in
+    the stats). It costs about 10 us of CPU per saved tensor; turn it off where the CPU
+    launching kernels is the bottleneck. The memory limit holds either way."""
+
     stall_timeout: float = 300.0
     """Seconds without any ready action before the step raises, naming what it waits for."""
 

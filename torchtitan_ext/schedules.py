@@ -225,6 +225,7 @@ def install() -> None:
             stall_timeout=settings.stall_timeout, policy=settings.policy or None,
             coordination_group=coordination_group(stages), coordination=settings.coordination,
             launch_depth=settings.launch_depth or None, variable_shapes=settings.variable_shapes,
+            meter_activations=settings.meter_activations,
         )
         from torchtitan.tools.logging import logger
 

@@ -19,10 +19,14 @@ class Metric:
 
     name: str
     """TensorBoard tag: ``rrfp/<name>/<rank label>``."""
-    value: Callable[[StepStats], float]
-    """Reads it off the rank's ``StepStats`` (public fields only)."""
+    value: Callable[[StepStats], float | None]
+    """Reads it off the rank's ``StepStats`` (public fields only); None: not measured."""
     console: str
     """Its field in the console line, a ``str.format`` pattern of the value."""
+
+    def show(self, stats: StepStats) -> str:
+        value = self.value(stats)
+        return f"{self.name} not measured" if value is None else self.console.format(value)
 
 
 METRICS: tuple[Metric, ...] = (
@@ -72,10 +76,11 @@ class StepStatsLog:
         if self.log_stats:
             for stats in gathered:
                 for metric in METRICS:
-                    scalars[f"rrfp/{metric.name}/{self.label(stats)}"] = metric.value(stats)
+                    value = metric.value(stats)
+                    if value is not None:
+                        scalars[f"rrfp/{metric.name}/{self.label(stats)}"] = value
             logger.info(f"rrfp step {step:2}: " + " | ".join(
-                f"{self.label(stats)} " + " ".join(metric.console.format(metric.value(stats))
-                                                   for metric in METRICS)
+                f"{self.label(stats)} " + " ".join(metric.show(stats) for metric in METRICS)
                 for stats in gathered))
         if self.trace_folder:
             os.makedirs(self.trace_folder, exist_ok=True)
