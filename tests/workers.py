@@ -1050,3 +1050,33 @@ def agree_when_policies_differ(rank: int, world_size: int) -> dict:
         if agreed is not None:
             return {"agreed": str(agreed), "hint_next": str(hint.orders[1][1]), "rounds": round_}
     return {"agreed": None, "rounds": round_}
+
+
+def stats_exchange(rank: int, world_size: int) -> dict:
+    """``StepStatsLog`` over three steps with made-up stats (out-of-hint = 10 x step +
+    rank): the scalars it returns, and which of this rank's keys its store still holds."""
+    from rrfp.stats import StepStats
+    from torchtitan_ext.stats_logging import StepStatsLog
+
+    class Schedule:
+        last_step_stats: StepStats
+
+    schedule = Schedule()
+    log = StepStatsLog(schedule, dist.new_group(list(range(world_size))), replica=None,
+                       log_stats=True, trace_folder=None)
+    scalars = {}
+    for step in (1, 2, 3):
+        schedule.last_step_stats = StepStats(
+            pp_rank=rank, global_rank=rank, hint="1F1B", policy="hint", device="HostDevice",
+            launch_depth=1, buffer_limits=None, rank_buffer_limit=None,
+            hint_peak_in_flight={}, hint_rank_peak=1, peak_in_flight={},
+            peak_rank_in_flight=1, peak_activation_bytes=None if step == 2 else 64,
+            receive_buffer_bytes=0, messages_sent=0, bytes_sent=0, backpressure_entries={},
+            out_of_hint_order=10 * step + rank, hint_order=[], realized_order=[],
+            step_time=1.0, device_busy_time=0.5, wait_time=0.0, decision_time=0.0,
+            launch_time=0.0, start_unix=0.0)
+        scalars[step] = log.log(step)
+    store = dist.PrefixStore(f"rrfp/stats/{'-'.join(map(str, range(world_size)))}/0/",
+                             dist.distributed_c10d._get_default_store())
+    return {"scalars": scalars,
+            "keys": [step for step in (1, 2, 3) if store.check([f"{step}/{rank}"])]}

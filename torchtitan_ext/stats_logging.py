@@ -3,7 +3,9 @@ scalars ``rrfp/<metric>/<rank label>`` and Perfetto traces, at each metrics step
 
 from __future__ import annotations
 
+import itertools
 import os
+import pickle
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -47,8 +49,13 @@ class StepStatsLog:
     """Logs ``last_step_stats`` of every rank of this rank's pipeline.
 
     Every rank of the pipeline group must call :meth:`log` at the same steps (it gathers
-    the stats over that group); which of them print is up to the log handlers.
+    the stats over that group, through the job's store); which of them print is up to the
+    log handlers.
     """
+
+    _logs = itertools.count()
+    """Numbers the logs of a process (every rank creates them in the same order), so that a
+    later one never reads an earlier one's keys."""
 
     def __init__(self, schedule: ScheduleRRFP, pp_group: dist.ProcessGroup, *,
                  replica: int | None, log_stats: bool, trace_folder: str | None):
@@ -57,6 +64,11 @@ class StepStatsLog:
         ``step<N>.json`` (None: it writes no traces)."""
         self.schedule = schedule
         self.pp_group = pp_group
+        ranks = dist.get_process_group_ranks(pp_group)
+        self._store = dist.PrefixStore(
+            f"rrfp/stats/{'-'.join(map(str, ranks))}/{next(self._logs)}/",
+            dist.distributed_c10d._get_default_store())
+        self._posted: str | None = None
         self.replica = replica
         self.log_stats = log_stats
         self.trace_folder = trace_folder
@@ -70,8 +82,7 @@ class StepStatsLog:
     def log(self, step: int) -> dict[str, float]:
         """Gather the pipeline's stats of the last step, log the console line and write the
         trace; returns the TensorBoard scalars."""
-        gathered: list = [None] * dist.get_world_size(self.pp_group)
-        dist.all_gather_object(gathered, self.schedule.last_step_stats, group=self.pp_group)
+        gathered = self._gather(step)
         scalars: dict[str, float] = {}
         if self.log_stats:
             for stats in gathered:
@@ -86,3 +97,20 @@ class StepStatsLog:
             os.makedirs(self.trace_folder, exist_ok=True)
             write_chrome_trace(gathered, os.path.join(self.trace_folder, f"step{step}.json"))
         return scalars
+
+    def _gather(self, step: int) -> list[StepStats]:
+        """The pipeline's stats of ``step``, by pipeline rank, exchanged through the job's
+        store rather than a collective: a gloo collective's worker thread lets go of its
+        tensors only after the collective has returned, and when that happens after the
+        last step, once the interpreter is shutting down, the process aborts (the release
+        needs the GIL)."""
+        mine = f"{step}/{dist.get_rank(self.pp_group)}"
+        self._store.set(mine, pickle.dumps(self.schedule.last_step_stats))
+        gathered = [pickle.loads(self._store.get(f"{step}/{rank}"))
+                    for rank in range(dist.get_world_size(self.pp_group))]
+        # Every rank has read the previous step's keys: none of them could have reached
+        # this step without finishing that log.
+        if self._posted is not None:
+            self._store.delete_key(self._posted)
+        self._posted = mine
+        return gathered
