@@ -1054,7 +1054,8 @@ def agree_when_policies_differ(rank: int, world_size: int) -> dict:
 
 def stats_exchange(rank: int, world_size: int) -> dict:
     """``StepStatsLog`` over three steps with made-up stats (out-of-hint = 10 x step +
-    rank): the scalars it returns, and which of this rank's keys its store still holds."""
+    rank), the last logged twice, only the last rank reading: the scalars it returns, and
+    which of this rank's keys its store still holds."""
     from rrfp.stats import StepStats
     from torchtitan_ext.stats_logging import StepStatsLog
 
@@ -1063,9 +1064,9 @@ def stats_exchange(rank: int, world_size: int) -> dict:
 
     schedule = Schedule()
     log = StepStatsLog(schedule, dist.new_group(list(range(world_size))), replica=None,
-                       log_stats=True, trace_folder=None)
+                       log_stats=True, trace_folder=None, reads=rank == world_size - 1)
     scalars = {}
-    for step in (1, 2, 3):
+    for step in (1, 2, 3, 3):
         schedule.last_step_stats = StepStats(
             pp_rank=rank, global_rank=rank, hint="1F1B", policy="hint", device="HostDevice",
             launch_depth=1, buffer_limits=None, rank_buffer_limit=None,
@@ -1076,7 +1077,9 @@ def stats_exchange(rank: int, world_size: int) -> dict:
             step_time=1.0, device_busy_time=0.5, wait_time=0.0, decision_time=0.0,
             launch_time=0.0, start_unix=0.0)
         scalars[step] = log.log(step)
+        dist.barrier()  # what the next training step's pipeline does
     store = dist.PrefixStore(f"rrfp/stats/{'-'.join(map(str, range(world_size)))}/0/",
                              dist.distributed_c10d._get_default_store())
-    return {"scalars": scalars,
-            "keys": [step for step in (1, 2, 3) if store.check([f"{step}/{rank}"])]}
+    keys = [step for step in (1, 2, 3) if store.check([f"{step}/{rank}"])]
+    dist.barrier()  # rank 0, which does not read, hosts the store
+    return {"scalars": scalars, "keys": keys}

@@ -25,10 +25,12 @@ class Metric:
     """Reads it off the rank's ``StepStats`` (public fields only); None: not measured."""
     console: str
     """Its field in the console line, a ``str.format`` pattern of the value."""
+    unmeasured: str = "not measured"
+    """Its field in the console line when the value is None."""
 
     def show(self, stats: StepStats) -> str:
         value = self.value(stats)
-        return f"{self.name} not measured" if value is None else self.console.format(value)
+        return self.unmeasured if value is None else self.console.format(value)
 
 
 METRICS: tuple[Metric, ...] = (
@@ -38,7 +40,7 @@ METRICS: tuple[Metric, ...] = (
            "backpressure {}"),
     Metric("peak_in_flight", lambda s: s.peak_rank_in_flight, "held {}"),
     Metric("peak_activation_bytes", lambda s: s.peak_activation_bytes,
-           "activations {:.0f} B"),
+           "activations {:.0f} B", "activations not measured"),
     Metric("receive_buffer_bytes", lambda s: s.receive_buffer_bytes, "receive buffers {:.0f} B"),
     Metric("dispatch_overhead_us", lambda s: s.overhead_per_action * 1e6,
            "dispatch {:.0f} us/action"),
@@ -48,9 +50,9 @@ METRICS: tuple[Metric, ...] = (
 class StepStatsLog:
     """Logs ``last_step_stats`` of every rank of this rank's pipeline.
 
-    Every rank of the pipeline group must call :meth:`log` at the same steps (it gathers
-    the stats over that group, through the job's store); which of them print is up to the
-    log handlers.
+    Every rank of the pipeline group must call :meth:`log` at the same steps: each posts
+    its stats to the job's store, and the ranks that ``read`` gather them all (the rank
+    that writes TensorBoard and the ranks that print).
     """
 
     _logs = itertools.count()
@@ -58,12 +60,15 @@ class StepStatsLog:
     later one never reads an earlier one's keys."""
 
     def __init__(self, schedule: ScheduleRRFP, pp_group: dist.ProcessGroup, *,
-                 replica: int | None, log_stats: bool, trace_folder: str | None):
+                 replica: int | None, log_stats: bool, trace_folder: str | None,
+                 reads: bool = True):
         """``replica``: this pipeline's data-parallel index (None without data parallelism),
         shown in labels as ``dp<replica>/pp<rank>``; ``trace_folder``: where this rank writes
-        ``step<N>.json`` (None: it writes no traces)."""
+        ``step<N>.json`` (None: it writes no traces); ``reads``: whether this rank gathers
+        the pipeline's stats (False: it only posts its own, and logs nothing)."""
         self.schedule = schedule
         self.pp_group = pp_group
+        self.reads = reads
         ranks = dist.get_process_group_ranks(pp_group)
         self._store = dist.PrefixStore(
             f"rrfp/stats/{'-'.join(map(str, ranks))}/{next(self._logs)}/",
@@ -80,9 +85,12 @@ class StepStatsLog:
         return pipeline_rank if self.replica is None else f"dp{self.replica}/{pipeline_rank}"
 
     def log(self, step: int) -> dict[str, float]:
-        """Gather the pipeline's stats of the last step, log the console line and write the
-        trace; returns the TensorBoard scalars."""
-        gathered = self._gather(step)
+        """Post this rank's stats of the last step; a rank that reads also gathers the
+        pipeline's, logs the console line and writes the trace. Returns the TensorBoard
+        scalars (none where it does not read)."""
+        gathered = self._exchange(step)
+        if gathered is None:
+            return {}
         scalars: dict[str, float] = {}
         if self.log_stats:
             for stats in gathered:
@@ -98,19 +106,21 @@ class StepStatsLog:
             write_chrome_trace(gathered, os.path.join(self.trace_folder, f"step{step}.json"))
         return scalars
 
-    def _gather(self, step: int) -> list[StepStats]:
-        """The pipeline's stats of ``step``, by pipeline rank, exchanged through the job's
-        store rather than a collective: a gloo collective's worker thread lets go of its
-        tensors only after the collective has returned, and when that happens after the
-        last step, once the interpreter is shutting down, the process aborts (the release
-        needs the GIL)."""
+    def _exchange(self, step: int) -> list[StepStats] | None:
+        """Post this rank's stats of ``step`` to the job's store; return the pipeline's, by
+        pipeline rank, where this rank reads (else None).
+
+        Through the store rather than a collective: a gloo collective's worker thread lets
+        go of its tensors only after the collective has returned, and when that happens
+        after the last step, once the interpreter is shutting down, the process aborts (the
+        release needs the GIL)."""
         mine = f"{step}/{dist.get_rank(self.pp_group)}"
         self._store.set(mine, pickle.dumps(self.schedule.last_step_stats))
         gathered = [pickle.loads(self._store.get(f"{step}/{rank}"))
-                    for rank in range(dist.get_world_size(self.pp_group))]
-        # Every rank has read the previous step's keys: none of them could have reached
-        # this step without finishing that log.
-        if self._posted is not None:
+                    for rank in range(dist.get_world_size(self.pp_group))] if self.reads else None
+        # Every reader has read the previous key: this rank got here through a later
+        # training step, which each reader joined only after its log of that one.
+        if self._posted not in (None, mine):
             self._store.delete_key(self._posted)
         self._posted = mine
         return gathered

@@ -137,16 +137,18 @@ def _log_step_stats(trainer, schedule: ScheduleRRFP) -> None:
         return
     # The rank that logs the loss (and writes TensorBoard) writes its pipeline's traces,
     # each run into a folder of its own.
+    metrics_rank = metrics._get_metrics_rank(parallel_dims, job_config)
     trace_folder = None
-    if settings.trace_folder and (
-            dist.get_rank() == metrics._get_metrics_rank(parallel_dims, job_config)):
+    if settings.trace_folder and dist.get_rank() == metrics_rank:
         trace_folder = os.path.join(job_config.job.dump_folder, settings.trace_folder,
                                     datetime.now().strftime("%Y%m%d-%H%M%S"))
     batch_mesh = parallel_dims.get_optional_mesh("batch")
+    # Only the ranks that show the stats read them: every read goes to the store's server.
     stats_log = StepStatsLog(
         schedule, parallel_dims.get_mesh("pp").get_group(),
         replica=None if batch_mesh is None else batch_mesh.get_local_rank(),
-        log_stats=settings.log_stats, trace_folder=trace_folder)
+        log_stats=settings.log_stats, trace_folder=trace_folder,
+        reads=dist.get_rank() in {metrics_rank} | log_ranks(metrics_rank))
     torch_log = trainer.metrics_processor.log
 
     @functools.wraps(torch_log)

@@ -10,6 +10,7 @@ arrive after a per-message latency. The fixed schedule is the same loop with the
 from __future__ import annotations
 
 import copy
+import functools
 import heapq
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
@@ -90,10 +91,12 @@ class _Simulation:
         return take
 
     def earliest_arrival(self, message: tuple[Edge, int]) -> float:
-        """When ``message`` arrives if it is in flight or here; if not yet sent, the earliest
-        it could: its sender's dependency chain with every action not yet launched
-        starting no earlier than now (ignoring the sender's other work). Sees the future:
-        for the clairvoyant yardstick only."""
+        """When ``message`` arrives if it is in flight or here; if not yet sent, a lower
+        bound: the chain of data dependencies behind its sender, from actions launched
+        (whose ends are known) or messages in flight, with nothing not yet launched
+        starting before now. It leaves out each rank's other work, the hint's stream
+        order, memory limits and launch costs. Sees the future: for the clairvoyant
+        yardstick only."""
         edge, mb = message
         if message in self.in_flight:
             return self.in_flight[message]
@@ -103,6 +106,7 @@ class _Simulation:
             self._graph = step_graph(self.hint, self.latency)
         graph, ends = self._graph, self.ends
 
+        @functools.cache
         def earliest_end(action: _Action) -> float:
             if action not in ends:
                 start = max([self.now, *(earliest_end(p) + delay
