@@ -110,7 +110,7 @@ class StepStats:
         return self.decision_time / self.dispatched if self.dispatched else 0.0
 
     def summary(self) -> str:
-        activations = ("not metered" if self.peak_activation_bytes is None
+        activations = ("not measured" if self.peak_activation_bytes is None
                        else f"{self.peak_activation_bytes} B")
         return (
             f"pp_rank {self.pp_rank}: hint {self.hint} (policy {self.policy}), limits "

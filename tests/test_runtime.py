@@ -145,7 +145,7 @@ def test_without_the_meter_forwards_run_unhooked_and_match_torch():
         assert not any(unmetered["hooked"])
         assert metered["bytes"] > 0
         assert unmetered["bytes"] is None
-        assert "peak activations not metered" in unmetered["summary"]
+        assert "peak activations not measured" in unmetered["summary"]
 
 
 def test_every_waiting_rank_raises_when_a_peer_never_sends():

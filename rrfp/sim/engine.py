@@ -73,6 +73,7 @@ class _Simulation:
         self.in_flight: dict[tuple[Edge, int], float] = {}
         """Messages sent and not yet delivered: when each will arrive."""
         self.delivered: dict[tuple[Edge, int], float] = {}
+        """Messages delivered: when each arrived."""
         self.ends: dict[_Action, float] = {}
         """When each launched action ends (fixed at its launch)."""
         self._graph: StepGraph | None = None
