@@ -20,18 +20,18 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import time
 from collections.abc import Mapping
 
-from benchmarks.pages import RESULTS, write_page
+from benchmarks.pages import result_path, write_page
 from rrfp.hints import build_hint
 from rrfp.sim.optimum import optimum
 from rrfp.sim.study import compare, resolve_limit
 from rrfp.sim.workloads import make_timing
 
-CACHE = os.path.join(RESULTS, "optimum.json")
+CACHE = "optimum.json"
+"""CP-SAT's results and the policies' makespans, in ``benchmarks/results``."""
 WORKLOADS = ("jitter", "multimodal", "spikes")
 LIMITS = ("hint", "hint+2")
 POLICIES = (None, "hint", "lookahead", "arrival", "critical", "window", "BF", "clairvoyant")
@@ -130,11 +130,10 @@ def main(argv=None) -> None:
     args = parser.parse_args(argv)
     solved = {}
     if args.reuse:
-        with open(CACHE) as f:
+        with open(result_path(CACHE)) as f:
             solved = json.load(f)
     rows = solve(args.seeds, args.time_limit, solved)
-    os.makedirs(RESULTS, exist_ok=True)
-    with open(CACHE, "w") as f:
+    with open(result_path(CACHE), "w") as f:
         json.dump(rows, f, indent=1)
     print(f"wrote {write_page('optimum.md', render(rows, args.seeds, args.time_limit))}")
 

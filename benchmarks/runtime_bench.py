@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import time
 from dataclasses import dataclass
@@ -26,7 +25,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.pipelining import PipelineStage
 
-from benchmarks.pages import RESULTS, write_page
+from benchmarks.pages import result_path, write_page
 from rrfp import ScheduleRRFP
 from rrfp.device import EmulatedDevice
 from rrfp.emulation import EmulatedDeviceTime
@@ -158,8 +157,7 @@ def main(argv=None) -> None:
               f"[{result['ratio_min']:.3f}, {result['ratio_max']:.3f}], sim {result['sim_ratio']:.3f} "
               f"({result['sim_baseline_ms']:.0f} / {result['sim_rrfp_ms']:.0f} ms), overhead "
               f"{result['overhead_us']:.0f} us/action", flush=True)
-    os.makedirs(RESULTS, exist_ok=True)
-    with open(os.path.join(RESULTS, "runtime.json"), "w") as f:
+    with open(result_path("runtime.json"), "w") as f:
         json.dump(results, f, indent=1)
     worst = max(abs(r["ratio_median"] - r["sim_ratio"]) for r in results)
     excess = statistics.mean(r[k] / r[f"sim_{k}"] - 1 for r in results

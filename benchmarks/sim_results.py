@@ -12,7 +12,7 @@ import statistics
 import time
 from multiprocessing import Pool
 
-from benchmarks.pages import RESULTS, write_page
+from benchmarks.pages import result_path, write_page
 from rrfp.hints import build_hint
 from rrfp.sim.plot import plot_timelines, plot_tradeoff
 from rrfp.sim.study import compare, SWEEP_LIMITS
@@ -54,7 +54,6 @@ def main(argv=None) -> None:
     started = time.time()
     lines: list[str] = []
     out = lines.append
-    os.makedirs(RESULTS, exist_ok=True)
     with Pool(args.processes) as pool:
         # 1. Policies at the hint's own memory.
         policies = ["hint", "window", "lookahead"]
@@ -153,7 +152,7 @@ def main(argv=None) -> None:
         png = f"tradeoff_{h}.png"
         sweeps = {w: {str(limit): [_Row(*r) for r in rows_for(limit_rows, hint=h, workload=w, limit=limit)]
                       for limit in SWEEP_LIMITS} for w in WORKLOADS}
-        plot_tradeoff(sweeps, os.path.join(RESULTS, png), title=f"{h}, 8 ranks, 32 microbatches (simulated)")
+        plot_tradeoff(sweeps, result_path(png), title=f"{h}, 8 ranks, 32 microbatches (simulated)")
         out(f"![{h} speed/memory trade-off]({png})")
         out("")
     out("## 3. Depth and microbatches (speedup at limit hint / hint+2 / 32)")
@@ -224,7 +223,7 @@ def main(argv=None) -> None:
         c = compare(_hint(h, 8, 32), w, 0, limit=limit)
         png = f"timeline_{h}_{w}.png"
         plot_timelines({f"fixed {h}": c.fixed, f"RRFP ({c.policy}, limit {limit})": c.rrfp},
-                       os.path.join(RESULTS, png), title=f"{h}, {w}, 8 ranks x 32 microbatches, seed 0 (simulated)")
+                       result_path(png), title=f"{h}, {w}, 8 ranks x 32 microbatches, seed 0 (simulated)")
         out(f"![{h} {w}]({png})")
         out("")
     path = write_page("simulation.md", lines)
