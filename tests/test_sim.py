@@ -77,7 +77,8 @@ def test_workloads_are_seeded_and_shaped():
 def test_replay_file_round_trip_and_trace_conversion(tmp_path):
     from rrfp.sim.replay import timing_from_trace
     from rrfp.sim.workloads import make_timing, Timing
-    from rrfp.stats import merge_chrome_traces, Span, StepStats, write_chrome_trace
+    from rrfp.stats import merge_chrome_traces, Span, write_chrome_trace
+    from tests.workers import made_up_stats
 
     timing = make_timing("latency", 2, 3, 0)
     timing.save(tmp_path / "t.json")
@@ -87,16 +88,8 @@ def test_replay_file_round_trip_and_trace_conversion(tmp_path):
         Timing.load(tmp_path / "bad.json")
 
     def stats(rank, spans, sends, arrivals):
-        return StepStats(pp_rank=rank, global_rank=rank, hint="1F1B", policy="hint",
-                         device="HostDevice", launch_depth=1, buffer_limits=None,
-                         rank_buffer_limit=None, hint_peak_in_flight={}, hint_rank_peak=1,
-                         peak_in_flight={}, peak_rank_in_flight=1, peak_activation_bytes=0,
-                         receive_buffer_bytes=0, messages_sent=0, bytes_sent=0,
-                         backpressure_entries={},
-                         out_of_hint_order=0, hint_order=[], realized_order=[], step_time=1.0,
-                         device_busy_time=0.6, wait_time=0.0, decision_time=0.0,
-                         launch_time=0.0, start_unix=100.0, spans=spans, arrivals=arrivals,
-                         sends=sends)
+        return made_up_stats(rank, device_busy_time=0.6, start_unix=100.0, spans=spans,
+                             arrivals=arrivals, sends=sends)
     ranks = [
         stats(0, [Span("0F0", 0.0, 0.2, 0, "F", 0), Span("0B0", 0.5, 0.9, 0, "B", 0)],
               sends=[(0, 1, 0, 0.2)], arrivals=[(1, 0, 0, 0.45)]),

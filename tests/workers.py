@@ -20,6 +20,7 @@ from rrfp import PipelineStallError, ScheduleRRFP
 from rrfp.device import EmulatedDevice
 from rrfp.emulation import EmulatedDeviceTime
 from rrfp.schedule import DEFAULT_LAUNCH_DEPTH
+from rrfp.stats import StepStats
 from rrfp.transport import make_channel_group
 
 DIM = 8
@@ -1056,7 +1057,6 @@ def stats_exchange(rank: int, world_size: int) -> dict:
     """``StepStatsLog`` over three steps with made-up stats (out-of-hint = 10 x step +
     rank), the last logged twice, only the last rank reading: the scalars it returns, and
     which of this rank's keys its store still holds."""
-    from rrfp.stats import StepStats
     from torchtitan_ext.stats_logging import StepStatsLog
 
     class Schedule:
@@ -1067,15 +1067,9 @@ def stats_exchange(rank: int, world_size: int) -> dict:
                        log_stats=True, trace_folder=None, reads=rank == world_size - 1)
     scalars = {}
     for step in (1, 2, 3, 3):
-        schedule.last_step_stats = StepStats(
-            pp_rank=rank, global_rank=rank, hint="1F1B", policy="hint", device="HostDevice",
-            launch_depth=1, buffer_limits=None, rank_buffer_limit=None,
-            hint_peak_in_flight={}, hint_rank_peak=1, peak_in_flight={},
-            peak_rank_in_flight=1, peak_activation_bytes=None if step == 2 else 64,
-            receive_buffer_bytes=0, messages_sent=0, bytes_sent=0, backpressure_entries={},
-            out_of_hint_order=10 * step + rank, hint_order=[], realized_order=[],
-            step_time=1.0, device_busy_time=0.5, wait_time=0.0, decision_time=0.0,
-            launch_time=0.0, start_unix=0.0)
+        schedule.last_step_stats = made_up_stats(
+            rank, peak_activation_bytes=None if step == 2 else 64,
+            out_of_hint_order=10 * step + rank)
         scalars[step] = log.log(step)
         dist.barrier()  # what the next training step's pipeline does
     store = dist.PrefixStore(f"rrfp/stats/{'-'.join(map(str, range(world_size)))}/0/",
@@ -1083,3 +1077,16 @@ def stats_exchange(rank: int, world_size: int) -> dict:
     keys = [step for step in (1, 2, 3) if store.check([f"{step}/{rank}"])]
     dist.barrier()  # rank 0, which does not read, hosts the store
     return {"scalars": scalars, "keys": keys}
+
+
+def made_up_stats(rank: int, **fields) -> StepStats:
+    """A rank's ``StepStats`` with plain values in every field; ``fields`` override them."""
+    values = dict(pp_rank=rank, global_rank=rank, hint="1F1B", policy="hint",
+                  device="HostDevice", launch_depth=1, buffer_limits=None,
+                  rank_buffer_limit=None, hint_peak_in_flight={}, hint_rank_peak=1,
+                  peak_in_flight={}, peak_rank_in_flight=1, peak_activation_bytes=0,
+                  receive_buffer_bytes=0, messages_sent=0, bytes_sent=0,
+                  backpressure_entries={}, out_of_hint_order=0, hint_order=[],
+                  realized_order=[], step_time=1.0, device_busy_time=0.5, wait_time=0.0,
+                  decision_time=0.0, launch_time=0.0, start_unix=0.0)
+    return StepStats(**{**values, **fields})
