@@ -1057,7 +1057,7 @@ def stats_exchange(rank: int, world_size: int) -> dict:
     """``StepStatsLog`` over three steps with made-up stats (out-of-hint = 10 x step +
     rank), the last logged twice, only the last rank reading: the scalars it returns, and
     which of this rank's keys its store still holds."""
-    from torchtitan_ext.stats_logging import StepStatsLog
+    from torchtitan_ext.stats_logging import stats_store, StepStatsLog
 
     class Schedule:
         last_step_stats: StepStats
@@ -1072,8 +1072,7 @@ def stats_exchange(rank: int, world_size: int) -> dict:
             out_of_hint_order=10 * step + rank)
         scalars[step] = log.log(step)
         dist.barrier()  # what the next training step's pipeline does
-    store = dist.PrefixStore(f"rrfp/stats/{'-'.join(map(str, range(world_size)))}/0/",
-                             dist.distributed_c10d._get_default_store())
+    store = stats_store(list(range(world_size)), 0)
     keys = [step for step in (1, 2, 3) if store.check([f"{step}/{rank}"])]
     dist.barrier()  # rank 0, which does not read, hosts the store
     return {"scalars": scalars, "keys": keys}

@@ -47,6 +47,13 @@ METRICS: tuple[Metric, ...] = (
 )
 
 
+def stats_store(ranks: list[int], log: int) -> dist.PrefixStore:
+    """Where the pipeline of ``ranks`` exchanges its stats for a process's ``log``-th
+    ``StepStatsLog``: the job's store, under a prefix of their own."""
+    return dist.PrefixStore(f"rrfp/stats/{'-'.join(map(str, ranks))}/{log}/",
+                            dist.distributed_c10d._get_default_store())
+
+
 class StepStatsLog:
     """Logs ``last_step_stats`` of every rank of this rank's pipeline.
 
@@ -70,9 +77,7 @@ class StepStatsLog:
         self.pp_group = pp_group
         self.reads = reads
         ranks = dist.get_process_group_ranks(pp_group)
-        self._store = dist.PrefixStore(
-            f"rrfp/stats/{'-'.join(map(str, ranks))}/{next(self._logs)}/",
-            dist.distributed_c10d._get_default_store())
+        self._store = stats_store(ranks, next(self._logs))
         self._posted: str | None = None
         self.replica = replica
         self.log_stats = log_stats
