@@ -317,6 +317,48 @@ def test_clairvoyant_yardstick_runs_a_backward_early_only_where_it_ends_before_t
     assert deviations > 0
 
 
+def test_informed_yardstick_expects_the_median_latency_given_the_time_already_on_the_way():
+    from rrfp.sim.foresight import median_transit
+
+    now = [0.0]
+    transit = median_transit([1.0, 2.0, 3.0, 10.0, 20.0], lambda: now[0])
+    message = None  # the median does not depend on which message it is
+    assert transit(message, 0.0) == 3.0  # sent just now: the median
+    now[0] = 2.5
+    assert transit(message, 0.0) == 10.0  # 2.5 on the way: the median of 3, 10 and 20
+    assert transit(message, 4.0) == 7.0  # not yet sent
+    now[0] = 25.0
+    assert transit(message, 0.0) == 25.0  # longer than any: it may come at any moment
+
+
+def test_informed_yardstick_is_clairvoyant_without_latency_and_not_with_it(monkeypatch):
+    """Knowing everything but the latencies to come, the informed yardstick foresees what
+    the clairvoyant one does when no message takes time, and never expects a message
+    that has not come to arrive before now; under latency spikes it does not know which
+    transfer is slow, so it foresees some arrivals wrong."""
+    from rrfp.sim import engine
+    from rrfp.sim.study import compare
+
+    hint = build_hint("1F1B", num_ranks=8, num_stages=8, n_microbatches=32)
+    for seed in range(2):
+        assert (compare(hint, "jitter", seed, policy="informed").rrfp.makespan
+                == compare(hint, "jitter", seed, policy="clairvoyant").rrfp.makespan)
+    foreseen = []  # (simulation, when asked, message, foreseen arrival)
+    earliest_arrival = engine._Simulation.earliest_arrival
+
+    def recorded(sim, message, transit=None):
+        foreseen.append((sim, sim.now, message, earliest_arrival(sim, message, transit)))
+        return foreseen[-1][-1]
+
+    monkeypatch.setattr(engine._Simulation, "earliest_arrival", recorded)
+    compare(hint, "spikes", 0, policy="informed")
+    assert foreseen
+    assert all(when >= now - 1e-9 for _, now, _, when in foreseen)
+    wrong = [when - sim.delivered[message] for sim, _, message, when in foreseen
+             if abs(when - sim.delivered[message]) > 1e-6]
+    assert any(miss < 0 for miss in wrong) and any(miss > 0 for miss in wrong)
+
+
 def test_history_durations_are_step_means_that_earlier_steps_temper():
     from rrfp.policy import History
 

@@ -19,12 +19,12 @@ from rrfp.arbiter import Arbiter, MemoryLimits
 from rrfp.hints import _Action, Edge, F, Hint, INPUT_GRAD_KINDS
 from rrfp.loop import Arrival, Completion, DEFAULT_LAUNCH_DEPTH, StepLoop
 from rrfp.policy import History, make_policy, Policy, POLICIES
-from rrfp.sim.foresight import ClairvoyantFit
+from rrfp.sim.foresight import ClairvoyantFit, InformedFit, median_transit, Transit
 from rrfp.graph import step_graph, StepGraph
 from rrfp.stats import Span
 
-SIM_POLICIES = (*POLICIES, ClairvoyantFit.name)
-"""What ``simulate`` runs: the runtime's policies and the simulator-only yardstick."""
+SIM_POLICIES = (*POLICIES, ClairvoyantFit.name, InformedFit.name)
+"""What ``simulate`` runs: the runtime's policies and the simulator-only yardsticks."""
 Duration = Callable[[_Action], float]
 """Seconds (or any time unit) the compute of an action takes."""
 Latency = Callable[[Edge, int], float]
@@ -70,8 +70,6 @@ class _Simulation:
         self.cpu_free = {r: 0.0 for r in range(hint.num_ranks)}
         self.devices = {r: _SimDevice(self, r) for r in range(hint.num_ranks)}
         self.inbox: dict[int, list[Arrival]] = {r: [] for r in range(hint.num_ranks)}
-        self.in_flight: dict[tuple[Edge, int], float] = {}
-        """Messages sent and not yet delivered: when each will arrive."""
         self.delivered: dict[tuple[Edge, int], float] = {}
         """Messages delivered: when each arrived."""
         self.ends: dict[_Action, float] = {}
@@ -91,45 +89,61 @@ class _Simulation:
             return arrived
         return take
 
-    def earliest_arrival(self, message: tuple[Edge, int]) -> float:
-        """When ``message`` arrives if it is in flight or here; if not yet sent, a lower
-        bound: the chain of data dependencies behind its sender, from actions launched
-        (whose ends are known) or messages in flight, with nothing not yet launched
-        starting before now. It leaves out each rank's other work, the hint's stream
-        order, memory limits and launch costs. Sees the future: for the clairvoyant
-        yardstick only."""
-        edge, mb = message
-        if message in self.in_flight:
-            return self.in_flight[message]
+    def earliest_arrival(self, message: tuple[Edge, int], transit: Transit | None = None) -> float:
+        """When ``message`` arrives if it is here. If not, when ``transit`` (default: its
+        true latency, which makes the time of a message in flight exact) has it arrive once
+        sent at its sender's end: known once the sender is launched; before that a lower
+        bound, the chain of data dependencies behind the sender from actions launched and
+        messages here, with nothing not yet launched starting before now and every message
+        on the way arriving as ``transit`` says. It leaves out each rank's other work, the
+        hint's stream order, memory limits and launch costs. Sees what no rank can: for
+        the simulator's yardsticks only."""
         if message in self.delivered:
             return self.delivered[message]
+        transit = transit or self.true_transit
         if self._graph is None:
-            self._graph = step_graph(self.hint, self.latency)
-        graph, ends = self._graph, self.ends
+            self._graph = step_graph(self.hint)
+        graph, ends, rank_of = self._graph, self.ends, self.hint.stage_to_rank
+
+        def arrival(sender: _Action, edge: Edge) -> float:
+            sent = (edge, sender.microbatch_index)
+            if sent in self.delivered:
+                return self.delivered[sent]
+            return transit(sent, earliest_end(sender))
 
         @functools.cache
         def earliest_end(action: _Action) -> float:
-            if action not in ends:
-                start = max([self.now, *(earliest_end(p) + delay
-                                         for p, delay in graph.predecessors[action])])
-                return start + self.duration(action)
-            return ends[action]
+            if action in ends:
+                return ends[action]
+            inputs = [arrival(p, Edge(p.stage_index, action.stage_index))
+                      if rank_of[p.stage_index] != rank_of[action.stage_index]
+                      else earliest_end(p) for p, _ in graph.predecessors[action]]
+            return max([self.now, *inputs]) + self.duration(action)
 
+        edge, mb = message
         kinds = {F} if edge.is_forward else INPUT_GRAD_KINDS
-        sender = next(a for a in self.hint.orders[self.hint.stage_to_rank[edge.src]]
+        sender = next(a for a in self.hint.orders[rank_of[edge.src]]
                       if (a.stage_index, a.microbatch_index) == (edge.src, mb)
                       and a.computation_type in kinds)
-        delay = self.latency(edge, mb) if self.latency is not None else 0.0
-        return earliest_end(sender) + delay
+        return arrival(sender, edge)
+
+    def true_transit(self, message: tuple[Edge, int], sent_at: float) -> float:
+        """When ``message``, sent at ``sent_at``, arrives."""
+        return sent_at + (self.latency(*message) if self.latency is not None else 0.0)
+
+    def latency_draws(self) -> list[float]:
+        """The latency of every message between ranks in the step, in no particular
+        message's order: their distribution."""
+        return sorted(self.latency(edge, mb) if self.latency is not None else 0.0
+                      for edge in self.hint.remote_edges() for mb in self.hint.message_order(edge))
 
     def work(self, action: _Action, sends: list[Edge]) -> Callable[[], None]:
         """Run at the action's end: its messages leave then."""
         def send() -> None:
             for edge in sends:
-                mb = action.microbatch_index
-                delay = self.latency(edge, mb) if self.latency is not None else 0.0
-                self.in_flight[(edge, mb)] = self.now + delay
-                self.push(self.now + delay, self.hint.stage_to_rank[edge.dst], (edge, mb))
+                message = (edge, action.microbatch_index)
+                self.push(self.true_transit(message, self.now),
+                          self.hint.stage_to_rank[edge.dst], message)
         return send
 
     def completed(self, action: _Action) -> None:
@@ -160,7 +174,7 @@ class _Simulation:
                     self.devices[rank].finish(payload)
                 elif payload is not None:
                     edge, mb = payload  # type: ignore[misc]
-                    self.delivered[(edge, mb)] = self.in_flight.pop((edge, mb))
+                    self.delivered[(edge, mb)] = self.now
                     self.inbox[rank].append(Arrival(edge, mb, self.now))
             for rank in sorted(touched):
                 if rank in steps and self.cpu_free[rank] <= self.now:
@@ -224,7 +238,8 @@ def simulate(
     ``histories``: per rank, what earlier steps showed (``SimResult.histories`` of the
     previous step), for the ``"lookahead"`` and ``"critical"`` policies. ``policy`` may
     also be ``"clairvoyant"`` (``ClairvoyantFit``: a yardstick that sees the simulation's
-    future). ``launch_depth``: actions a device may hold launched but incomplete
+    future) or ``"informed"`` (``InformedFit``: one that sees all of it but the latencies
+    still to come). ``launch_depth``: actions a device may hold launched but incomplete
     (``math.inf``: no bound); ``launch_cost``: CPU time of each launch, in the unit of
     ``duration``; ``reorder_ahead``: see ``StepLoop``.
     """
@@ -263,6 +278,10 @@ def simulate(
 def _policy(name: str, sim: _Simulation, rank: int, history: History) -> Policy:
     if name == ClairvoyantFit.name:
         return ClairvoyantFit(sim.clock(rank), sim.duration, sim.earliest_arrival)
+    if name == InformedFit.name:
+        transit = median_transit(sim.latency_draws(), sim.clock(rank))
+        return InformedFit(sim.clock(rank), sim.duration,
+                           lambda message: sim.earliest_arrival(message, transit))
     return make_policy(name, history=history, clock=sim.clock(rank))
 
 

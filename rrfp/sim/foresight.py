@@ -1,8 +1,10 @@
-"""A yardstick policy that sees what no rank can (simulator only)."""
+"""Yardstick policies that see what no rank can (simulator only)."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import bisect
+import statistics
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
 from rrfp.hints import _Action, Edge
@@ -10,6 +12,9 @@ from rrfp.policy import Lookahead
 
 if TYPE_CHECKING:
     from rrfp.arbiter import Arbiter, Node
+
+Transit = Callable[[tuple[Edge, int], float], float]
+"""When a message sent at the given time arrives."""
 
 
 class ClairvoyantFit(Lookahead):
@@ -27,6 +32,7 @@ class ClairvoyantFit(Lookahead):
 
     def __init__(self, clock: Callable[[], float], duration: Callable[[_Action], float],
                  arrival: Callable[[tuple[Edge, int]], float]):
+        """``arrival``: when a message not yet here is foreseen to arrive."""
         super().__init__(None, clock)
         self._duration, self._arrival = duration, arrival
 
@@ -35,3 +41,31 @@ class ClairvoyantFit(Lookahead):
 
     def expected_arrival(self, message: tuple[Edge, int], arbiter: Arbiter) -> float | None:
         return self._arrival(message)
+
+
+class InformedFit(ClairvoyantFit):
+    """The same rule knowing all that has happened on every rank (each launch, send and
+    arrival, so how long each message in flight has been on its way), every duration, and
+    the distribution of the step's latencies, but not which message draws which: a
+    message in flight is expected at the median of the latencies at least as long as its
+    time on the way so far; one not yet sent, the median latency after the earliest end of
+    its sender's chain. What the rule can capture when latencies cannot be foreseen, were
+    every rank to tell every other all it knows. Not a policy a rank could run.
+    """
+
+    name = "informed"
+
+
+def median_transit(latencies: Sequence[float], clock: Callable[[], float]) -> Transit:
+    """Arrivals by the median latency, given how long a message has already been on its way
+    (``clock()`` minus its send time): the median of the ``latencies`` (sorted) at least
+    that long, or the time on the way itself if none is."""
+    typical = statistics.median(latencies) if latencies else 0.0
+
+    def arrival(message: tuple[Edge, int], sent_at: float) -> float:
+        on_the_way = clock() - sent_at
+        if on_the_way <= 0:
+            return sent_at + typical
+        longer = latencies[bisect.bisect_left(latencies, on_the_way):]
+        return sent_at + (longer[len(longer) // 2] if longer else on_the_way)
+    return arrival
