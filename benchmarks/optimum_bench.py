@@ -3,7 +3,7 @@
     python -m benchmarks.optimum_bench            # writes results/optimum.md (~25 min)
     python -m benchmarks.optimum_bench --reuse    # reuse CP-SAT's results in results/optimum.json
     python -m benchmarks.optimum_bench --first-seed 5 --seeds 20 --workloads spikes \
-        --limits hint                             # held-out seeds: optimum_5-24.md (~16 min)
+        --limits hint             # held-out seeds: results/optimum_5-24_spikes_hint.md (~16 min)
 
 For each step (1F1B hint, 8 ranks, 32 microbatches; compute jitter, multimodal, and
 heavy-tailed P2P latency: mean half a forward, 5% of transfers 5-20x slower; seeds 0-4),
@@ -16,9 +16,9 @@ rank could run: it is ``lookahead``'s rule (run a ready action ranked below the 
 only if it ends before that action's input arrives) with the simulator's exact durations
 and arrival times (for an input not yet sent, the earliest it could arrive): what that rule
 captures when its estimates are exact. The ``informed`` column runs it knowing all that has
-happened on every rank and every duration, but only the distribution of the step's
-latencies: what the rule captures when latency cannot be foreseen, were every rank to tell
-every other all it knows. Seeds other than 0-4 (``--first-seed``) check a policy on steps
+happened on every rank and every true duration, but the step's latencies only as an
+unordered set: what the rule captures when latency cannot be foreseen (with no latency, as
+under jitter and multimodal, it is ``clairvoyant``). Seeds other than 0-4 (``--first-seed``) check a policy on steps
 its defaults were not chosen on. Every figure is simulated.
 """
 
@@ -44,8 +44,8 @@ POLICIES = (None, "hint", "lookahead", "arrival", "critical", "window", "BF", "c
             "informed")
 """None: what ScheduleRRFP picks at that limit. ``clairvoyant``: lookahead's rule knowing
 every duration and when every message arrives or, not yet sent, could arrive at the
-earliest; ``informed``: the same rule knowing all but the latencies to come (yardsticks no
-rank can run)."""
+earliest; ``informed``: the same rule knowing all but which latency each message to come
+draws (yardsticks no rank can run)."""
 
 
 def _label(policy: str | None) -> str:
@@ -131,19 +131,27 @@ def render(rows: dict, seeds: Sequence[int], workloads: Sequence[str], limits: S
         lines.append("| all steps: fraction captured | | | " + " | ".join(
             f"{statistics.mean(captured_all[_label(p)]):.0%}" for p in POLICIES) + " |")
         # Steps with almost no gain to take make per-step fractions swing widely.
+        mean_gain = statistics.mean(best_all) - 1
         lines.append("| all steps: fraction of the mean gain | | | " + " | ".join(
-            f"{(statistics.mean(speedups_all[_label(p)]) - 1) / (statistics.mean(best_all) - 1):.0%}"
-            for p in POLICIES) + " |")
+            f"{(statistics.mean(speedups_all[_label(p)]) - 1) / mean_gain:.0%}"
+            if mean_gain > 1e-9 else "-" for p in POLICIES) + " |")
         lines.append("")
     return lines
 
 
+def _at_least_one(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--seeds", type=int, default=5, help="how many seeds")
+    parser.add_argument("--seeds", type=_at_least_one, default=5, help="how many seeds")
     parser.add_argument("--first-seed", type=int, default=0,
-                        help="the first of them (other than 0: a page of its own, "
-                             "optimum_<first>-<last>.md)")
+                        help="the first of them; other seeds, workloads or limits than the "
+                             "defaults get a page of their own, named after them")
     parser.add_argument("--workloads", nargs="+", choices=WORKLOADS, default=list(WORKLOADS))
     parser.add_argument("--limits", nargs="+", choices=LIMITS, default=list(LIMITS))
     parser.add_argument("--time-limit", type=float, default=45.0,
@@ -162,17 +170,18 @@ def main(argv=None) -> None:
                  cached if args.reuse else {})
     with open(result_path(CACHE), "w") as f:
         json.dump({**cached, **rows}, f, indent=1)
-    command = "python -m benchmarks.optimum_bench"
-    page = "optimum.md"
+    command, page = "python -m benchmarks.optimum_bench", ["optimum"]
     if (args.first_seed, args.seeds) != (0, 5):
         command += f" --first-seed {args.first_seed} --seeds {args.seeds}"
-        page = f"optimum_{seeds[0]}-{seeds[-1]}.md"
+        page.append(f"{seeds[0]}-{seeds[-1]}")
     if args.workloads != list(WORKLOADS):
         command += " --workloads " + " ".join(args.workloads)
+        page += args.workloads
     if args.limits != list(LIMITS):
         command += " --limits " + " ".join(args.limits)
+        page += args.limits
     lines = render(rows, seeds, args.workloads, args.limits, command, args.time_limit)
-    print(f"wrote {write_page(page, lines)}")
+    print(f"wrote {write_page('_'.join(page) + '.md', lines)}")
 
 
 if __name__ == "__main__":

@@ -321,12 +321,14 @@ def test_informed_yardstick_expects_the_median_latency_given_the_time_already_on
     from rrfp.sim.foresight import median_transit
 
     now = [0.0]
-    transit = median_transit([1.0, 2.0, 3.0, 10.0, 20.0], lambda: now[0])
+    transit = median_transit([20.0, 3.0, 1.0, 10.0, 2.0, 4.0], lambda: now[0])
     message = None  # the median does not depend on which message it is
-    assert transit(message, 0.0) == 3.0  # sent just now: the median
+    assert transit(message, 0.0) == 4.0  # sent just now: the (upper) median
+    assert transit(message, 4.0) == 8.0  # not yet sent
     now[0] = 2.5
-    assert transit(message, 0.0) == 10.0  # 2.5 on the way: the median of 3, 10 and 20
-    assert transit(message, 4.0) == 7.0  # not yet sent
+    assert transit(message, 0.0) == 10.0  # 2.5 on the way: the median of 3, 4, 10 and 20
+    now[0] = 3.0
+    assert transit(message, 0.0) == 10.0  # one as long as 3 counts
     now[0] = 25.0
     assert transit(message, 0.0) == 25.0  # longer than any: it may come at any moment
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import bisect
 import statistics
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING
 
 from rrfp.hints import _Action, Edge
@@ -45,27 +45,29 @@ class ClairvoyantFit(Lookahead):
 
 class InformedFit(ClairvoyantFit):
     """The same rule knowing all that has happened on every rank (each launch, send and
-    arrival, so how long each message in flight has been on its way), every duration, and
-    the distribution of the step's latencies, but not which message draws which: a
-    message in flight is expected at the median of the latencies at least as long as its
+    arrival, so how long each message in flight has been on its way), every action's true
+    duration, and the step's latencies as an unordered set, not which message draws which:
+    a message in flight is expected at the median of the latencies at least as long as its
     time on the way so far; one not yet sent, the median latency after the earliest end of
-    its sender's chain. What the rule can capture when latencies cannot be foreseen, were
-    every rank to tell every other all it knows. Not a policy a rank could run.
+    its sender's chain. What the rule can capture when latencies cannot be foreseen (under
+    compute noise alone, with no latency, it is ``clairvoyant``). Not a policy a rank
+    could run.
     """
 
     name = "informed"
 
 
-def median_transit(latencies: Sequence[float], clock: Callable[[], float]) -> Transit:
-    """Arrivals by the median latency, given how long a message has already been on its way
-    (``clock()`` minus its send time): the median of the ``latencies`` (sorted) at least
-    that long, or the time on the way itself if none is."""
-    typical = statistics.median(latencies) if latencies else 0.0
+def median_transit(latencies: Iterable[float], clock: Callable[[], float]) -> Transit:
+    """Arrivals by the median latency (the upper one of an even count), given how long a
+    message has already been on its way (``clock()`` minus its send time): the median of
+    the ``latencies`` at least that long, or the time on the way itself if none is."""
+    ordered = sorted(latencies)
+    typical = statistics.median_high(ordered) if ordered else 0.0
 
     def arrival(message: tuple[Edge, int], sent_at: float) -> float:
         on_the_way = clock() - sent_at
         if on_the_way <= 0:
             return sent_at + typical
-        longer = latencies[bisect.bisect_left(latencies, on_the_way):]
-        return sent_at + (longer[len(longer) // 2] if longer else on_the_way)
+        longer = ordered[bisect.bisect_left(ordered, on_the_way):]
+        return sent_at + (statistics.median_high(longer) if longer else on_the_way)
     return arrival
