@@ -18,8 +18,9 @@ and arrival times (for an input not yet sent, the earliest it could arrive): wha
 captures when its estimates are exact. The ``informed`` column runs it knowing all that has
 happened on every rank and every true duration, but the step's latencies only as an
 unordered set: what the rule captures when latency cannot be foreseen (with no latency, as
-under jitter and multimodal, it is ``clairvoyant``). Seeds other than 0-4 (``--first-seed``) check a policy on steps
-its defaults were not chosen on. Every figure is simulated.
+under jitter and multimodal, it is ``clairvoyant``). Seeds other than 0-4
+(``--first-seed``) check a policy on steps its defaults were not chosen on. Every figure
+is simulated.
 """
 
 from __future__ import annotations
