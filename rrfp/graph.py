@@ -11,7 +11,7 @@ optimum, and the ``critical`` policy's priorities, are built on it.
 from __future__ import annotations
 
 from collections import defaultdict, deque
-from collections.abc import Callable
+from collections.abc import Callable, Container
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -51,6 +51,12 @@ class StepGraph:
             raise ValueError("the step's constraints form a cycle: no schedule satisfies them")
         return order
 
+    def sender(self, edge: Edge, microbatch: int) -> _Action:
+        """The action whose output goes over ``edge`` for ``microbatch``."""
+        if edge.is_forward:
+            return _Action(edge.src, F, microbatch)
+        return _input_grad(self.predecessors, edge.src, microbatch)
+
     def longest_path(self, duration: Callable[[_Action], float]) -> tuple[dict, dict]:
         """(head, tail) per action: the longest chain of work and delays that must come
         before its start, and after its end."""
@@ -69,6 +75,12 @@ class StepGraph:
         return head, tail
 
 
+def _input_grad(present: Container[_Action], stage: int, microbatch: int) -> _Action:
+    """The stage's input-gradient action for the microbatch: B, or I where it is split."""
+    full = _Action(stage, B, microbatch)
+    return full if full in present else _Action(stage, I, microbatch)
+
+
 def step_graph(hint: Hint, latency: Latency | None = None, *,
                limits: MemoryLimits | None = None, stream_order: bool = False) -> StepGraph:
     """The graph of ``hint``'s step: data dependencies; with ``stream_order`` also each
@@ -82,10 +94,6 @@ def step_graph(hint: Hint, latency: Latency | None = None, *,
 
     def delay(src: int, dst: int, mb: int) -> float:
         return 0.0 if rank_of[src] == rank_of[dst] else lat(Edge(src, dst), mb)
-
-    def input_grad(s: int, mb: int) -> _Action:
-        full = _Action(s, B, mb)
-        return full if full in present else _Action(s, I, mb)
 
     def release(s: int, mb: int) -> _Action:
         full = _Action(s, B, mb)
@@ -102,7 +110,7 @@ def step_graph(hint: Hint, latency: Latency | None = None, *,
         else:
             preds[a].append((_Action(s, F, m), 0.0))
             if s < hint.num_stages - 1:
-                preds[a].append((input_grad(s + 1, m), delay(s + 1, s, m)))
+                preds[a].append((_input_grad(present, s + 1, m), delay(s + 1, s, m)))
     if stream_order:
         for s in range(hint.num_stages):
             for kinds in (frozenset({F}), INPUT_GRAD_KINDS, WEIGHT_GRAD_KINDS):

@@ -16,7 +16,7 @@ from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 
 from rrfp.arbiter import Arbiter, MemoryLimits
-from rrfp.hints import _Action, Edge, F, Hint, INPUT_GRAD_KINDS
+from rrfp.hints import _Action, Edge, Hint
 from rrfp.loop import Arrival, Completion, DEFAULT_LAUNCH_DEPTH, StepLoop
 from rrfp.policy import History, make_policy, Policy, POLICIES
 from rrfp.sim.foresight import ClairvoyantFit, InformedFit, median_transit, Transit
@@ -121,11 +121,7 @@ class _Simulation:
             return max([self.now, *inputs]) + self.duration(action)
 
         edge, mb = message
-        kinds = {F} if edge.is_forward else INPUT_GRAD_KINDS
-        sender = next(a for a in self.hint.orders[rank_of[edge.src]]
-                      if (a.stage_index, a.microbatch_index) == (edge.src, mb)
-                      and a.computation_type in kinds)
-        return arrival(sender, edge)
+        return arrival(graph.sender(edge, mb), edge)
 
     def true_transit(self, message: tuple[Edge, int], sent_at: float) -> float:
         """When ``message``, sent at ``sent_at``, arrives."""
