@@ -1,8 +1,12 @@
 """rrfp: the Runtime-Readiness-First Pipeline schedule for torch.distributed.pipelining."""
 
-from rrfp.hints import build_hint, Hint, HINT_NAMES
-from rrfp.schedule import PipelineStallError, ScheduleRRFP
-from rrfp.stats import merge_chrome_traces, StepStats, write_chrome_trace
+from rrfp._torch_compat import check_supported
+
+check_supported()
+
+from rrfp.hints import build_hint, Hint, HINT_NAMES  # noqa: E402
+from rrfp.schedule import PipelineStallError, ScheduleRRFP  # noqa: E402
+from rrfp.stats import merge_chrome_traces, StepStats, write_chrome_trace  # noqa: E402
 
 __all__ = [
     "build_hint",

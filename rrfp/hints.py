@@ -24,9 +24,10 @@ from types import SimpleNamespace
 from typing import Literal, NamedTuple, Union
 
 from torch.distributed.pipelining._utils import generate_stage_to_rank_mapping
+
+from rrfp._torch_compat import add_reduce_grad, is_bookkeeping
 from torch.distributed.pipelining.schedules import (
     _Action,
-    _add_reduce_grad,
     _ComputationType,
     _PipelineSchedule,
     _validate_schedule,
@@ -342,10 +343,7 @@ def _validated(
         missing = sorted(set(range(num_stages)) - set(stage_to_rank))
         raise ValueError(f"hint {name!r} never runs stages {missing}")
     _check_stream_orders(name, orders)
-    with_reduce = {
-        r: tuple(_add_reduce_grad(list(acts), n_microbatches))  # type: ignore[arg-type]
-        for r, acts in orders.items()
-    }
+    with_reduce = {r: tuple(add_reduce_grad(acts, n_microbatches)) for r, acts in orders.items()}
     return Hint(
         name=name,
         policy=policy,
@@ -358,10 +356,11 @@ def _validated(
 
 
 def _flatten_compute(actions: Sequence[_Action | None]) -> list[_Action]:
-    """Drop idles and REDUCE_GRAD (re-added uniformly); unfold OVERLAP_F_B as torch runs it."""
+    """Drop idles and gradient-reduction actions (re-added uniformly); unfold OVERLAP_F_B
+    as torch runs it."""
     flat: list[_Action] = []
     for a in actions:
-        if a is None or a.computation_type == REDUCE_GRAD:
+        if a is None or is_bookkeeping(a):
             continue
         if a.computation_type == OVERLAP_F_B:
             flat.extend(a.sub_actions or ())

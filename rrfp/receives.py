@@ -24,7 +24,14 @@ tensors); the receiver posts the header's receive, and when it arrives allocates
 message's buffers and posts their receives, then the next header. Receives on a channel
 are thus posted exactly in the order they are sent: header, message, header, ... A
 gradient has the shape of the output it answers, which the receiving stage produced: its
-receive is posted once that forward has completed. With fixed shapes there is no header.
+receive is posted once that forward has completed (the executor records the shapes it
+sent, ``ReceiveRings.sent``). With fixed shapes there is no header.
+
+The rings own their buffers: the slots are allocated from the stage's receive metadata, a
+slot is bound to its microbatch's ``_RecvInfo`` when its receive is posted, and whatever
+is still bound is unbound when the step ends or fails (``ReceiveRings.finish``), so that
+no buffer of an unfinished step stays reachable from torch's descriptors (see
+``rrfp._torch_compat``).
 """
 
 from __future__ import annotations
@@ -33,8 +40,10 @@ from collections import deque
 from dataclasses import dataclass, field
 
 import torch
+from torch.distributed.pipelining._utils import _make_tensor_from_meta
 from torch.distributed.pipelining.stage import _PipelineStageBase
 
+from rrfp._torch_compat import bind_receive, unbind_receive
 from rrfp.hints import _Action, Edge, F, Hint, INPUT_GRAD_KINDS, WEIGHT_GRAD_KINDS
 from rrfp.transport import Received, Transport
 
@@ -87,13 +96,22 @@ class _Ring:
     size: int
     training: bool
     variable: bool
+    sent_shapes: dict[tuple[int, int], list[torch.Size]]
+    """Variable shapes: the shapes each (stage, microbatch) sent downstream, which its
+    gradients come back in (shared by the rank's rings, filled by the executor)."""
     slots: list[tuple[torch.Tensor | None, ...]] = field(default_factory=list)
-    """Fixed shapes: the buffers of each slot. Variable shapes: dtype/device templates."""
+    """Fixed shapes: the buffers of each slot. Variable shapes: one slot of dtype/device
+    templates. None where the stage expects no tensor (an input without gradient)."""
+    source: tuple | None = None
+    """The stage's receive descriptors the slots were made for (a re-initialized stage
+    makes new ones: then the slots are made again)."""
     headers: list[torch.Tensor] = field(default_factory=list)
     order: list[int] = field(default_factory=list)
     posted: int = 0
     free: deque[int] = field(default_factory=deque)
     in_use: dict[int, int] = field(default_factory=dict)
+    bound: dict[int, tuple[torch.Tensor | None, ...]] = field(default_factory=dict)
+    """The buffers bound to each microbatch whose receive is posted."""
     awaiting_header: int | None = None
     """Variable shapes: the microbatch whose header is posted, not yet arrived."""
     forwards_done: set[int] = field(default_factory=set)
@@ -114,17 +132,20 @@ class _Ring:
         return ctype in WEIGHT_GRAD_KINDS if self.training else ctype == F
 
     def ensure_slots(self) -> None:
-        """(Re)take the slots from the stage's own buffers of its first microbatches; drop
-        the rest. The stage re-creates its buffers when it is re-initialized (a switch
-        between training and evaluation): then the slots are taken again."""
-        ours = {id(t) for slot in self.slots for t in slot if t is not None}
+        """Make the slots from the stage's receive metadata, unless they were made for
+        the stage's current descriptors (a switch between training and evaluation
+        re-initializes the stage)."""
         current = self.infos(0)
-        if self.slots and all(info.buffer is None or id(info.buffer) in ours for info in current):
+        if self.slots and current is self.source:
             return
-        count = 1 if self.variable else self.size
-        self.slots = [tuple(info.buffer for info in self.infos(mb)) for mb in range(count)]
-        tensors = sum(1 for t in self.slots[0] if t is not None)
+        self.source = current
         device = self.stage.device
+        count = 1 if self.variable else self.size
+        self.slots = [tuple(None if info.tensor_meta is None
+                            else _make_tensor_from_meta(info.tensor_meta, device)
+                            for info in current)
+                      for _ in range(count)]
+        tensors = sum(1 for t in self.slots[0] if t is not None)
         self.headers = [torch.zeros(header_size(tensors), dtype=torch.int64, device=device)
                         for _ in range(self.size)] if self.variable and self.edge.is_forward else []
         if self.variable and device.type == "cuda" and self.copy_stream is None:
@@ -137,8 +158,7 @@ class _Ring:
         self.in_use.clear()
         self.awaiting_header = None
         self.forwards_done.clear()
-        for mb in order:  # until bound, every microbatch points at a slot, not its own buffer
-            self._bind(mb, self.slots[0])
+        self.finish()  # e.g. the buffers torch's stages allocate at shape inference (<= 2.14)
         self.post(transport)
 
     def post(self, transport: Transport) -> None:
@@ -157,8 +177,7 @@ class _Ring:
                 self.awaiting_header = mb
                 transport.post_receive(self.edge, mb, [self.headers[slot]], header=True)
             else:
-                outputs, _ = self.stage.fwd_cache[mb]
-                self._post_payload(transport, mb, [o.shape for o in outputs])
+                self._post_payload(transport, mb, self.sent_shapes[(self.edge.dst, mb)])
 
     def header_arrived(self, transport: Transport, mb: int) -> None:
         """The shapes of microbatch ``mb``'s message came: receive the message itself, then
@@ -183,20 +202,27 @@ class _Ring:
 
     def release(self, mb: int) -> None:
         self.free.append(self.in_use.pop(mb))
+        self.bound.pop(mb, None)
+
+    def finish(self) -> None:
+        """Unbind every microbatch's descriptors: the step ended or failed."""
+        for mb in self.order:
+            for info in self.infos(mb):
+                unbind_receive(info)
+        self.bound.clear()
 
     def _bind(self, mb: int, slot: tuple[torch.Tensor | None, ...]) -> None:
+        self.bound[mb] = slot
         for info, buffer in zip(self.infos(mb), slot):
             if buffer is not None:
                 buffer.grad = None  # backward accumulates into the input's .grad
-                info.buffer = buffer
+                bind_receive(info, buffer)
 
     @property
     def nbytes(self) -> int:
         """Bytes of the ring's buffers (variable shapes: of the messages it holds now)."""
-        if self.variable:
-            held = [tuple(info.buffer for info in self.infos(mb)) for mb in self.in_use]
-        else:
-            held = self.slots
+        held = [self.bound[mb] for mb in self.in_use if mb in self.bound] if self.variable \
+            else self.slots
         return sum(t.numel() * t.element_size() for slot in held for t in slot if t is not None)
 
 
@@ -212,6 +238,7 @@ class ReceiveRings:
         self._rings: dict[tuple[Edge, bool], _Ring] = {}
         self._active: list[_Ring] = []
         self._transport: Transport | None = None
+        self._sent_shapes: dict[tuple[int, int], list[torch.Size]] = {}
         self.peak_bytes = 0
         """Most bytes the rings held at once during the step."""
 
@@ -220,6 +247,7 @@ class ReceiveRings:
         """Bind and post the first receives of every incoming channel of the step."""
         self._transport = transport
         self._active = []
+        self._sent_shapes.clear()
         for edge in transport.channels:
             stage = stages.get(edge.dst)
             if stage is None or (not edge.is_forward and not training):
@@ -230,7 +258,8 @@ class ReceiveRings:
             key = (edge, training)
             ring = self._rings.get(key)
             if ring is None or ring.size != size or ring.stage is not stage:
-                ring = self._rings[key] = _Ring(edge, stage, size, training, self.variable_shapes)
+                ring = self._rings[key] = _Ring(edge, stage, size, training, self.variable_shapes,
+                                                self._sent_shapes)
             ring.start(transport, order)
             self._active.append(ring)
         self.peak_bytes = self._bytes()
@@ -247,6 +276,17 @@ class ReceiveRings:
             ring.header_arrived(self._transport, arrival.microbatch)  # type: ignore[arg-type]
             self.peak_bytes = max(self.peak_bytes, self._bytes())
         return messages
+
+    def sent(self, stage: int, microbatch: int, tensors: list[torch.Tensor]) -> None:
+        """``stage`` sent ``microbatch``'s activations downstream: with variable shapes, its
+        gradients will come back in their shapes."""
+        if self.variable_shapes:
+            self._sent_shapes[(stage, microbatch)] = [t.shape for t in tensors]
+
+    def finish(self) -> None:
+        """The step ended or failed: leave no buffer bound to the stages' descriptors."""
+        for ring in self._active:
+            ring.finish()
 
     def completed(self, action: _Action) -> None:
         """``action`` completed on the device: free the slots it was the last to read, and

@@ -27,9 +27,10 @@ from torch.distributed.pipelining.schedules import (
     PipelineScheduleMulti,
 )
 from torch.distributed.pipelining.stage import _DTensorMeta, _PipelineStageBase
-from torch.distributed.pipelining.microbatch import TensorChunkSpec
+from torch.distributed.pipelining.microbatch import _split_tensor, TensorChunkSpec
 from torch.profiler import record_function
 
+from rrfp._torch_compat import clear_after_failure, release_sent_outputs
 from rrfp.arbiter import Arbiter, check_deadlock_free, resolve_buffer_limits
 from rrfp.hints import (
     _Action,
@@ -105,8 +106,8 @@ class ScheduleRRFP(PipelineScheduleMulti):
         variable_shapes: microbatches may differ in shape (e.g. in sequence length): each
             activation message is then preceded by a small shape header on its channel,
             and its receive buffers are allocated when the header arrives. Feed such
-            microbatches with ``step_microbatches``. Off by default: with fixed shapes no
-            header is sent.
+            microbatches pre-split: ``step(arg_mbs=..., target_mbs=...)``. Off by
+            default: with fixed shapes no header is sent.
         device: where actions run. ``None``: the stages' CUDA stream for CUDA stages,
             synchronous execution for CPU stages. ``rrfp.device.EmulatedDevice(...)``: an
             emulated asynchronous device for CPU stages (tests and studies).
@@ -227,6 +228,7 @@ class ScheduleRRFP(PipelineScheduleMulti):
         self._meter = ActivationMeter() if meter_activations else None
         self._transport = Transport(create_channels(self._hint, stages[0].group, stage_device),
                                     self._wakeup, send_delay=send_delay)
+        self._finalize_gradients = True
         self._coordination_group = coordination_group
         self._collectives_checked = False
         self.coordination = coordination
@@ -315,6 +317,7 @@ class ScheduleRRFP(PipelineScheduleMulti):
             if coordinator is not None:
                 coordinator.finish()
             self._transport.finish_sends(self.stall_timeout)
+            self._receives.finish()
         except TimeoutError as e:
             self._abandon(e)
             raise PipelineStallError(f"pipeline rank {self.rank}: {e}") from e
@@ -343,12 +346,10 @@ class ScheduleRRFP(PipelineScheduleMulti):
         except RuntimeError as e:  # the step's own error is the one to raise
             logger.warning("pipeline rank %d: %s", self.rank, e)
             return  # a thread still running may read the stages' caches
-        # Their graphs, and what those saved, go now rather than at the stages' next step;
-        # torch's own clearing leaves the state a split backward keeps from I to W.
+        # Their graphs, and what those saved, go now rather than at the stages' next step.
+        self._receives.finish()
         for stage in self._stages:
-            stage.clear_runtime_states()
-            for held in (stage.backward_state, stage.dw_runner, stage.bwd_cache):
-                held.clear()
+            clear_after_failure(stage)
 
     def close(self, timeout: float = 10.0) -> None:
         """Stop this schedule's threads and close its channels (idempotent).
@@ -439,6 +440,60 @@ class ScheduleRRFP(PipelineScheduleMulti):
                                stage.stage_index)
                 stage._runtime_validate = False
 
+    def step(
+        self,
+        *args,
+        target=None,
+        losses: list | None = None,
+        return_outputs: bool = True,
+        loss_kwargs: dict[str, Any] | None = None,
+        arg_mbs: list[tuple] | None = None,
+        kwarg_mbs: list[dict] | None = None,
+        target_mbs: list | None = None,
+        finalize_gradients: bool = True,
+        **kwargs,
+    ):
+        """One training step, with torch's contract (torch >= 2.14's, on every version).
+
+        Whole-batch ``args``/``kwargs``/``target`` are split into microbatches; or pass
+        microbatches already split: ``arg_mbs[i]`` the tuple of positional inputs of
+        microbatch i (first stage), ``kwarg_mbs[i]`` its keyword inputs, ``target_mbs[i]``
+        its target (last stage). With ``variable_shapes=True`` pre-split microbatches may
+        differ in shape, and the last stage returns its outputs per microbatch (a list:
+        they need not merge); otherwise the merged output. ``finalize_gradients=False``
+        (as in torch 2.15) leaves FSDP stages' gradients unreduced and their parameters
+        unsharded, to accumulate over further calls; the next call with True reduces
+        them (with ``scale_grads``, dividing by ``n_microbatches`` only). It has no
+        effect on other stages.
+        """
+        if self._has_backward and not torch.is_grad_enabled():
+            raise RuntimeError("step() computes gradients: call it outside torch.no_grad(), "
+                               "or use eval()")
+        arg_mbs, kwarg_mbs, target_mbs = self._microbatch_inputs(
+            args, kwargs, target, arg_mbs, kwarg_mbs, target_mbs)
+        self._finalize_gradients = bool(finalize_gradients)
+        for stage in self._stages:
+            stage.has_backward = self._has_backward
+            stage.clear_runtime_states()
+        self._step_microbatches(arg_mbs, kwarg_mbs, target_mbs, losses, return_outputs,
+                                loss_kwargs=loss_kwargs)
+        for stage in self._stages:
+            if stage.is_last and return_outputs:
+                chunks = list(stage.output_chunks)
+                return chunks if self.variable_shapes else self._merge_outputs(chunks)
+        return None
+
+    def eval(self, *args, target=None, losses: list | None = None,
+             arg_mbs: list[tuple] | None = None, kwarg_mbs: list[dict] | None = None,
+             target_mbs: list | None = None, **kwargs):
+        """One forward-only step, with ``step``'s inputs (whole batch or pre-split)."""
+        has_backward, self._has_backward = self._has_backward, False
+        try:
+            return self.step(*args, target=target, losses=losses, arg_mbs=arg_mbs,
+                             kwarg_mbs=kwarg_mbs, target_mbs=target_mbs, **kwargs)
+        finally:
+            self._has_backward = has_backward
+
     def step_microbatches(
         self,
         arg_mbs: list | None = None,
@@ -447,24 +502,43 @@ class ScheduleRRFP(PipelineScheduleMulti):
         kwarg_mbs: list | None = None,
         losses: list | None = None,
         return_outputs: bool = True,
-    ) -> list | None:
-        """One step on microbatches already split, which may differ in shape
-        (``variable_shapes=True``): ``arg_mbs[i]`` is the tuple of positional inputs of
-        microbatch i (first stage only), ``target_mbs[i]`` its target (last stage only).
-        Returns the last stage's outputs per microbatch (not merged: they may differ in
-        shape), else None.
-        """
-        if self._has_backward and not torch.is_grad_enabled():
-            raise RuntimeError("step_microbatches() computes gradients: call it outside "
-                               "torch.no_grad(), or use eval()")
-        for stage in self._stages:
-            stage.has_backward = self._has_backward
-            stage.clear_runtime_states()
-        self._step_microbatches(arg_mbs, kwarg_mbs, target_mbs, losses, return_outputs)
-        for stage in self._stages:
-            if stage.is_last and return_outputs:
-                return list(stage.output_chunks)
-        return None
+    ) -> Any:
+        """``step(arg_mbs=arg_mbs, target_mbs=target_mbs, ...)`` (kept for callers of
+        rrfp <= 0.1, which had no pre-split ``step``)."""
+        return self.step(arg_mbs=arg_mbs, kwarg_mbs=kwarg_mbs, target_mbs=target_mbs,
+                         losses=losses, return_outputs=return_outputs)
+
+    def _microbatch_inputs(self, args: tuple, kwargs: dict, target, arg_mbs, kwarg_mbs,
+                           target_mbs) -> tuple[list, list, list | None]:
+        """Whole-batch inputs split, or pre-split ones checked, as torch's schedules do."""
+        if all(mbs is None for mbs in (arg_mbs, kwarg_mbs, target_mbs)):
+            arg_mbs, kwarg_mbs = self._split_inputs(args, kwargs)
+            target_mbs = (None if target is None else
+                          list(_split_tensor(target, TensorChunkSpec(0), self._n_microbatches)))
+            return arg_mbs, kwarg_mbs, target_mbs
+        mixed = [name for name, given in (("positional inputs", args), ("keyword inputs", kwargs),
+                                          ("target=", target is not None)) if given]
+        if mixed:
+            raise ValueError(f"pre-split inputs (arg_mbs/kwarg_mbs/target_mbs) and whole-batch "
+                             f"{', '.join(mixed)} were both given: pass each microbatch's "
+                             "inputs through arg_mbs=, kwarg_mbs= and target_mbs= only")
+        for name, mbs, kind in (("arg_mbs", arg_mbs, tuple), ("kwarg_mbs", kwarg_mbs, dict),
+                                ("target_mbs", target_mbs, None)):
+            if mbs is None:
+                continue
+            if not isinstance(mbs, list):
+                raise TypeError(f"{name} must be a list, one entry per microbatch, not a "
+                                f"{type(mbs).__name__}")
+            if len(mbs) != self._n_microbatches:
+                raise ValueError(f"{name} has {len(mbs)} entries for {self._n_microbatches} "
+                                 "microbatches")
+            wrong = [i for i, mb in enumerate(mbs) if kind is not None and not isinstance(mb, kind)]
+            if wrong:
+                raise TypeError(f"{name}[{wrong[0]}] is a {type(mbs[wrong[0]]).__name__}, not a "
+                                f"{kind.__name__}")
+        return (arg_mbs if arg_mbs is not None else [()] * self._n_microbatches,
+                kwarg_mbs if kwarg_mbs is not None else [{}] * self._n_microbatches,
+                target_mbs)
 
     def _prepare_data_parallel(self) -> list[FSDPModule]:
         """Unshard the local stages' FSDP modules now, in stage order; return them.
@@ -618,7 +692,9 @@ class _StageExecutor:
             elif ctype == REDUCE_GRAD:
                 if action.stage_index in schedule._ddp:
                     _all_reduce_gradients(schedule._ddp[action.stage_index])
-                stage.perform_reduce_grad(schedule._n_microbatches if schedule.scale_grads else 1)
+                if schedule._finalize_gradients or not isinstance(stage.submod, FSDPModule):
+                    stage.perform_reduce_grad(
+                        schedule._n_microbatches if schedule.scale_grads else 1)
             else:
                 raise AssertionError(f"unexpected action {action}")
 
@@ -629,9 +705,13 @@ class _StageExecutor:
         ops = stage.get_fwd_send_ops(mb) if edge.is_forward else stage.get_bwd_send_ops(mb)
         tensors = [op.tensor for op in ops]
         self.sends.append((edge.src, edge.dst, mb, self.clock()))
-        if schedule.variable_shapes and edge.is_forward:
-            schedule._transport.send(edge, mb, [shape_header(tensors, stage.device)])
+        if edge.is_forward:
+            schedule._receives.sent(edge.src, mb, tensors)
+            if schedule.variable_shapes:
+                schedule._transport.send(edge, mb, [shape_header(tensors, stage.device)])
         schedule._transport.send(edge, mb, tensors)
+        if edge.is_forward:  # the transport holds the tensors until their send completes
+            release_sent_outputs(stage, mb)
 
 
 def _step_stats(schedule: ScheduleRRFP, loop: StepLoop, executor: _StageExecutor,

@@ -197,6 +197,24 @@ def test_lazily_connected_channels_deadlock_unless_connected_first():
     assert all(result.get("bitwise") for result in connected), connected
 
 
+@pytest.mark.parametrize("hint, stages_per_rank", [("1F1B", 1), ("Interleaved1F1B", 2)])
+def test_pre_split_step_is_bitwise_torchs_schedule_on_the_same_microbatches(hint,
+                                                                           stages_per_rank):
+    """``step(arg_mbs=..., target_mbs=...)`` (torch's pre-split call, on every torch
+    version) and ``step_microbatches``: gradients, losses and outputs bitwise those of
+    torch's fixed schedule, with random delays that reorder actions; bad pre-split inputs
+    are refused saying what is wrong, before any communication."""
+    ranks = run_local_world(2, workers.pre_split, hint, stages_per_rank, timeout=180)
+    for rank, result in enumerate(ranks):
+        for call in ("step", "step_microbatches"):
+            run = result[call]
+            assert run["bitwise"], (rank, call, "differs from torch's " + hint)
+            assert run["outputs"], (rank, call, "outputs differ from torch's")
+            assert [e.split(":")[0] for e in run["errors"]] == \
+                ["ValueError", "TypeError", "ValueError"], run["errors"]
+    assert sum(r[c]["out_of_order"] for r in ranks for c in ("step", "step_microbatches")) > 0
+
+
 def test_a_failed_step_under_split_backward_leaves_no_unfinished_microbatch_held():
     """With I and W split, a microbatch between its I and its W keeps its graph in the
     stage's backward state: a failed step must let go of that too, not only of the
@@ -204,24 +222,28 @@ def test_a_failed_step_under_split_backward_leaves_no_unfinished_microbatch_held
     for rank, result in enumerate(run_local_world(2, workers.split_backward_failure,
                                                   timeout=120)):
         assert result["error"] is not None, f"rank {rank} did not fail"
-        assert result["held"] == {"fwd_cache": 0, "backward_state": 0, "dw_runner": 0,
+        assert result["held"] == {"forward_states": 0, "backward_state": 0, "dw_runner": 0,
                                   "bwd_cache": 0}, (rank, result)
+        assert result["bound"] == 0, (rank, result)
 
 
 def test_stats_and_history_hold_device_durations_not_launch_times():
     ranks = run_local_world(2, workers.device_durations, 0.005, timeout=120)
     for result in ranks:
         expected = {"F": 0.03, "B": 0.06}
+        # A span runs from the device starting the action to its end: never shorter than
+        # the emulated time (a sleep does not end early), and, on a loaded machine too, far
+        # from what a span measured from the launch would be (up to a queued backward
+        # more: +200% for a forward). Sleeps overshoot by milliseconds on busy cores.
         for kind, target in expected.items():
             measured = [seconds for k, seconds in result["spans"] if k == kind]
-            # The typical action within 5%; none far off (sleeps overshoot on busy cores).
-            assert abs(statistics.median(measured) - target) <= 0.05 * target, (kind, measured)
-            assert all(abs(m - target) <= 0.25 * target for m in measured), (kind, measured)
+            assert all(m >= 0.97 * target for m in measured), (kind, measured)
+            assert statistics.median(measured) <= 1.4 * target, (kind, measured)
         assert {"F", "B"} <= set(result["history"])
         for kind, seconds in result["history"].items():
             if kind == "REDUCE_GRAD":
                 continue
-            assert abs(seconds - expected[kind]) <= 0.05 * expected[kind], (kind, seconds)
+            assert 0.97 * expected[kind] <= seconds <= 1.4 * expected[kind], (kind, seconds)
         # Launches return after the emulated launch cost, long before the work is done.
         assert result["launch_time"] < 0.25 * result["busy"]
         assert result["launch_time"] >= 0.005 * result["dispatched"]
@@ -241,6 +263,7 @@ def test_a_failed_step_fails_every_rank_promptly_and_a_new_schedule_recovers(fai
         assert "cannot run another step" in result["refused"]
         assert result["threads_after_failure"] == [], result["threads_after_failure"]
         assert result["cached_after_failure"] == 0
+        assert result["bound_after_failure"] == 0, "a receive buffer stays bound to torch's infos"
         assert result["threads_at_end"] == []
         assert result["bitwise"], f"rank {rank}: the recovered step differs from torch's GPipe"
 

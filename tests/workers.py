@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import inspect
 import datetime
 import random
 import threading
@@ -17,6 +18,7 @@ from torch.distributed.pipelining._utils import generate_stage_to_rank_mapping
 from torch.distributed.pipelining.schedules import get_schedule_class, PipelineScheduleSingle
 
 from rrfp import PipelineStallError, ScheduleRRFP
+from rrfp._torch_compat import forward_states_held
 from rrfp.device import EmulatedDevice
 from rrfp.emulation import EmulatedDeviceTime
 from rrfp.schedule import DEFAULT_LAUNCH_DEPTH
@@ -723,7 +725,8 @@ def failure_and_recovery(rank: int, world_size: int, failing_rank: int) -> dict:
     elapsed = time.perf_counter() - start
     threads_after_failure = rrfp_threads()
     # Microbatches forwarded but never backwarded: their graphs must not outlive the failure.
-    cached_after_failure = sum(len(stage.fwd_cache) for stage in stages)
+    cached_after_failure = sum(forward_states_held(stage) for stage in stages)
+    bound_after_failure = receive_buffers_bound(stages)
     try:
         run_steps(schedule, stages, blocks, x, y, 1)
         refused = None
@@ -746,6 +749,7 @@ def failure_and_recovery(rank: int, world_size: int, failing_rank: int) -> dict:
     return {"error": error, "elapsed": elapsed, "refused": refused,
             "threads_after_failure": threads_after_failure, "threads_at_end": rrfp_threads(),
             "cached_after_failure": cached_after_failure,
+            "bound_after_failure": bound_after_failure,
             "bitwise": bitwise_equal(got, expected)}
 
 
@@ -767,8 +771,16 @@ def split_backward_failure(rank: int, world_size: int) -> dict:
     except Exception as e:
         error = error_chain(e)
     held = {name: sum(len(getattr(stage, name)) for stage in stages)
-            for name in ("fwd_cache", "backward_state", "dw_runner", "bwd_cache")}
-    return {"error": error, "held": held}
+            for name in ("backward_state", "dw_runner", "bwd_cache")}
+    held["forward_states"] = sum(forward_states_held(stage) for stage in stages)
+    return {"error": error, "held": held, "bound": receive_buffers_bound(stages)}
+
+
+def receive_buffers_bound(stages) -> int:
+    """Receive descriptors of the stages that still point at a buffer."""
+    return sum(info.buffer is not None for stage in stages
+               for infos in (*stage.args_recv_info.values(), *stage.grad_recv_info.values())
+               for info in infos if not info.is_root_arg)
 
 
 class LazilyConnectedGroup:
@@ -1089,3 +1101,70 @@ def made_up_stats(rank: int, **fields) -> StepStats:
                   realized_order=[], step_time=1.0, device_busy_time=0.5, wait_time=0.0,
                   decision_time=0.0, launch_time=0.0, start_unix=0.0)
     return StepStats(**{**values, **fields})
+
+
+def pre_split(rank: int, world_size: int, hint: str, stages_per_rank: int) -> dict:
+    """torch's pre-split call, ``step(arg_mbs=..., target_mbs=...)``, under RRFP with random
+    device and link delays, against torch's fixed schedule given the same microbatches
+    (torch >= 2.14: pre-split too; 2.13 has no such call: the whole batch, which it splits
+    into the same chunks); and ``step_microbatches`` on the same microbatches."""
+    M, steps = 4, 2
+    chain = make_chain(world_size * stages_per_rank)
+    x, y = make_batch(M)
+    arg_mbs, target_mbs = [(t,) for t in x.chunk(M)], list(y.chunk(M))
+    first = lambda stages: any(s.is_first for s in stages)  # noqa: E731
+    last = lambda stages: any(s.is_last for s in stages)  # noqa: E731
+
+    def train(schedule, stages, blocks, call) -> tuple[list, list]:
+        optimizer = torch.optim.SGD([p for b in blocks for p in b.parameters()], lr=0.1)
+        history, outputs = [], []
+        for _ in range(steps):
+            optimizer.zero_grad(set_to_none=True)
+            losses: list = []
+            outputs.append(call(schedule, stages, losses))
+            history.append(([p.grad.clone() for b in blocks for p in b.parameters()],
+                            [loss.detach().clone() for loss in losses]))
+            optimizer.step()
+        return history, outputs
+
+    def pre_split_call(schedule, stages, losses):
+        return schedule.step(arg_mbs=arg_mbs if first(stages) else None,
+                             target_mbs=target_mbs if last(stages) else None, losses=losses)
+
+    def whole_batch_call(schedule, stages, losses):
+        return schedule.step(*((x,) if first(stages) else ()), target=y, losses=losses)
+
+    def alias_call(schedule, stages, losses):
+        return schedule.step_microbatches(arg_mbs if first(stages) else None,
+                                          target_mbs if last(stages) else None, losses=losses)
+
+    stages, blocks = build_stages(chain, rank, world_size, "loop")
+    torch_has_pre_split = "arg_mbs" in inspect.signature(
+        torch_schedule(hint, stages, M).step).parameters
+    fixed, fixed_out = train(torch_schedule(hint, stages, M), stages, blocks,
+                             pre_split_call if torch_has_pre_split else whole_batch_call)
+    results = {"torch_pre_split": torch_has_pre_split}
+    for name, call in (("step", pre_split_call), ("step_microbatches", alias_call)):
+        wrap = lambda s, b: random_device_time(3, s, M, 0.003)(b)  # noqa: E731
+        stages, blocks = build_stages(chain, rank, world_size, "loop", wrap=wrap)
+        send_rng = random.Random(17 + rank)
+        schedule = ScheduleRRFP(stages, M, loss_fn=loss_fn, hint=hint, buffer_limit="hint+1",
+                                device=EmulatedDevice(), stall_timeout=60,
+                                send_delay=lambda edge, mb: send_rng.uniform(0, 0.003))
+        history, outputs = train(schedule, stages, blocks, call)
+        results[name] = {
+            "bitwise": bitwise_equal(history, fixed),
+            "outputs": all((a is None and b is None) or torch.equal(a, b)
+                           for a, b in zip(outputs, fixed_out)),
+            "out_of_order": schedule.last_step_stats.out_of_hint_order,
+        }
+        errors = []
+        for bad in (dict(arg_mbs=arg_mbs[:-1]), dict(arg_mbs=[t for (t,) in arg_mbs]),
+                    dict(arg_mbs=arg_mbs, target=y)):
+            try:
+                schedule.step(**bad)
+            except (TypeError, ValueError) as e:
+                errors.append(f"{type(e).__name__}: {e}")
+        results[name]["errors"] = errors
+        schedule.close()
+    return results

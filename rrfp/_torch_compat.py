@@ -1,0 +1,113 @@
+"""Every difference between the supported torch versions (2.13, 2.14, 2.15), in one place.
+
+rrfp drives private internals of ``torch.distributed.pipelining``; what changed between
+the versions it supports, and how rrfp reads the same on each:
+
+* **Bookkeeping actions.** torch 2.15's ``_add_reduce_grad`` follows every ``REDUCE_GRAD``
+  with a ``WAIT_REDUCE_GRAD`` (and its lowering has ``WAIT_SEND_F/B``). rrfp runs a
+  stage's reduction synchronously at ``REDUCE_GRAD`` and derives all communication itself,
+  so such actions are dropped from hints (``is_bookkeeping``, ``add_reduce_grad``).
+* **Receive buffers.** Up to 2.14 a stage allocates one buffer per microbatch at shape
+  inference and reads ``info.buffer``; from 2.15 buffers are lazy: ``info.buffer`` stays
+  None until a receive is posted, the stage's compute takes it (``take_buffer()`` clears
+  it), and a stage re-initialized while a buffer is bound raises. On every version rrfp's
+  receive rings own their slots, bind one to a ``_RecvInfo`` when they post its receive
+  (``bind_receive``) and unbind what is left at step end or after a failure
+  (``unbind_receive``), so nothing stays bound to torch's descriptors between steps.
+* **Forward state.** ``stage.fwd_cache`` (<= 2.14) became ``stage._forward_chunk_states``
+  (2.15); rrfp reads neither for shapes (its executor records what it sends), only to
+  count what a stage holds (``forward_states_held``) and to clear it after a failure.
+* **Sent outputs.** 2.15's stages keep a forward output referenced until
+  ``release_fwd_send_outputs`` (its schedules call it once the send completed). rrfp's
+  transport holds its own reference to every tensor it sends until the send completes, so
+  the stage's reference is dropped as soon as the send is handed over
+  (``release_sent_outputs``): never later than torch's own schedules let go of it.
+* **Gradient finalization.** 2.15's ``step(finalize_gradients=False)`` leaves FSDP
+  gradients unreduced and parameters unsharded for accumulation across calls. rrfp
+  accepts the argument on every version (it only decides whether ``REDUCE_GRAD`` runs
+  FSDP's reduction, which each version's ``perform_reduce_grad`` performs).
+* **Pre-split microbatches** (``step(arg_mbs=..., kwarg_mbs=..., target_mbs=...)``)
+  exist in torch's schedules from 2.14; ``ScheduleRRFP.step`` implements that contract
+  itself, so the call works on 2.13 too.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import torch
+from torch.distributed.pipelining.schedules import _Action, _add_reduce_grad, _ComputationType
+from torch.distributed.pipelining.stage import _PipelineStageBase
+
+TORCH_VERSION: tuple[int, int] = tuple(int(p) for p in torch.__version__.split(".")[:2])  # type: ignore[assignment]
+"""(major, minor) of the running torch."""
+
+SUPPORTED = ((2, 13), (2, 16))
+"""The supported range: from the first inclusive to the second exclusive."""
+
+_REDUCTION_WAITS = frozenset(
+    _ComputationType[name] for name in ("WAIT_REDUCE_GRAD",) if name in _ComputationType.__members__)
+
+
+def check_supported() -> None:
+    """Refuse a torch older than the range, warn about a newer one (rrfp drives private
+    internals of torch.distributed.pipelining, which change between releases)."""
+    (low_major, low_minor), (high_major, high_minor) = SUPPORTED
+    wanted = f"pip install 'torch>={low_major}.{low_minor},<{high_major}.{high_minor}'"
+    if TORCH_VERSION < SUPPORTED[0]:
+        raise ImportError(f"rrfp needs torch >= {low_major}.{low_minor}, found "
+                          f"{torch.__version__}: {wanted}")
+    if TORCH_VERSION >= SUPPORTED[1]:
+        warnings.warn(f"rrfp is tested with torch < {high_major}.{high_minor}, found "
+                      f"{torch.__version__}: if pipelining fails, {wanted}", stacklevel=2)
+
+
+def is_bookkeeping(action: _Action) -> bool:
+    """Whether ``action`` is a gradient-reduction action torch adds to compute orders
+    (``REDUCE_GRAD``, and 2.15's ``WAIT_REDUCE_GRAD``), which rrfp re-derives itself."""
+    return action.computation_type == _ComputationType.REDUCE_GRAD or (
+        action.computation_type in _REDUCTION_WAITS)
+
+
+def add_reduce_grad(actions: list[_Action], n_microbatches: int) -> list[_Action]:
+    """torch's placement of ``REDUCE_GRAD`` after each stage's last backward piece,
+    without the waits 2.15 adds (rrfp's reduction completes within the action)."""
+    placed = _add_reduce_grad(list(actions), n_microbatches)  # type: ignore[arg-type]
+    return [a for a in placed if a is not None and a.computation_type not in _REDUCTION_WAITS]
+
+
+def bind_receive(info, buffer: torch.Tensor) -> None:
+    """Make ``buffer`` the one the stage reads ``info``'s input or gradient from."""
+    info.buffer = buffer
+
+
+def unbind_receive(info) -> None:
+    """Leave ``info`` without a buffer (2.15 refuses to re-initialize a stage otherwise)."""
+    info.buffer = None
+
+
+def forward_states_held(stage: _PipelineStageBase) -> int:
+    """Microbatches whose forward state (inputs and outputs for backward) the stage holds."""
+    states = getattr(stage, "_forward_chunk_states", None)
+    return len(states if states is not None else stage.fwd_cache)
+
+
+def release_sent_outputs(stage: _PipelineStageBase, microbatch: int) -> None:
+    """Drop the stage's references to ``microbatch``'s outputs, whose sends the transport
+    now holds (2.15; earlier stages hold outputs until backward, as their schedules do)."""
+    release = getattr(stage, "release_fwd_send_outputs", None)
+    if release is not None:
+        release(microbatch)
+
+
+def clear_after_failure(stage: _PipelineStageBase) -> None:
+    """Let go of everything a failed step left in the stage: forward states, outputs,
+    what a split backward keeps from I to W (torch's own clearing leaves that), and inputs
+    handed over by a local stage but never consumed."""
+    stage.clear_runtime_states()
+    for held in (stage.backward_state, stage.dw_runner, stage.bwd_cache):
+        held.clear()
+    for infos in (*stage.args_recv_info.values(), *stage.grad_recv_info.values()):
+        for info in infos:
+            if not info.is_root_arg:
+                unbind_receive(info)
