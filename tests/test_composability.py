@@ -28,6 +28,21 @@ def test_pipeline_x_data_parallel_is_bitwise_fixed_when_replicas_interleave_diff
         "the replicas never interleaved differently: the test did not exercise ordering")
 
 
+def test_gradients_accumulate_over_steps_that_do_not_finalize_them():
+    """``step(finalize_gradients=False)`` (torch 2.15's argument, on every version): FSDP
+    parameters stay unsharded and gradients unreduced until the finalizing step, whose
+    gradients are those of both batches: bitwise torch's own schedule where torch has the
+    argument, and within 1e-12 of the non-pipelined model (the only baseline on 2.13/2.14)."""
+    ranks = run_local_world(4, workers.gradient_accumulation, timeout=240)
+    for result in ranks:
+        assert result["rrfp"] == {"unsharded_between": True}, result
+        assert result["error"] < 1e-12, result
+        if "torch" in result:
+            assert result["torch"] == result["rrfp"], result
+            assert result["bitwise"], result
+    assert any(r["out_of_order"] for r in ranks), "the delays never reordered an action"
+
+
 def test_agreement_settles_when_the_ranks_policies_rank_actions_differently():
     for result in run_local_world(2, workers.agree_when_policies_differ, timeout=60):
         assert result["agreed"] == result["hint_next"], result

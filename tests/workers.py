@@ -1168,3 +1168,69 @@ def pre_split(rank: int, world_size: int, hint: str, stages_per_rank: int) -> di
         results[name]["errors"] = errors
         schedule.close()
     return results
+
+
+def gradient_accumulation(rank: int, world_size: int) -> dict:
+    """PP 2 x FSDP 2, 1F1B: ``step(finalize_gradients=False)`` then a finalizing step, on
+    two batches, under RRFP with random delays that differ between the replicas. Against
+    torch's own schedule making the same two calls where torch has the argument (2.15),
+    and against the non-pipelined model over both batches on every version."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "pp"))
+    dp, pp = mesh["dp"].get_local_rank(), mesh["pp"].get_local_rank()
+    num_stages, M = 2, 4
+    chain = make_chain(num_stages)
+    batches = [make_batch(2 * M, seed=seed) for seed in (1, 2)]
+    per_replica = M * BATCH_PER_MICROBATCH
+    replica = slice(dp * per_replica, (dp + 1) * per_replica)
+
+    def build(seed: int | None):
+        block = copy.deepcopy(chain[pp])
+        module = block if seed is None else random_device_time(seed * 10 + dp, pp, M, 0.003)(block)
+        fully_shard(module, mesh=mesh["dp"])
+        module.set_force_sum_reduction_for_comms(True)
+        stage = PipelineStage(module, pp, num_stages, torch.device("cpu"), group=mesh["pp"].get_group())
+        return stage, block
+
+    def accumulate(schedule, stage, block) -> dict:
+        unsharded_between = []
+        for i, (x, y) in enumerate(batches):
+            inputs = (x[replica],) if stage.is_first else ()
+            schedule.step(*inputs, target=y[replica], finalize_gradients=i == 1)
+            if i == 0:
+                unsharded_between = [p.shape == q.shape for p, q in
+                                     zip(block.parameters(), chain[pp].parameters())]
+        return {"grads": [p.grad.to_local().clone() for p in block.parameters()],
+                "full": [p.grad.full_tensor() for p in block.parameters()],
+                "unsharded_between": all(unsharded_between)}
+
+    result = {}
+    stage, block = build(None)
+    fixed = torch_schedule("1F1B", [stage], M)
+    if "finalize_gradients" in inspect.signature(fixed.step).parameters:
+        result["torch"] = accumulate(fixed, stage, block)
+    stage, block = build(3)
+    rrfp = ScheduleRRFP(stage, M, loss_fn=loss_fn, hint="1F1B", buffer_limit="hint+1",
+                        device=EmulatedDevice(), stall_timeout=60)
+    result["rrfp"] = accumulate(rrfp, stage, block)
+    result["out_of_order"] = rrfp.last_step_stats.out_of_hint_order
+    rrfp.close()
+    reference = [copy.deepcopy(b) for b in chain]
+    total = 0
+    for x, y in batches:
+        out = x
+        for b in reference:
+            out = b(out)
+        total = total + loss_fn(out, y)
+    total.backward()
+    result["error"] = max((g - p.grad).abs().max().item()
+                          for g, p in zip(result["rrfp"]["full"], reference[pp].parameters()))
+    if "torch" in result:
+        result["bitwise"] = all(torch.equal(a, b) for a, b in
+                                zip(result["rrfp"]["grads"], result["torch"]["grads"]))
+    for run in ("rrfp", "torch"):
+        if run in result:
+            del result[run]["grads"], result[run]["full"]
+    return result
