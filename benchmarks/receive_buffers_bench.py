@@ -114,9 +114,9 @@ def main() -> None:
         "its stages allocate (alive while referenced: autograd keeps a stage's input for its "
         "backward); for rrfp its rings' slots (`StepStats.receive_buffer_bytes`).",
         "",
-        "On the last rank torch's buffers outlive their backward: a received activation is a leaf of "
-        "the stage's graph, which the step's losses keep (their graph nodes hold the leaves) until "
-        "the step ends, so they grow with the microbatches; the rings' slots are reused once a "
+        "On the last rank torch's buffers stay referenced past their microbatch's backward (not "
+        "traced further here; a received activation is a leaf of the stage's graph, which the "
+        "step's losses keep), so they grow with the microbatches; the rings' slots are reused once a "
         "microbatch's last backward piece has run, so they grow with the limit only. The first rank "
         "receives only gradients: torch holds the one its next backward needs, the ring holds "
         "`limit` slots, posted ahead.",
