@@ -26,6 +26,13 @@ the versions it supports, and how rrfp reads the same on each:
   gradients unreduced and parameters unsharded for accumulation across calls. rrfp
   accepts the argument on every version (it only decides whether ``REDUCE_GRAD`` runs
   FSDP's reduction, which each version's ``perform_reduce_grad`` performs).
+* **First-step set-up.** 2.15's ``_initialize_stages`` runs an all-reduce on the pipeline
+  group and connects torch's own P2P edges before shape inference; every rank runs it at
+  the same point (its first step, before any action), as under torch's schedules, so it
+  needs nothing here. rrfp's channels are its own and connect at construction.
+* **Gradient reduction.** 2.15's ``perform_reduce_grad`` reduces FSDP gradients through
+  ``finalize_backward(async_op=True)`` and waits for it; rrfp calls it at ``REDUCE_GRAD``
+  on every version, so the reduction still completes within that action.
 * **Pre-split microbatches** (``step(arg_mbs=..., kwarg_mbs=..., target_mbs=...)``)
   exist in torch's schedules from 2.14; ``ScheduleRRFP.step`` implements that contract
   itself, so the call works on 2.13 too.
