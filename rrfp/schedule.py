@@ -61,8 +61,8 @@ class ScheduleRRFP(PipelineScheduleMulti):
     """Runtime-readiness-first pipeline schedule (arXiv 2605.18750).
 
     Args:
-        stages: this rank's ``PipelineStage`` (or a list of them, one per local model chunk),
-            placed as the hint places them (loop: stage s on rank s % pp_size; V for
+        stages: this rank's ``PipelineStage`` (or a list of them, one per local model chunk,
+            in any order: they run in stage order), placed as the hint places them (loop: stage s on rank s % pp_size; V for
             ZBVZeroBubble and DualPipeV).
         n_microbatches: microbatches per step.
         loss_fn: loss of the last stage's output and the target, per microbatch.
@@ -148,7 +148,11 @@ class ScheduleRRFP(PipelineScheduleMulti):
             raise ValueError(
                 "coordination_group must be a CPU (gloo) group, so agreeing costs no device "
                 "synchronization: create it with dist.new_group(ranks, backend='gloo')")
-        stages = list(stages) if isinstance(stages, (list, tuple)) else [stages]
+        # In stage order, whatever order they come in: torch's first-step shape inference
+        # walks the list with blocking receives, so ranks listing their stages in different
+        # orders (e.g. [rank + 2, rank]) would each wait on the other before any check.
+        stages = sorted(stages, key=lambda stage: stage.stage_index) if isinstance(
+            stages, (list, tuple)) else [stages]
         if not stages:
             raise ValueError("ScheduleRRFP needs at least one stage")
         if not stall_timeout > 0:

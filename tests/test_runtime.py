@@ -75,6 +75,16 @@ def test_outputs_and_eval_match_torch(hint, reference, per_rank, layout):
             assert result["output_shape"] == (4 * workers.BATCH_PER_MICROBATCH, workers.DIM)
 
 
+def test_stages_listed_out_of_order_run_in_stage_order():
+    # torch's first-step shape inference walks the stage list with blocking receives:
+    # listed in reverse, rank 0 would wait for stage 1's activation and rank 1 for stage
+    # 2's, before anything could check the placement. A hang fails on the world timeout.
+    ranks = run_local_world(2, workers.stages_listed_in_reverse, timeout=60)
+    assert [result["listed"] for result in ranks] == [[2, 0], [3, 1]]
+    for rank, result in enumerate(ranks):
+        assert result["bitwise"], f"rank {rank}: not bitwise torch's Interleaved1F1B"
+
+
 def test_slow_microbatch_is_overtaken_on_an_asynchronous_device():
     # GPipe, 2 ranks, 8 microbatches, emulated device time: stage 0's forward of
     # microbatch 4 takes 0.6 s instead of 0.02 s. The fixed schedule leaves stage 1 idle

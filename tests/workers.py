@@ -242,6 +242,23 @@ def outputs_and_eval(rank: int, world_size: int, hint: str, reference: str,
             "output_shape": tuple(rrfp[2].shape) if has_last else None}
 
 
+def stages_listed_in_reverse(rank: int, world_size: int) -> dict:
+    """Interleaved1F1B with each rank's stages listed in reverse (``[rank + pp, rank]``):
+    two steps, against torch's fixed schedule given them in stage order."""
+    M, steps = 2 * world_size, 2
+    chain = make_chain(2 * world_size)
+    x, y = make_batch(M)
+    stages, blocks = build_stages(chain, rank, world_size, "loop")
+    fixed = run_steps(torch_schedule("Interleaved1F1B", stages, M), stages, blocks, x, y, steps)
+    stages, blocks = build_stages(chain, rank, world_size, "loop")
+    schedule = ScheduleRRFP(stages[::-1], M, loss_fn=loss_fn, hint="Interleaved1F1B",
+                            stall_timeout=20)
+    history = run_steps(schedule, stages, blocks, x, y, steps)
+    schedule.close()
+    return {"bitwise": bitwise_equal(history, fixed),
+            "listed": [stage.stage_index for stage in stages[::-1]]}
+
+
 def slow_microbatch_comparison(rank: int, world_size: int, hint: str, policy: str,
                                n_microbatches: int, slow_mb: int, slow_s: float,
                                repeats: int, launch_depth: int | None = None) -> dict:
