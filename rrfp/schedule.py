@@ -48,8 +48,9 @@ from rrfp.coordination import COORDINATIONS, make_coordinator
 from rrfp.device import CudaDevice, EmulatedDevice, HostDevice, Wakeup
 from rrfp.loop import Arrival, DEFAULT_LAUNCH_DEPTH, PipelineStallError, StepLoop
 from rrfp.memory import ActivationMeter
-from rrfp.policy import default_policy, History, make_policy, POLICIES
+from rrfp.policy import default_policy, History, make_policy
 from rrfp.receives import ReceiveRings, shape_header
+from rrfp.settings import parse_launch_depth, parse_policy
 from rrfp.stats import Span, StepStats
 from rrfp.transport import create_channels, SendDelay, Transport
 
@@ -75,13 +76,15 @@ class ScheduleRRFP(PipelineScheduleMulti):
         buffer_limit: microbatches of activations held (from a microbatch's F until its
             last backward piece, B or W), per stage and per rank: ``"hint"`` (the fixed
             schedule's own peaks, per stage and per rank: no more activation memory than
-            the hint), ``"hint+k"`` (k more of each), or an int n (n per stage and per
-            rank); see ``rrfp.arbiter.resolve_buffer_limits``.
+            the hint), ``"hint+k"`` (k more of each), ``"Nx hint"`` (N times them), or an
+            int n (n per stage and per rank; ``"n"`` too); see
+            ``rrfp.arbiter.resolve_buffer_limits``.
         stall_timeout: seconds without any ready action before the step raises
             ``PipelineStallError`` naming what each stream waits for.
         scale_grads, args_chunk_spec, kwargs_chunk_spec, output_merge_spec: as in torch's
             schedules.
-        policy: how to pick among ready actions (see ``rrfp.policy``); None: the rule of
+        policy: how to pick among ready actions (see ``rrfp.policy``; names are
+            case-insensitive); None: the rule of
             a BF/BFW hint, else ``"lookahead"`` at the hint's memory; with slack
             ``"critical"`` for one stage per rank, ``"hint"`` for several.
         coordination_group: a CPU (gloo) group of ranks that must run the same action
@@ -92,7 +95,7 @@ class ScheduleRRFP(PipelineScheduleMulti):
         send_delay: emulated link latency, ``(edge, microbatch) -> seconds`` to hold each
             outgoing message (for studies and tests; messages on a channel stay in order).
         launch_depth: how many launched actions the device may hold before the rank
-            decides again (``None``: no bound). The rank decides what to run next when its
+            decides again (``None``, ``0`` or ``"none"``: no bound). The rank decides what to run next when its
             device is free, so that choices see the latest arrivals; a depth above 1 hides
             the CPU's launch cost behind the device's work, at the price of choosing that
             much earlier. Default ``DEFAULT_LAUNCH_DEPTH``, from
@@ -134,14 +137,14 @@ class ScheduleRRFP(PipelineScheduleMulti):
         coordination_group: dist.ProcessGroup | None = None,
         coordination: str = "leader",
         send_delay: SendDelay | None = None,
-        launch_depth: int | None = DEFAULT_LAUNCH_DEPTH,
+        launch_depth: int | str | None = DEFAULT_LAUNCH_DEPTH,
         reorder_ahead: bool = False,
         device: EmulatedDevice | None = None,
         variable_shapes: bool = False,
         meter_activations: bool = True,
     ):
-        if policy is not None and policy not in POLICIES:
-            raise ValueError(f"unknown policy {policy!r}: use one of {list(POLICIES)} or None")
+        policy = parse_policy(policy)
+        launch_depth = parse_launch_depth(launch_depth)
         if coordination not in COORDINATIONS:
             raise ValueError(f"unknown coordination {coordination!r}: use one of {list(COORDINATIONS)}")
         if coordination_group is not None and "gloo" not in str(dist.get_backend(coordination_group)):
@@ -157,10 +160,6 @@ class ScheduleRRFP(PipelineScheduleMulti):
             raise ValueError("ScheduleRRFP needs at least one stage")
         if not stall_timeout > 0:
             raise ValueError(f"stall_timeout must be > 0 seconds, got {stall_timeout}")
-        if launch_depth is not None and (isinstance(launch_depth, bool)
-                                         or not isinstance(launch_depth, int) or launch_depth < 1):
-            raise ValueError(f"launch_depth must be an int >= 1 or None (no bound), got "
-                             f"{launch_depth!r}")
         stage_device = stages[0].device
         if device is not None and stage_device.type != "cpu":
             raise ValueError(f"the emulated device runs CPU stages; these stages are on "

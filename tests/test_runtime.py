@@ -181,7 +181,8 @@ BAD_INPUTS = {
     "too_few_microbatches": ["at least as many microbatches as stages", "got 1 microbatches"],
     "too_few_microbatches_dualpipev": ["DualPipeV", "at least as many microbatches as stages"],
     "fixed_below_hint": ["policy='fixed'", "holds up to 2 microbatches", "buffer_limit=1 allows 1"],
-    "launch_depth_zero": ["launch_depth must be an int >= 1 or None"],
+    "launch_depth_negative": ["launch_depth must be an int >= 1, or None, 0 or 'none'"],
+    "unknown_policy": ["unknown policy 'eager'", "case-insensitive"],
 }
 
 

@@ -161,7 +161,9 @@ def _cli_error(argv: list[str], capsys) -> str:
      "drop --layout (only the BF and BFW rules take a placement)"),
     (["--hint", "DualPipeV", "--layout", "loop"], "--layout loop does not fit hint DualPipeV"),
     (["--hint", "1F1B", "--layout", "v"], "--layout v does not fit hint 1F1B"),
-    (["--limit", "lots"], "--limit lots: buffer_limit='lots' is not understood"),
+    (["--limit", "lots"], "argument --limit: buffer_limit='lots' is not understood"),
+    (["--policy", "eager"], "argument --policy: unknown policy 'eager'"),
+    (["--launch-depth", "-1"], "argument --launch-depth: launch_depth must be an int >= 1"),
     (["--replay", "{tmp}/timings.json", "--seeds", "3"],
      "--replay simulates one measured step, so --seeds would be ignored: drop them, or drop "
      "--replay to simulate a workload"),
@@ -180,6 +182,45 @@ def test_cli_refuses_bad_or_contradictory_options_saying_what_to_change(argv, me
     make_timing("uniform", 2, 8, 0).save(tmp_path / "timings.json")
     argv = [arg.format(tmp=tmp_path) for arg in argv]
     assert message.format(tmp=tmp_path) in _cli_error(argv, capsys)
+
+
+def test_cli_gives_a_result_or_a_usage_error_for_every_limit_and_policy(capsys):
+    """Every hint on 2-4 ranks, every limit from 1 to the hint's largest stage peak and the
+    hint-relative ones, every policy: a table where ScheduleRRFP's own check accepts the
+    limit for that policy, else a usage error; never a traceback (a warm-up step in the
+    fixed order under a limit below the hint's peaks once stalled)."""
+    from rrfp.sim.__main__ import main, TWO_CHUNK_HINTS, V_HINTS
+    from rrfp.sim.engine import SIM_POLICIES
+
+    outcomes = set()
+    for name in HINT_NAMES:
+        per_rank = 2 if name.lower() in TWO_CHUNK_HINTS else 1
+        for pp in (2, 3, 4):
+            hint = build_hint(name, num_ranks=pp, num_stages=pp * per_rank, n_microbatches=8,
+                              layout="v" if name.lower() in V_HINTS else "loop")
+            top = max(hint.peak_in_flight().values())
+            for limit in [*map(str, range(1, top + 1)), "hint", "hint+1", "2x hint"]:
+                for policy in SIM_POLICIES:
+                    try:
+                        resolve_buffer_limits(limit, hint, fixed_order=policy == "fixed")
+                        accepted = True
+                    except ValueError:
+                        accepted = False
+                    argv = ["--hint", name, "--pp", str(pp), "--microbatches", "8",
+                            "--limit", limit, "--policy", policy, "--seeds", "1"]
+                    try:
+                        main(argv)
+                        printed = True
+                    except SystemExit as e:
+                        assert e.code == 2, argv
+                        printed = False
+                    out, err = capsys.readouterr()
+                    assert printed == accepted, (argv, err.splitlines()[-1:])
+                    assert ("speedup mean" in out) == printed, argv
+                    outcomes.add((accepted, policy == "fixed"))
+    # Below the hint's peaks: results for the policies that may deviate, usage errors for
+    # the fixed order (and for limits ScheduleRRFP refuses whatever the policy).
+    assert outcomes == {(True, True), (True, False), (False, True), (False, False)}
 
 
 def test_cli_documents_every_option(capsys):
@@ -376,10 +417,8 @@ def test_history_durations_are_step_means_that_earlier_steps_temper():
 def test_critical_priorities_follow_measured_costs_and_keep_them_while_they_stay_close():
     from rrfp.arbiter import Arbiter
     from rrfp.policy import History, make_policy
-    from rrfp.sim.study import resolve_limit
-
     hint = build_hint("1F1B", num_ranks=4, num_stages=4, n_microbatches=8)
-    limits = resolve_limit("hint+2", hint)
+    limits = resolve_buffer_limits("hint+2", hint)
     history = History()
 
     def rank_by_costs() -> dict | None:

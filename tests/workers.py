@@ -259,6 +259,20 @@ def stages_listed_in_reverse(rank: int, world_size: int) -> dict:
             "listed": [stage.stage_index for stage in stages[::-1]]}
 
 
+def settings_as_built(rank: int, world_size: int, arguments: list[dict]) -> list[tuple]:
+    """What ScheduleRRFP (Interleaved1F1B, 2 stages per rank, 8 microbatches) makes of each
+    set of keyword arguments: its limits per stage and per rank, policy and launch depth."""
+    chain = make_chain(2 * world_size)
+    built = []
+    for kwargs in arguments:
+        stages, _ = build_stages(chain, rank, world_size, "loop")
+        schedule = ScheduleRRFP(stages, 8, loss_fn=loss_fn, hint="Interleaved1F1B", **kwargs)
+        schedule.close()
+        built.append((dict(schedule.buffer_limits.per_stage), dict(schedule.buffer_limits.per_rank),
+                      schedule.policy, schedule.launch_depth))
+    return built
+
+
 def slow_microbatch_comparison(rank: int, world_size: int, hint: str, policy: str,
                                n_microbatches: int, slow_mb: int, slow_s: float,
                                repeats: int, launch_depth: int | None = None) -> dict:
@@ -483,8 +497,10 @@ def bad_input(rank: int, world_size: int, case: str) -> str:
         kwargs["hint"], per_rank, layout, n_microbatches = "DualPipeV", 2, "v", 2
     elif case == "fixed_below_hint":
         kwargs["policy"], kwargs["buffer_limit"] = "fixed", 1
-    elif case == "launch_depth_zero":
-        kwargs["launch_depth"] = 0
+    elif case == "launch_depth_negative":
+        kwargs["launch_depth"] = -1
+    elif case == "unknown_policy":
+        kwargs["policy"] = "eager"
     else:
         raise AssertionError(case)
     chain = make_chain(world_size * per_rank)

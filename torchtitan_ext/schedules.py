@@ -24,7 +24,7 @@ from rrfp import ScheduleRRFP
 from rrfp.arbiter import resolve_buffer_limits
 from rrfp.coordination import COORDINATIONS
 from rrfp.hints import build_hint, HINT_NAMES, rule_reference, RULE_NAMES
-from rrfp.policy import POLICIES
+from rrfp.settings import parse_launch_depth, parse_policy
 from torchtitan_ext.config import RRFP
 from torchtitan_ext.models import first_stage_modules
 
@@ -111,12 +111,13 @@ def stages_per_rank(job_config, n_layers: int) -> int:
     return max(1, stages // parallelism.pipeline_parallel_degree)
 
 
-def parse_buffer_limit(value: int | str) -> int | str:
-    """``[rrfp] buffer_limit`` as ScheduleRRFP takes it: an int as given or written as a
-    string ("4"), anything else ("hint", "hint+2") unchanged for ScheduleRRFP to check."""
-    if isinstance(value, str) and value.strip().isdigit():
-        return int(value)
-    return value
+def schedule_arguments(settings: RRFP) -> dict:
+    """ScheduleRRFP's keyword arguments from the ``[rrfp]`` section, as written: the
+    schedule parses them with the parsers that ``validate`` checks them with."""
+    return dict(buffer_limit=settings.buffer_limit, policy=settings.policy,
+                launch_depth=settings.launch_depth, stall_timeout=settings.stall_timeout,
+                coordination=settings.coordination, variable_shapes=settings.variable_shapes,
+                meter_activations=settings.meter_activations)
 
 
 def validate(job_config, n_layers: int) -> None:
@@ -150,17 +151,22 @@ def validate(job_config, n_layers: int) -> None:
     built = build_hint(hint, num_ranks=pp, num_stages=pp * per_rank,
                        n_microbatches=n_microbatches(job_config), layout=layout)
     settings = rrfp_settings(job_config)
-    resolve_buffer_limits(parse_buffer_limit(settings.buffer_limit), built,
-                          fixed_order=settings.policy == "fixed")
-    if settings.policy and settings.policy not in POLICIES:
-        raise ValueError(f"rrfp.policy={settings.policy!r} is not one of {list(POLICIES)}")
+    # The parsers ScheduleRRFP applies to the same values (which it is given as written),
+    # run here so that a bad one stops before training, naming its field.
+    checks = {
+        "policy": lambda: parse_policy(settings.policy),
+        "launch_depth": lambda: parse_launch_depth(settings.launch_depth),
+        "buffer_limit": lambda: resolve_buffer_limits(
+            settings.buffer_limit, built, fixed_order=parse_policy(settings.policy) == "fixed"),
+    }
+    for field_name, check in checks.items():
+        try:
+            check()
+        except ValueError as e:
+            raise ValueError(f"rrfp.{field_name}: {e}") from None
     if settings.coordination not in COORDINATIONS:
         raise ValueError(f"rrfp.coordination={settings.coordination!r} is not one of "
                          f"{list(COORDINATIONS)}")
-    depth = settings.launch_depth
-    if isinstance(depth, bool) or not isinstance(depth, int) or depth < 0:
-        raise ValueError(f"rrfp.launch_depth={depth!r} must be an integer >= 1, or 0 for no "
-                         "bound")
 
 
 def coordination_group(stages) -> dist.ProcessGroup | None:
@@ -221,11 +227,8 @@ def install() -> None:
         settings = rrfp_settings(job_config)
         schedule = ScheduleRRFP(
             stages, n_microbatches(job_config), loss_fn=loss_fn, scale_grads=False,
-            hint=hint, buffer_limit=parse_buffer_limit(settings.buffer_limit),
-            stall_timeout=settings.stall_timeout, policy=settings.policy or None,
-            coordination_group=coordination_group(stages), coordination=settings.coordination,
-            launch_depth=settings.launch_depth or None, variable_shapes=settings.variable_shapes,
-            meter_activations=settings.meter_activations,
+            hint=hint, coordination_group=coordination_group(stages),
+            **schedule_arguments(settings),
         )
         from torchtitan.tools.logging import logger
 

@@ -16,10 +16,13 @@ import os
 import statistics
 import time
 
+from rrfp.arbiter import resolve_buffer_limits
 from rrfp.hints import build_hint, Hint, HINT_NAMES, RULE_NAMES
 from rrfp.loop import DEFAULT_LAUNCH_DEPTH
+from rrfp.settings import (BUFFER_LIMIT_HELP, LAUNCH_DEPTH_HELP, parse_buffer_limit,
+                           parse_launch_depth, parse_policy, policy_help)
 from rrfp.sim.engine import SIM_POLICIES
-from rrfp.sim.study import compare, resolve_limit, SWEEP_LIMITS, sweep_limits, timing_for
+from rrfp.sim.study import compare, SWEEP_LIMITS, sweep_limits, timing_for
 from rrfp.sim.workloads import Timing, WORKLOADS, WorkloadParams
 
 PROG = "python -m rrfp.sim"
@@ -30,8 +33,19 @@ DEFAULT_WORKLOAD = "jitter"
 DEFAULT_SEEDS = 5
 
 
-def _limit(text: str) -> str | int:
-    return int(text) if text.isdigit() else text
+def _limit(text: str) -> str:
+    try:
+        parse_buffer_limit(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    return text
+
+
+def _policy(text: str) -> str | None:
+    try:
+        return parse_policy(text, SIM_POLICIES)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 def _at_least_one(text: str) -> int:
@@ -45,7 +59,11 @@ def _at_least_one(text: str) -> int:
 
 
 def _launch_depth(text: str) -> float:
-    return math.inf if text.lower() == "none" else _at_least_one(text)
+    try:
+        depth = parse_launch_depth(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    return math.inf if depth is None else depth
 
 
 def _non_negative(text: str) -> float:
@@ -96,14 +114,13 @@ def build_parser() -> argparse.ArgumentParser:
 
     rrfp = parser.add_argument_group("RRFP")
     rrfp.add_argument("--limit", type=_limit, default="hint",
-                      help="buffer limit (forwards in flight per stage): hint, hint+k, "
-                           "'2x hint' or an integer (default: %(default)s)")
-    rrfp.add_argument("--policy", choices=SIM_POLICIES,
-                      help="arbitration policy (default: what ScheduleRRFP would pick)")
+                      help=f"buffer limit, as ScheduleRRFP's buffer_limit: {BUFFER_LIMIT_HELP} "
+                           "(default: %(default)s)")
+    rrfp.add_argument("--policy", type=_policy,
+                      help=f"{policy_help(SIM_POLICIES)} (clairvoyant and informed: the "
+                           "simulator's yardsticks, which see what no rank can)")
     rrfp.add_argument("--launch-depth", type=_launch_depth, default=DEFAULT_LAUNCH_DEPTH,
-                      help="launched actions a device may hold before its rank decides "
-                           "again, or 'none' for no bound (default: %(default)s, as "
-                           "ScheduleRRFP)")
+                      help=f"{LAUNCH_DEPTH_HELP} (default: %(default)s, as ScheduleRRFP)")
     rrfp.add_argument("--launch-cost", type=_non_negative, default=0.0,
                       help="CPU time of each launch, in forwards; the fixed schedule pays "
                            "it too (default: %(default)s)")
@@ -132,7 +149,7 @@ def _hint(parser: argparse.ArgumentParser, args: argparse.Namespace) -> Hint:
     except ValueError as e:
         parser.error(str(e))
     try:
-        resolve_limit(args.limit, hint)
+        resolve_buffer_limits(args.limit, hint, fixed_order=args.policy == "fixed")
     except ValueError as e:
         parser.error(f"--limit {args.limit}: {e}")
     if args.layout and args.layout != hint.layout:
