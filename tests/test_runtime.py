@@ -141,6 +141,22 @@ def test_measured_activation_bytes_stay_within_what_the_limit_allows(case):
                 f"(torch's fixed schedule: {fixed} B)")
 
 
+def test_microbatches_split_off_one_batch_count_their_own_bytes_while_held():
+    """The first stage's microbatches are views of the input batch, which the step keeps
+    whole; the last stage's inputs are receive buffers, which the ring keeps. Each counts
+    its own bytes, while its graph holds it: every rank reports the microbatches it holds
+    times one microbatch's saved bytes (the Linear's input and the Tanh's output), at every
+    limit (rank 1 holds one at each)."""
+    limits = [1, 2, 4]
+    ranks = run_local_world(2, workers.chunked_input_bytes, limits, timeout=120)
+    per_microbatch = 2 * workers.BATCH_PER_MICROBATCH * workers.DIM * 8
+    assert [ranks[0][limit][1] for limit in limits] == [1, 2, 4]
+    assert [ranks[1][limit][1] for limit in limits] == [1, 1, 1]
+    for rank, result in enumerate(ranks):
+        for limit, (measured, held) in result.items():
+            assert measured == held * per_microbatch, (rank, limit, measured)
+
+
 def test_without_the_meter_forwards_run_unhooked_and_match_torch():
     """``meter_activations=False``: no saved-tensor hooks around the forwards, no bytes
     reported, gradients and losses still bitwise torch's Schedule1F1B (the metered run is

@@ -410,6 +410,28 @@ def memory_world(rank: int, world_size: int, hint: str, reference: str, per_rank
     return results
 
 
+def chunked_input_bytes(rank: int, world_size: int, limits: list) -> dict:
+    """1F1B on plain blocks (a Linear saves its input, a Tanh its output), whose first stage
+    gets microbatches that torch splits off one input batch as views: per limit, each
+    rank's peak activation bytes and microbatches held. (No outputs returned: the last
+    stage would keep every microbatch's output for the step's result.)"""
+    M = 8
+    chain = make_chain(world_size)
+    x, y = make_batch(M)
+    inputs = (x,) if rank == 0 else ()
+    results = {}
+    for limit in limits:
+        stages, _ = build_stages(chain, rank, world_size, "loop")
+        schedule = ScheduleRRFP(stages, M, loss_fn=loss_fn, hint="1F1B", buffer_limit=limit,
+                                policy="hint", stall_timeout=60)
+        for _ in range(2):
+            schedule.step(*inputs, target=y, return_outputs=False)
+        stats = schedule.last_step_stats
+        schedule.close()
+        results[limit] = (stats.peak_activation_bytes, stats.peak_rank_in_flight)
+    return results
+
+
 class HookProbe(torch.nn.Module):
     """A block that records, at each forward, whether saved-tensor hooks are installed."""
 
