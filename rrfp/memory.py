@@ -92,10 +92,9 @@ class ActivationMeter:
                 ref = weakref.ref(holder, self._on_death)
                 self._refs[id(ref)] = ref
                 self._holds[id(ref)] = reach
-                for address, span in reach:
-                    spans = self._reached.setdefault(address, {})
-                    spans[span] = spans.get(span, 0) + 1
-            for address in {address for address, _ in reach}:
+            for address, span in reach:
+                spans = self._reached.setdefault(address, {})
+                spans[span] = spans.get(span, 0) + len(holders)
                 self._recount(address)
         return packed
 
@@ -105,26 +104,30 @@ class ActivationMeter:
             key = id(self._died.popleft())
             if self._refs.pop(key, None) is None:  # held since before the last reset
                 continue
-            reach = self._holds.pop(key)
-            for address, span in reach:
+            for address, span in self._holds.pop(key):
                 spans = self._reached[address]
                 spans[span] -= 1
                 if spans[span] == 0:
                     del spans[span]
-            for address in {address for address, _ in reach}:
                 self._recount(address)
 
     def _recount(self, address: int) -> None:
-        """Under the lock: the bytes of the storage at ``address`` that live holders reach."""
-        covered, end = 0, 0
-        for start, stop in sorted(self._reached.get(address, ())):
-            covered += max(0, stop - max(start, end))
-            end = max(end, stop)
+        """Under the lock: the bytes of the storage at ``address`` that live holders reach
+        (idempotent)."""
+        spans = self._reached[address]
+        if len(spans) == 1:  # the common case: one tensor, or it and its alias
+            ((start, stop),) = spans
+            covered = stop - start
+        else:
+            covered, end = 0, 0
+            for start, stop in sorted(spans):
+                covered += max(0, stop - max(start, end))
+                end = max(end, stop)
         self._live += covered - self._bytes.pop(address, 0)
         if covered:
             self._bytes[address] = covered
-        if not self._reached.get(address):
-            self._reached.pop(address, None)
+        if not spans:
+            del self._reached[address]
 
     def live_bytes(self) -> int:
         """Bytes of saved activations still alive now."""
@@ -176,9 +179,12 @@ def _reach(tensor: torch.Tensor) -> list[tuple[int, tuple[int, int]]]:
         return [r for t in inner if isinstance(t, torch.Tensor) for r in _reach(t)]
     storage = tensor.untyped_storage()
     size = tensor.element_size()
-    first = last = tensor.storage_offset()
+    first = tensor.storage_offset() * size
+    if tensor.is_contiguous():  # the common case, and cheap
+        return [(storage.data_ptr(), (first, first + tensor.nbytes))] if tensor.nbytes else []
     if tensor.numel() == 0:
         return []
+    first = last = tensor.storage_offset()
     for extent, stride in zip(tensor.shape, tensor.stride()):
         step = (extent - 1) * stride
         first, last = first + min(step, 0), last + max(step, 0)
