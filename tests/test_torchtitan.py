@@ -245,6 +245,10 @@ def test_main_job_trains_on_cpu_and_logs_rrfp_stats(tmp_path):
     assert float(losses[8]) < float(losses[1]) - 2.0
     assert ("ScheduleRRFP with hint Interleaved1F1B (loop placement), policy lookahead, buffer "
             "limit 'hint'") in out
+    # What that limit allows, and where the gains are, in the same line.
+    assert ("buffer_limit='hint' allows no activation memory beyond the fixed schedule's (3 "
+            "microbatches on this rank), so RRFP mostly follows the hint") in out
+    assert "speed needs memory slack, e.g. buffer_limit='hint+2'" in out
     assert re.search(STATS_LINE.format(step=8, label="", activations=METERED), out)
     scalars = tensorboard_scalars(tmp_path)
     for tag in ("rrfp/idle_fraction/pp0", "rrfp/out_of_hint_order/pp1",

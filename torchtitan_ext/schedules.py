@@ -235,10 +235,9 @@ def install() -> None:
         logger.info(
             f"Using pipeline schedule {name}: ScheduleRRFP with hint {schedule.hint.name} "
             f"({schedule.hint.layout} placement), policy {schedule.policy}, buffer limit "
-            f"{settings.buffer_limit!r}: at most {schedule.buffer_limits.per_rank[schedule.rank]} "
-            f"microbatches of activations on this rank (the hint holds "
-            f"{schedule.hint.rank_peaks()[schedule.rank]}), launch depth "
-            f"{schedule.launch_depth}, {n_microbatches(job_config)} microbatches")
+            f"{settings.buffer_limit!r}, launch depth {schedule.launch_depth}, "
+            f"{n_microbatches(job_config)} microbatches. {schedule.limit_summary} "
+            "([rrfp] buffer_limit)")
         return schedule
 
     @functools.wraps(metrics._get_metrics_rank)
