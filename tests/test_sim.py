@@ -114,8 +114,19 @@ def test_replay_file_round_trip_and_trace_conversion(tmp_path):
     assert timing.gradient_latency[1][0] == pytest.approx(0.05)
 
 
-def test_cli_prints_a_table_and_draws_charts(tmp_path, capsys):
+def test_cli_prints_a_table_and_draws_charts(tmp_path, capsys, monkeypatch):
+    import rrfp.sim.plot
     from rrfp.sim.__main__ import main
+    from rrfp.sim.plot import kinds_shown
+
+    drawn = {}
+    plot_timelines = rrfp.sim.plot.plot_timelines
+
+    def recording(results, path, **kwargs):
+        drawn.update(labels=list(results), kinds=kinds_shown(results), **kwargs)
+        plot_timelines(results, path, **kwargs)
+
+    monkeypatch.setattr(rrfp.sim.plot, "plot_timelines", recording)
 
     charts = tmp_path / "outputs" / "charts"  # made by the CLI
     main(["--pp", "4", "--microbatches", "8", "--hint", "BFW", "--workload", "latency",
@@ -125,18 +136,33 @@ def test_cli_prints_a_table_and_draws_charts(tmp_path, capsys):
     assert "speedup mean" in out and "policy BFW" in out and "limit       32" in out
     assert (charts / "t.png").stat().st_size > 10_000
     assert (charts / "s.png").stat().st_size > 10_000
+    # A rule has no fixed form: the fixed panel names its reference; a split backward
+    # shows I and W, never B.
+    assert drawn["labels"] == ["fixed InterleavedZeroBubble (the BFW rule's reference)",
+                               "RRFP (BFW, limit 32)"]
+    assert drawn["kinds"] == ["F", "I", "W"]
+    assert drawn["time_unit"] == "forward = 1"
 
 
 def test_cli_replays_measured_timings(tmp_path, capsys):
     from rrfp.sim.__main__ import main
     from rrfp.sim.workloads import make_timing
 
-    make_timing("latency", 2, 8, 0).save(tmp_path / "timings.json")
-    main(["--replay", str(tmp_path / "timings.json"), "--hint", "GPipe", "--pp", "2",
-          "--microbatches", "8", "--policy", "hint"])
+    from rrfp.sim.study import compare
+
+    timing = make_timing("latency", 2, 8, 0)
+    timing.save(tmp_path / "timings.json")
+    # The pipeline's shape comes from the timings file.
+    main(["--replay", str(tmp_path / "timings.json"), "--hint", "GPipe", "--policy", "hint"])
     out = capsys.readouterr().out
-    assert f"replay {tmp_path / 'timings.json'}, limit 'hint', policy hint" in out
+    assert (f"GPipe: 2 ranks x 1 stages (loop), 8 microbatches, replay "
+            f"{tmp_path / 'timings.json'}, limit 'hint', policy hint") in out
     assert "for 1 seeds" in out
+    # Replayed timings are seconds: makespans are shown in ms.
+    hint = build_hint("GPipe", num_ranks=2, num_stages=2, n_microbatches=8)
+    row = compare(hint, timing, 0, policy="hint")
+    assert "fixed ms" in out and "rrfp ms" in out and "bound ms" in out
+    assert f"   0 {row.fixed.makespan * 1e3:9.2f} {row.rrfp.makespan * 1e3:9.2f} " in out
 
 
 def _cli_error(argv: list[str], capsys) -> str:

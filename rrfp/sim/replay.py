@@ -1,7 +1,7 @@
 """Turn a runtime trace into a replay file: "what would RRFP gain on my timings?"
 
     python -m rrfp.sim.replay rrfp_demo_trace.json -o outputs/timings.json
-    python -m rrfp.sim --replay outputs/timings.json --hint GPipe --pp 2 --microbatches 8
+    python -m rrfp.sim --replay outputs/timings.json --hint GPipe
 
 The trace is the Chrome trace ``ScheduleRRFP`` writes (``rrfp.write_chrome_trace`` of all
 ranks' ``last_step_stats``, or ``rrfp.merge_chrome_traces`` of per-rank files). Durations
