@@ -88,7 +88,10 @@ def test_schedule_names():
     (["--parallelism.pipeline_parallel_schedule", "RRFP-1F1B",
       "--parallelism.pipeline_parallel_layers_per_stage", "2"], "runs one stage per rank"),
     (["--parallelism.pipeline_parallel_schedule", "RRFP-1F1B",
-      "--training.local_batch_size", "1"], "at least as many microbatches as stages"),
+      "--training.local_batch_size", "1"],
+     r"at least as many microbatches as stages.*; here microbatches = "
+     r"training.local_batch_size \(1\) / parallelism.pipeline_parallel_microbatch_size "
+     r"\(1\): raise the first or lower the second"),
     (["--parallelism.pipeline_parallel_schedule", "RRFP-DualPipeV",
       "--training.local_batch_size", "2"], "at least as many microbatches as stages"),
     (["--training.local_batch_size", "6", "--parallelism.pipeline_parallel_microbatch_size", "4"],
@@ -114,6 +117,20 @@ def test_bad_rrfp_configs_are_rejected_with_what_to_change(overrides, message):
     config = parse(*overrides)
     with pytest.raises(ValueError, match=message):
         validate(config, n_layers(config))
+
+
+def test_fewer_microbatches_than_stages_warn_as_torchtitan_does(caplog):
+    config = parse("--parallelism.pipeline_parallel_schedule", "RRFP-GPipe",
+                   "--training.local_batch_size", "1")
+    with caplog.at_level("WARNING"):
+        validate(config, n_layers(config))
+    assert ("Number of microbatches (1) is less than the total number of stages (2) which "
+            "may result in a bubble in the pipeline.") in caplog.text
+    caplog.clear()
+    config = parse("--parallelism.pipeline_parallel_schedule", "RRFP-GPipe")
+    with caplog.at_level("WARNING"):
+        validate(config, n_layers(config))
+    assert "Number of microbatches" not in caplog.text
 
 
 def test_good_configs_pass_validation():

@@ -148,8 +148,26 @@ def validate(job_config, n_layers: int) -> None:
         raise ValueError(f"hint {hint!r} runs one stage per rank, but "
                          f"pipeline_parallel_layers_per_stage gives {per_rank} per rank")
     layout = "v" if placement_schedule(hint) in _V_HINTS else "loop"
-    built = build_hint(hint, num_ranks=pp, num_stages=pp * per_rank,
-                       n_microbatches=n_microbatches(job_config), layout=layout)
+    microbatches = n_microbatches(job_config)
+    try:
+        built = build_hint(hint, num_ranks=pp, num_stages=pp * per_rank,
+                           n_microbatches=microbatches, layout=layout)
+    except ValueError as e:
+        if "microbatches" not in str(e):
+            raise
+        raise ValueError(
+            f"{e}; here microbatches = training.local_batch_size "
+            f"({job_config.training.local_batch_size}) / "
+            f"parallelism.pipeline_parallel_microbatch_size "
+            f"({parallelism.pipeline_parallel_microbatch_size}): raise the first or lower "
+            "the second") from None
+    if microbatches < built.num_stages:
+        from torchtitan.tools.logging import logger
+
+        # What torchtitan warns for its own schedules, whose construction RRFP replaces.
+        logger.warning(
+            f"Number of microbatches ({microbatches}) is less than the total number "
+            f"of stages ({built.num_stages}) which may result in a bubble in the pipeline.")
     settings = rrfp_settings(job_config)
     # The parsers ScheduleRRFP applies to the same values (which it is given as written),
     # run here so that a bad one stops before training, naming its field.
