@@ -234,6 +234,7 @@ class ScheduleRRFP(PipelineScheduleMulti):
         self._collectives_checked = False
         self.coordination = coordination
         self._failure: str | None = None
+        self._steps_run = 0
         self.last_step_stats: StepStats | None = None
         self.limit_summary = limit_summary(buffer_limit, self.buffer_limits, self._hint,
                                            self.rank)
@@ -330,6 +331,7 @@ class ScheduleRRFP(PipelineScheduleMulti):
         finally:
             self.last_step_stats = _step_stats(self, loop, executor, coordinator, clock(),
                                                self._transport.take_sent())
+            self._steps_run += 1
         if self._has_backward:
             loop.teach(self._history)
         else:  # no gradient reduction will reshard them
@@ -703,5 +705,6 @@ def _step_stats(schedule: ScheduleRRFP, loop: StepLoop, executor: _StageExecutor
         coordination_deferrals=coordinator.deferrals if coordinator else 0,
         coordination_time=coordinator.seconds if coordinator else 0.0,
         start_unix=time.time() - end,
+        step=schedule._steps_run,
         spans=spans,
     )

@@ -114,6 +114,41 @@ def test_replay_file_round_trip_and_trace_conversion(tmp_path):
     assert timing.gradient_latency[1][0] == pytest.approx(0.05)
 
 
+def test_trace_links_each_send_to_its_receive_with_a_flow(tmp_path):
+    """Each message is a slice on its rank's message track at each end, and a flow arrow
+    runs from the send's slice to the receive's (the flow event inside each slice, so
+    Perfetto binds it there), in one trace of the ranks' steps."""
+    import json
+
+    from rrfp.stats import MESSAGE_TRACK, Span, write_chrome_trace
+    from tests.workers import made_up_stats
+
+    # Two steps of two ranks, in one file: each step's messages have flows of their own.
+    ranks = [made_up_stats(rank, start_unix=100.0 + 10 * step, step=step,
+                           spans=[Span("x", 0.0, 1.0)],
+                           sends=[(0, 1, 0, 0.2), (0, 1, 1, 0.3)] if rank == 0 else [(1, 0, 0, 0.6)],
+                           arrivals=[(1, 0, 0, 0.65)] if rank == 0 else [(0, 1, 0, 0.25), (0, 1, 1, 0.4)])
+             for step in range(2) for rank in (0, 1)]
+    write_chrome_trace(ranks, tmp_path / "trace.json")
+    events = json.loads((tmp_path / "trace.json").read_text())["traceEvents"]
+    slices = [e for e in events if e["ph"] == "X" and e.get("cat") in ("send", "recv")]
+    starts = sorted((e for e in events if e["ph"] == "s"), key=lambda e: e["ts"])
+    ends = sorted((e for e in events if e["ph"] == "f"), key=lambda e: e["ts"])
+    assert len(slices) == 12 and len(starts) == len(ends) == 6
+    for start in starts:
+        (end,) = [e for e in ends if e["id"] == start["id"]]
+        assert 0 < end["ts"] - start["ts"] < 1e6  # the same step's receive
+        assert end["bp"] == "e" and (end["name"], end["cat"]) == (start["name"], start["cat"])
+        for flow, cat in ((start, "send"), (end, "recv")):
+            (enclosing,) = [e for e in slices if e["cat"] == cat and e["pid"] == flow["pid"]
+                            and e["ts"] < flow["ts"] < e["ts"] + e["dur"]]
+            assert enclosing["tid"] == flow["tid"] == MESSAGE_TRACK
+            assert enclosing["name"] == f"{cat} {flow['name']}"
+        src, dst = map(int, start["name"].split()[0].split("->"))
+        assert (start["pid"], end["pid"]) == (src, dst)  # stage s is on rank s here
+    assert len({e["id"] for e in starts}) == 6
+
+
 def test_cli_prints_a_table_and_draws_charts(tmp_path, capsys, monkeypatch):
     import rrfp.sim.plot
     from rrfp.sim.__main__ import main

@@ -29,7 +29,7 @@ def timing_from_trace(trace: dict) -> Timing:
         args = event.get("args", {})
         if event.get("ph") == "X" and event.get("cat") in ("F", "B", "I", "W"):
             spans[(event["cat"], args["stage"], args["microbatch"])].append(event["dur"] / 1e6)
-        elif event.get("ph") == "i" and event.get("cat") in ("send", "recv"):
+        elif event.get("ph") == "X" and event.get("cat") in ("send", "recv"):
             table = sends if event["cat"] == "send" else recvs
             table[(args["src"], args["dst"], args["microbatch"])].append(event["ts"] / 1e6)
     if not spans:
