@@ -1,14 +1,16 @@
 """A byte meter for activations: what the tensors saved for backward really hold.
 
 Counts the bytes of every tensor autograd saves during the metered forwards (through
-``torch.autograd.graph.saved_tensors_hooks``) for as long as that tensor object, or the
-alias autograd keeps of it, is alive, parameters excluded. A saved tensor counts the bytes
-of its storage that it can reach (a view of a larger batch, such as a microbatch that
-torch's schedules split off the input, counts its own rows, not the batch), and bytes that
-several saved tensors reach count once. A tensor stays counted while anything holds it:
-the autograd graph until its last backward piece, a stage's caches, a receive buffer. It measures the tensors themselves, independently of any
-scheduler's own bookkeeping, so it can meter torch's fixed schedules (``MeteredModule``)
-and ``ScheduleRRFP`` (which meters its stages' forwards itself) alike.
+``torch.autograd.graph.saved_tensors_hooks``), parameters excluded: the bytes of its
+storage that it can reach (a microbatch that torch's schedules split off the input batch
+counts its own rows, not the batch), bytes that several saved tensors reach counted once.
+A tensor made by an op counts while it, or the alias autograd keeps of it, is alive: the
+autograd graph until its last backward piece, a stage's caches, a pending send. A saved
+leaf (an input microbatch, a receive buffer) lives on outside the graph, in the step's
+list or its ring, so it counts only while autograd holds it for backward. It measures the
+tensors themselves, independently of any scheduler's own bookkeeping, so it can meter
+torch's fixed schedules (``MeteredModule``) and ``ScheduleRRFP`` (which meters its stages'
+forwards itself) alike.
 """
 
 from __future__ import annotations

@@ -63,8 +63,8 @@ class ScheduleRRFP(PipelineScheduleMulti):
 
     Args:
         stages: this rank's ``PipelineStage`` (or a list of them, one per local model chunk,
-            in any order: they run in stage order), placed as the hint places them (loop: stage s on rank s % pp_size; V for
-            ZBVZeroBubble and DualPipeV).
+            in any order: they run in stage order), placed as the hint places them (loop:
+            stage s on rank s % pp_size; V for ZBVZeroBubble and DualPipeV).
         n_microbatches: microbatches per step.
         loss_fn: loss of the last stage's output and the target, per microbatch.
         hint: the order to rank ready actions by: a name torch's ``get_schedule_class``
@@ -95,10 +95,10 @@ class ScheduleRRFP(PipelineScheduleMulti):
         send_delay: emulated link latency, ``(edge, microbatch) -> seconds`` to hold each
             outgoing message (for studies and tests; messages on a channel stay in order).
         launch_depth: how many launched actions the device may hold before the rank
-            decides again (``None``, ``0`` or ``"none"``: no bound). The rank decides what to run next when its
-            device is free, so that choices see the latest arrivals; a depth above 1 hides
-            the CPU's launch cost behind the device's work, at the price of choosing that
-            much earlier. Default ``DEFAULT_LAUNCH_DEPTH``, from
+            decides again (``None``, ``0`` or ``"none"``: no bound). The rank decides what
+            to run next when its device is free, so that choices see the latest arrivals; a
+            depth above 1 hides the CPU's launch cost behind the device's work, at the price
+            of choosing that much earlier. Default ``DEFAULT_LAUNCH_DEPTH``, from
             ``benchmarks/results/launch_depth.md``.
         reorder_ahead: let any ready action be launched onto a busy device (default
             False: ahead of the device only the policy's own next action is launched, the

@@ -124,10 +124,10 @@ def test_trace_links_each_send_to_its_receive_with_a_flow(tmp_path):
     from tests.workers import made_up_stats
 
     # Two steps of two ranks, in one file: each step's messages have flows of their own.
+    messages = {0: dict(sends=[(0, 1, 0, 0.2), (0, 1, 1, 0.3)], arrivals=[(1, 0, 0, 0.65)]),
+                1: dict(sends=[(1, 0, 0, 0.6)], arrivals=[(0, 1, 0, 0.25), (0, 1, 1, 0.4)])}
     ranks = [made_up_stats(rank, start_unix=100.0 + 10 * step, step=step,
-                           spans=[Span("x", 0.0, 1.0)],
-                           sends=[(0, 1, 0, 0.2), (0, 1, 1, 0.3)] if rank == 0 else [(1, 0, 0, 0.6)],
-                           arrivals=[(1, 0, 0, 0.65)] if rank == 0 else [(0, 1, 0, 0.25), (0, 1, 1, 0.4)])
+                           spans=[Span("x", 0.0, 1.0)], **messages[rank])
              for step in range(2) for rank in (0, 1)]
     write_chrome_trace(ranks, tmp_path / "trace.json")
     events = json.loads((tmp_path / "trace.json").read_text())["traceEvents"]
