@@ -3,7 +3,7 @@
     python -m rrfp.sim --pp 8 --microbatches 64 --hint 1F1B --workload multimodal \\
         --limit hint+2 --seeds 10 [--plot outputs/timeline.png] [--sweep outputs/tradeoff.png]
 
-Times are in units of one mean forward. Every figure is simulated.
+Times are in units of one mean forward (replayed timings: in ms). Every figure is simulated.
 """
 
 from __future__ import annotations
@@ -83,8 +83,8 @@ def _option(name: str) -> str:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog=PROG, description=__doc__.split("\n")[0],
-                                     epilog="Times are in units of one mean forward; every "
-                                            "figure is simulated.")
+                                     epilog="Times are in units of one mean forward (replayed "
+                                            "timings: ms); every figure is simulated.")
     pipeline = parser.add_argument_group("pipeline")
     pipeline.add_argument("--pp", type=_at_least_one,
                           help=f"pipeline ranks (default: {DEFAULT_PP}; with --replay, what "
