@@ -96,8 +96,10 @@ class ActivationMeter:
                 self._holds[id(ref)] = reach
             for address, span in reach:
                 spans = self._reached.setdefault(address, {})
-                spans[span] = spans.get(span, 0) + len(holders)
-                self._recount(address)
+                count = spans.get(span, 0)
+                spans[span] = count + len(holders)
+                if not count:  # a range already reached changes nothing
+                    self._recount(address)
         return packed
 
     def _account_for_deaths(self) -> None:
@@ -109,9 +111,9 @@ class ActivationMeter:
             for address, span in self._holds.pop(key):
                 spans = self._reached[address]
                 spans[span] -= 1
-                if spans[span] == 0:
+                if spans[span] == 0:  # while another holder reaches it, nothing changes
                     del spans[span]
-                self._recount(address)
+                    self._recount(address)
 
     def _recount(self, address: int) -> None:
         """Under the lock: the bytes of the storage at ``address`` that live holders reach
@@ -175,7 +177,7 @@ def _reach(tensor: torch.Tensor) -> list[tuple[int, tuple[int, int]]]:
     """(storage address, (first byte, end byte)) of the bytes a tensor's data can reach in
     each storage that holds it; a tensor subclass that wraps others (a DTensor, a tensor
     of an async collective) reaches what its inner tensors reach."""
-    if is_traceable_wrapper_subclass(tensor):
+    if type(tensor) is not torch.Tensor and is_traceable_wrapper_subclass(tensor):
         names, _ = tensor.__tensor_flatten__()
         inner = (getattr(tensor, name) for name in names)
         return [r for t in inner if isinstance(t, torch.Tensor) for r in _reach(t)]
