@@ -32,9 +32,10 @@ import time
 from collections.abc import Mapping, Sequence
 
 from benchmarks.pages import result_path, write_page
+from rrfp.arbiter import resolve_buffer_limits
 from rrfp.hints import build_hint
 from rrfp.sim.optimum import optimum
-from rrfp.sim.study import compare, resolve_limit
+from rrfp.sim.study import compare
 from rrfp.sim.workloads import make_timing
 
 CACHE = "optimum.json"
@@ -69,7 +70,7 @@ def solve(seeds: Sequence[int], workloads: Sequence[str], limits: Sequence[str],
                 else:
                     timing = make_timing(workload, 8, 32, seed)
                     best = optimum(hint, timing.duration, timing.latency,
-                                   resolve_limit(limit, hint), time_limit_s=time_limit_s)
+                                   resolve_buffer_limits(limit, hint), time_limit_s=time_limit_s)
                     cp_sat, proven = best.makespan, best.proven
                 runs = {_label(p): compare(hint, workload, seed, limit=limit, policy=p)
                         for p in POLICIES}

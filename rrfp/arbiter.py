@@ -29,6 +29,7 @@ from rrfp.hints import (
     WEIGHT_GRAD_KINDS,
 )
 from rrfp.policy import FixedOrder, make_policy, Policy
+from rrfp.settings import parse_buffer_limit
 
 Kind = str  # "F", "BI" (B or I), "W", "R" (REDUCE_GRAD)
 
@@ -415,13 +416,15 @@ class Arbiter:
 
 def resolve_buffer_limits(spec: str | int, hint: Hint, *,
                           fixed_order: bool = False) -> MemoryLimits:
-    """Memory limits from ``"hint"``, ``"hint+k"`` or an int, in microbatches of activations
-    held (from a microbatch's F until its last backward piece, B or W):
+    """Memory limits from ``"hint"``, ``"hint+k"``, ``"Nx hint"`` or an int (any spelling
+    ``rrfp.settings.parse_buffer_limit`` takes), in microbatches of activations held (from
+    a microbatch's F until its last backward piece, B or W):
 
     * ``"hint"``: per stage, the fixed schedule's own peak; per rank, its per-rank peak (the
       most the rank's stages hold together at any moment of the fixed order). So RRFP never
       holds more, on any stage or rank, than the fixed schedule holds at some moment.
-    * ``"hint+k"``: ``k`` more per stage and ``k`` more per rank.
+    * ``"hint+k"``: ``k`` more per stage and ``k`` more per rank; ``"Nx hint"``: N times
+      the hint's peaks.
     * an int ``n``: ``n`` per stage and ``n`` per rank.
 
     Deadlock-freedom. (1) At limits no lower than the hint's own peaks, the hint's next
@@ -447,28 +450,9 @@ def resolve_buffer_limits(spec: str | int, hint: Hint, *,
     refused with ``ValueError``. ``tests/test_arbiter.py`` checks this in the simulator for
     thousands of random timings, every hint, every policy and a range of limits.
     """
-    peaks, rank_peaks = hint.peak_in_flight(), hint.rank_peaks()
-    if isinstance(spec, bool) or not isinstance(spec, (int, str)):
-        raise ValueError(f"buffer_limit must be 'hint', 'hint+k' or an int >= 1, got {spec!r}")
-    if isinstance(spec, int):
-        if spec < 1:
-            raise ValueError(
-                f"buffer_limit={spec} is below 1: at least one microbatch per stage must be "
-                "allowed in flight; use an int >= 1, 'hint' or 'hint+k'"
-            )
-        limits = MemoryLimits({s: spec for s in peaks}, {r: spec for r in rank_peaks})
-    else:
-        text = spec.replace(" ", "").lower()
-        extra = 0
-        if text.startswith("hint+") and text[5:].isdigit():
-            extra = int(text[5:])
-        elif text != "hint":
-            raise ValueError(
-                f"buffer_limit={spec!r} is not understood: use 'hint' (the fixed schedule's "
-                "own peaks per stage and per rank), 'hint+k' with k >= 0, or an int >= 1"
-            )
-        limits = MemoryLimits({s: peak + extra for s, peak in peaks.items()},
-                              {r: peak + extra for r, peak in rank_peaks.items()})
+    limit = parse_buffer_limit(spec)
+    limits = MemoryLimits({s: limit.of(peak) for s, peak in hint.peak_in_flight().items()},
+                          {r: limit.of(peak) for r, peak in hint.rank_peaks().items()})
     check_limits(limits, hint, spec, fixed_order=fixed_order)
     return limits
 

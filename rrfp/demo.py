@@ -25,6 +25,7 @@ from rrfp import ScheduleRRFP, write_chrome_trace
 from rrfp.emulation import EmulatedDeviceTime
 from rrfp.hints import build_hint, infer_layout, rule_reference
 from rrfp.local import run_local_world
+from rrfp.settings import BUFFER_LIMIT_HELP
 
 DIM = 64
 
@@ -94,7 +95,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--ranks", type=int, default=2)
     parser.add_argument("--stages-per-rank", type=int, default=1)
     parser.add_argument("--hint", default="GPipe")
-    parser.add_argument("--limit", default="hint", help="buffer_limit: hint, hint+k or an int")
+    parser.add_argument("--limit", default="hint", help=f"buffer_limit: {BUFFER_LIMIT_HELP}")
     parser.add_argument("--policy", default="",
                         help="arbitration policy (default here: plain readiness-first, or the "
                              "rule of a BF/BFW hint)")
@@ -109,8 +110,6 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--trace", default="rrfp_demo_trace.json")
     args = parser.parse_args(argv)
-    if args.limit.isdigit():
-        args.limit = int(args.limit)
 
     fixed_name, policy, times, stats = run_local_world(args.ranks, _rank_main, args, timeout=600)[0]
     write_chrome_trace(stats, args.trace)

@@ -311,6 +311,10 @@ def build_hint(
     elif isinstance(source, (str, os.PathLike)) and os.path.isfile(source):
         name = os.path.basename(os.fspath(source))
         orders = _read_csv(source)
+    elif isinstance(source, os.PathLike) or (
+            isinstance(source, str) and (source.lower().endswith(".csv") or os.sep in source)):
+        raise ValueError(f"hint file {os.fspath(source)!r} not found: give the path to a CSV "
+                         "in torch's compute-only format (or a hint name)")
     else:
         raise ValueError(
             f"unknown hint {source!r}: expected one of {list(HINT_NAMES)} "

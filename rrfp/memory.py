@@ -1,12 +1,16 @@
 """A byte meter for activations: what the tensors saved for backward really hold.
 
 Counts the bytes of every tensor autograd saves during the metered forwards (through
-``torch.autograd.graph.saved_tensors_hooks``) for as long as that tensor object, or the
-alias autograd keeps of it, is alive, one count per storage, parameters excluded. A tensor
-stays counted while anything holds it: the autograd graph until its last backward piece, a
-stage's caches, a receive buffer. It measures the tensors themselves, independently of any
-scheduler's own bookkeeping, so it can meter torch's fixed schedules (``MeteredModule``)
-and ``ScheduleRRFP`` (which meters its stages' forwards itself) alike.
+``torch.autograd.graph.saved_tensors_hooks``), parameters excluded: the bytes of its
+storage that it can reach (a microbatch that torch's schedules split off the input batch
+counts its own rows, not the batch), bytes that several saved tensors reach counted once.
+A tensor made by an op counts while it, or the alias autograd keeps of it, is alive: the
+autograd graph until its last backward piece, a stage's caches, a pending send. A saved
+leaf (an input microbatch, a receive buffer) lives on outside the graph, in the step's
+list or its ring, so it counts only while autograd holds it for backward. It measures the
+tensors themselves, independently of any scheduler's own bookkeeping, so it can meter
+torch's fixed schedules (``MeteredModule``) and ``ScheduleRRFP`` (which meters its stages'
+forwards itself) alike.
 """
 
 from __future__ import annotations
@@ -16,7 +20,6 @@ import threading
 import weakref
 from collections import deque
 from collections.abc import Iterable, Iterator
-from typing import NamedTuple
 
 import torch
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass
@@ -27,16 +30,17 @@ class ActivationMeter:
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
+        self._reached: dict[int, dict[tuple[int, int], int]] = {}
+        """Storage address -> the byte ranges of it that live saved objects (saved tensors,
+        their aliases) reach, each with how many such objects reach it."""
         self._bytes: dict[int, int] = {}
-        """Storage address -> its bytes, while an object holding it for autograd lives."""
-        self._holders: dict[int, int] = {}
-        """Storage address -> how many such objects (saved tensors, their aliases) live."""
+        """Storage address -> the bytes those ranges cover together."""
         self._refs: dict[int, weakref.ref] = {}
         """A weak reference to each such object, by its id (kept so that its callback
         fires; keyed by id, as references to live tensors compare by their values)."""
-        self._addresses: dict[int, int] = {}
-        """The id of each such reference -> the storage address its object holds (ints:
-        little for the garbage collector to walk)."""
+        self._holds: dict[int, list[tuple[int, tuple[int, int]]]] = {}
+        """The id of each such reference -> the (storage address, byte range) pairs its
+        object reaches (ints: little for the garbage collector to walk)."""
         self._died: deque[weakref.ref] = deque()
         """References whose object died, not yet accounted for: appended by the callback,
         which runs on whichever thread drops the object."""
@@ -50,13 +54,12 @@ class ActivationMeter:
         """Start a new measurement; ``parameters``' storages are never counted."""
         with self._lock:
             self._refs.clear()  # a dropped reference calls back no more
-            self._addresses.clear()
+            self._holds.clear()
+            self._reached.clear()
             self._bytes.clear()
-            self._holders.clear()
             self._died.clear()
             self._live = 0
-            self._parameters = {storage.data_ptr() for p in parameters
-                                for storage in _storages(p)}
+            self._parameters = {address for p in parameters for address, _ in _reach(p)}
             self.peak = 0
 
     @contextlib.contextmanager
@@ -71,41 +74,64 @@ class ActivationMeter:
         # Autograd keeps an alias of a tensor made by an op, not the tensor itself: an
         # output saved by the node that made it would hold its own grad_fn, a cycle
         # through the C++ graph that Python's collector cannot break, so a graph dropped
-        # before its backward (a failed step) would never free it. The storage counts
-        # while either object lives. A leaf is kept as itself, as autograd keeps it (a
-        # later ``.data`` rebinding must reach backward).
+        # before its backward (a failed step) would never free it. Its bytes count
+        # while either object lives (a stage's cache or a pending send may hold the
+        # output). A leaf is kept as itself, as autograd keeps it (a later ``.data``
+        # rebinding must reach backward); it lives on outside the graph (an input
+        # microbatch in the step's list, a receive buffer in its ring), so its bytes count
+        # only while autograd holds it for backward: while the packed record lives.
         saved = tensor if tensor.is_leaf else tensor.detach()
-        holders = (tensor,) if saved is tensor else (tensor, saved)
+        packed = _Saved(saved, saved._version)
+        holders = (packed,) if saved is tensor else (tensor, saved)
+        reach = _reach(tensor)
         with self._lock:
             # Before a storage is looked up by address: a freed storage's address may be
             # reused by the one being saved, and its deaths are queued by then.
             self._account_for_deaths()
-            for storage in _storages(tensor):
-                address = storage.data_ptr()
-                if address in self._parameters:
-                    continue
-                if address not in self._bytes:
-                    self._bytes[address] = storage.nbytes()
-                    self._holders[address] = 0
-                    self._live += self._bytes[address]
-                for holder in holders:
-                    self._holders[address] += 1
-                    ref = weakref.ref(holder, self._on_death)
-                    self._refs[id(ref)] = ref
-                    self._addresses[id(ref)] = address
-        return _Saved(saved, saved._version)
+            reach = [(address, span) for address, span in reach
+                     if address not in self._parameters]
+            for holder in holders:
+                ref = weakref.ref(holder, self._on_death)
+                self._refs[id(ref)] = ref
+                self._holds[id(ref)] = reach
+            for address, span in reach:
+                spans = self._reached.setdefault(address, {})
+                count = spans.get(span, 0)
+                spans[span] = count + len(holders)
+                if not count:  # a range already reached changes nothing
+                    self._recount(address)
+        return packed
 
     def _account_for_deaths(self) -> None:
-        """Under the lock: drop the storages no live holder uses any more."""
+        """Under the lock: drop the ranges no live holder reaches any more."""
         while self._died:
             key = id(self._died.popleft())
             if self._refs.pop(key, None) is None:  # held since before the last reset
                 continue
-            address = self._addresses.pop(key)
-            self._holders[address] -= 1
-            if self._holders[address] == 0:
-                del self._holders[address]
-                self._live -= self._bytes.pop(address)
+            for address, span in self._holds.pop(key):
+                spans = self._reached[address]
+                spans[span] -= 1
+                if spans[span] == 0:  # while another holder reaches it, nothing changes
+                    del spans[span]
+                    self._recount(address)
+
+    def _recount(self, address: int) -> None:
+        """Under the lock: the bytes of the storage at ``address`` that live holders reach
+        (idempotent)."""
+        spans = self._reached[address]
+        if len(spans) == 1:  # the common case: one tensor, or it and its alias
+            ((start, stop),) = spans
+            covered = stop - start
+        else:
+            covered, end = 0, 0
+            for start, stop in sorted(spans):
+                covered += max(0, stop - max(start, end))
+                end = max(end, stop)
+        self._live += covered - self._bytes.pop(address, 0)
+        if covered:
+            self._bytes[address] = covered
+        if not spans:
+            del self._reached[address]
 
     def live_bytes(self) -> int:
         """Bytes of saved activations still alive now."""
@@ -122,16 +148,21 @@ class ActivationMeter:
             return self._live
 
 
-class _Saved(NamedTuple):
-    tensor: torch.Tensor
-    version: int
-    """Its version when saved: with saved-tensor hooks autograd no longer checks it."""
+class _Saved:
+    """What autograd holds for a saved tensor until the backward that needs it (or until
+    it drops the graph): the tensor, and its version when saved (with saved-tensor hooks
+    autograd no longer checks it)."""
+
+    __slots__ = ("tensor", "version", "__weakref__")
+
+    def __init__(self, tensor: torch.Tensor, version: int):
+        self.tensor, self.version = tensor, version
 
 
 def _unpack(packed: _Saved | torch.Tensor) -> torch.Tensor:
     if not isinstance(packed, _Saved):
         return packed
-    tensor, version = packed
+    tensor, version = packed.tensor, packed.version
     if tensor._version != version:
         # The error autograd raises without hooks: gradients from modified inputs are wrong.
         raise RuntimeError(
@@ -142,14 +173,26 @@ def _unpack(packed: _Saved | torch.Tensor) -> torch.Tensor:
     return tensor
 
 
-def _storages(tensor: torch.Tensor) -> list[torch.UntypedStorage]:
-    """The storages holding a tensor's data; a tensor subclass that wraps others (a
-    DTensor, a tensor of an async collective) holds its inner tensors'."""
-    if is_traceable_wrapper_subclass(tensor):
+def _reach(tensor: torch.Tensor) -> list[tuple[int, tuple[int, int]]]:
+    """(storage address, (first byte, end byte)) of the bytes a tensor's data can reach in
+    each storage that holds it; a tensor subclass that wraps others (a DTensor, a tensor
+    of an async collective) reaches what its inner tensors reach."""
+    if type(tensor) is not torch.Tensor and is_traceable_wrapper_subclass(tensor):
         names, _ = tensor.__tensor_flatten__()
         inner = (getattr(tensor, name) for name in names)
-        return [s for t in inner if isinstance(t, torch.Tensor) for s in _storages(t)]
-    return [tensor.untyped_storage()]
+        return [r for t in inner if isinstance(t, torch.Tensor) for r in _reach(t)]
+    storage = tensor.untyped_storage()
+    size = tensor.element_size()
+    first = tensor.storage_offset() * size
+    if tensor.is_contiguous():  # the common case, and cheap
+        return [(storage.data_ptr(), (first, first + tensor.nbytes))] if tensor.nbytes else []
+    if tensor.numel() == 0:
+        return []
+    first = last = tensor.storage_offset()
+    for extent, stride in zip(tensor.shape, tensor.stride()):
+        step = (extent - 1) * stride
+        first, last = first + min(step, 0), last + max(step, 0)
+    return [(storage.data_ptr(), (first * size, min((last + 1) * size, storage.nbytes())))]
 
 
 class MeteredModule(torch.nn.Module):

@@ -31,7 +31,7 @@ from torch.distributed.pipelining.microbatch import _split_tensor, TensorChunkSp
 from torch.profiler import record_function
 
 from rrfp._torch_compat import clear_after_failure, release_sent_outputs
-from rrfp.arbiter import Arbiter, check_deadlock_free, resolve_buffer_limits
+from rrfp.arbiter import Arbiter, check_deadlock_free, MemoryLimits, resolve_buffer_limits
 from rrfp.hints import (
     _Action,
     B,
@@ -49,8 +49,9 @@ from rrfp.coordination import COORDINATIONS, make_coordinator
 from rrfp.device import CudaDevice, EmulatedDevice, HostDevice, Wakeup
 from rrfp.loop import Arrival, DEFAULT_LAUNCH_DEPTH, PipelineStallError, StepLoop
 from rrfp.memory import ActivationMeter
-from rrfp.policy import default_policy, History, make_policy, POLICIES
+from rrfp.policy import default_policy, History, make_policy
 from rrfp.receives import ReceiveRings, shape_header
+from rrfp.settings import parse_launch_depth, parse_policy
 from rrfp.stats import Span, StepStats
 from rrfp.transport import create_channels, SendDelay, Transport
 
@@ -62,9 +63,9 @@ class ScheduleRRFP(PipelineScheduleMulti):
     """Runtime-readiness-first pipeline schedule (arXiv 2605.18750).
 
     Args:
-        stages: this rank's ``PipelineStage`` (or a list of them, one per local model chunk),
-            placed as the hint places them (loop: stage s on rank s % pp_size; V for
-            ZBVZeroBubble and DualPipeV).
+        stages: this rank's ``PipelineStage`` (or a list of them, one per local model chunk,
+            in any order: they run in stage order), placed as the hint places them (loop:
+            stage s on rank s % pp_size; V for ZBVZeroBubble and DualPipeV).
         n_microbatches: microbatches per step.
         loss_fn: loss of the last stage's output and the target, per microbatch.
         hint: the order to rank ready actions by: a name torch's ``get_schedule_class``
@@ -76,13 +77,15 @@ class ScheduleRRFP(PipelineScheduleMulti):
         buffer_limit: microbatches of activations held (from a microbatch's F until its
             last backward piece, B or W), per stage and per rank: ``"hint"`` (the fixed
             schedule's own peaks, per stage and per rank: no more activation memory than
-            the hint), ``"hint+k"`` (k more of each), or an int n (n per stage and per
-            rank); see ``rrfp.arbiter.resolve_buffer_limits``.
+            the hint), ``"hint+k"`` (k more of each), ``"Nx hint"`` (N times them), or an
+            int n (n per stage and per rank; ``"n"`` too); see
+            ``rrfp.arbiter.resolve_buffer_limits``.
         stall_timeout: seconds without any ready action before the step raises
             ``PipelineStallError`` naming what each stream waits for.
         scale_grads, args_chunk_spec, kwargs_chunk_spec, output_merge_spec: as in torch's
             schedules.
-        policy: how to pick among ready actions (see ``rrfp.policy``); None: the rule of
+        policy: how to pick among ready actions (see ``rrfp.policy``; names are
+            case-insensitive); None: the rule of
             a BF/BFW hint, else ``"lookahead"`` at the hint's memory; with slack
             ``"critical"`` for one stage per rank, ``"hint"`` for several.
         coordination_group: a CPU (gloo) group of ranks that must run the same action
@@ -93,10 +96,10 @@ class ScheduleRRFP(PipelineScheduleMulti):
         send_delay: emulated link latency, ``(edge, microbatch) -> seconds`` to hold each
             outgoing message (for studies and tests; messages on a channel stay in order).
         launch_depth: how many launched actions the device may hold before the rank
-            decides again (``None``: no bound). The rank decides what to run next when its
-            device is free, so that choices see the latest arrivals; a depth above 1 hides
-            the CPU's launch cost behind the device's work, at the price of choosing that
-            much earlier. Default ``DEFAULT_LAUNCH_DEPTH``, from
+            decides again (``None``, ``0`` or ``"none"``: no bound). The rank decides what
+            to run next when its device is free, so that choices see the latest arrivals; a
+            depth above 1 hides the CPU's launch cost behind the device's work, at the price
+            of choosing that much earlier. Default ``DEFAULT_LAUNCH_DEPTH``, from
             ``benchmarks/results/launch_depth.md``.
         reorder_ahead: let any ready action be launched onto a busy device (default
             False: ahead of the device only the policy's own next action is launched, the
@@ -135,29 +138,29 @@ class ScheduleRRFP(PipelineScheduleMulti):
         coordination_group: dist.ProcessGroup | None = None,
         coordination: str = "leader",
         send_delay: SendDelay | None = None,
-        launch_depth: int | None = DEFAULT_LAUNCH_DEPTH,
+        launch_depth: int | str | None = DEFAULT_LAUNCH_DEPTH,
         reorder_ahead: bool = False,
         device: EmulatedDevice | None = None,
         variable_shapes: bool = False,
         meter_activations: bool = True,
     ):
-        if policy is not None and policy not in POLICIES:
-            raise ValueError(f"unknown policy {policy!r}: use one of {list(POLICIES)} or None")
+        policy = parse_policy(policy)
+        launch_depth = parse_launch_depth(launch_depth)
         if coordination not in COORDINATIONS:
             raise ValueError(f"unknown coordination {coordination!r}: use one of {list(COORDINATIONS)}")
         if coordination_group is not None and "gloo" not in str(dist.get_backend(coordination_group)):
             raise ValueError(
                 "coordination_group must be a CPU (gloo) group, so agreeing costs no device "
                 "synchronization: create it with dist.new_group(ranks, backend='gloo')")
-        stages = list(stages) if isinstance(stages, (list, tuple)) else [stages]
+        # In stage order, whatever order they come in: torch's first-step shape inference
+        # walks the list with blocking receives, so ranks listing their stages in different
+        # orders (e.g. [rank + 2, rank]) would each wait on the other before any check.
+        stages = sorted(stages, key=lambda stage: stage.stage_index) if isinstance(
+            stages, (list, tuple)) else [stages]
         if not stages:
             raise ValueError("ScheduleRRFP needs at least one stage")
         if not stall_timeout > 0:
             raise ValueError(f"stall_timeout must be > 0 seconds, got {stall_timeout}")
-        if launch_depth is not None and (isinstance(launch_depth, bool)
-                                         or not isinstance(launch_depth, int) or launch_depth < 1):
-            raise ValueError(f"launch_depth must be an int >= 1 or None (no bound), got "
-                             f"{launch_depth!r}")
         stage_device = stages[0].device
         if device is not None and stage_device.type != "cpu":
             raise ValueError(f"the emulated device runs CPU stages; these stages are on "
@@ -233,16 +236,20 @@ class ScheduleRRFP(PipelineScheduleMulti):
         self._collectives_checked = False
         self.coordination = coordination
         self._failure: str | None = None
+        self._steps_run = 0
         self.last_step_stats: StepStats | None = None
+        self.limit_summary = limit_summary(buffer_limit, self.buffer_limits, self._hint,
+                                           self.rank)
         local = self._hint.stages_on(self.rank)
         logger.info(
             "ScheduleRRFP on pipeline rank %d: hint %s (policy %s, %s placement), memory "
             "limits %s per stage and %d on the rank (the hint holds %s and %d), launch depth "
-            "%s, %s", self.rank, self._hint.name, self.policy, self._hint.layout,
+            "%s, %s. %s", self.rank, self._hint.name, self.policy, self._hint.layout,
             {s: self.buffer_limits.per_stage[s] for s in local},
             self.buffer_limits.per_rank[self.rank],
             {s: self._hint.peak_in_flight()[s] for s in local},
             self._hint.rank_peaks()[self.rank], self.launch_depth, type(self._device).__name__,
+            self.limit_summary,
         )
 
     @property
@@ -327,6 +334,7 @@ class ScheduleRRFP(PipelineScheduleMulti):
         finally:
             self.last_step_stats = _step_stats(self, loop, executor, coordinator, clock(),
                                                self._transport.take_sent())
+            self._steps_run += 1
         if self._has_backward:
             loop.teach(self._history)
         else:  # no gradient reduction will reshard them
@@ -561,6 +569,27 @@ class ScheduleRRFP(PipelineScheduleMulti):
         return fsdp_modules
 
 
+def limit_summary(spec: str | int, limits: MemoryLimits, hint: Hint, rank: int) -> str:
+    """One sentence for the log: what ``buffer_limit=spec`` allows on ``rank`` and where
+    the measured gains are (README, "Defaults and what they cost"): at the hint's memory
+    RRFP mostly follows the hint, so speed needs memory slack."""
+    allowed, held = limits.per_rank[rank], hint.rank_peaks()[rank]
+    where = ("measured 1.03-1.17x over the fixed order at 'hint+2' with 1F1B on 4-8 ranks; "
+             "README, Defaults and what they cost")
+    if allowed == held:
+        return (f"buffer_limit={spec!r} allows no activation memory beyond the fixed "
+                f"schedule's ({held} microbatches on this rank), so RRFP mostly follows the "
+                f"hint (measured 1.000-1.004x); speed needs memory slack, e.g. "
+                f"buffer_limit='hint+2' ({where})")
+    if allowed > held:
+        return (f"buffer_limit={spec!r} allows {allowed} microbatches of activations on this "
+                f"rank, {allowed - held} more than the fixed schedule holds, to run ready "
+                f"work out of hint order ({where})")
+    return (f"buffer_limit={spec!r} allows {allowed} microbatches of activations on this "
+            f"rank, fewer than the {held} the fixed schedule holds: less memory, and "
+            f"usually slower than the fixed schedule")
+
+
 def _all_reduce_gradients(module: DistributedDataParallel) -> None:
     """What DDP's default hook does (divide by the replica count, then sum), bucket by
     bucket of at most DDP's ``bucket_bytes_cap``: the extra memory is one bucket."""
@@ -756,5 +785,6 @@ def _step_stats(schedule: ScheduleRRFP, loop: StepLoop, executor: _StageExecutor
         coordination_deferrals=coordinator.deferrals if coordinator else 0,
         coordination_time=coordinator.seconds if coordinator else 0.0,
         start_unix=time.time() - end,
+        step=schedule._steps_run,
         spans=spans,
     )

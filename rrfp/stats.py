@@ -84,6 +84,9 @@ class StepStats:
     """Proposal rounds that ended without agreement (all deferred and retried)."""
     coordination_time: float = 0.0
     """Seconds spent settling actions, including the waits after a deferral."""
+    step: int = 0
+    """Steps the schedule ran before this one: the same count on every rank of the
+    pipeline, so the trace can tell which step's send a receive answers."""
     spans: list[Span] = field(default_factory=list)
     arrivals: list[tuple[int, int, int, float]] = field(default_factory=list)
     """(source stage, destination stage, microbatch, seconds after start) of each
@@ -127,7 +130,9 @@ class StepStats:
 
     def chrome_trace_events(self) -> list[dict]:
         """Chrome/Perfetto trace events: one process per rank; the device's actions on one
-        track, the CPU's waits on another, messages as instants."""
+        track, the CPU's waits on another, messages on a third: each send and each receive
+        a 1 us slice at its time, a flow arrow from the send to its receive (on the peer's
+        track: merge the ranks' traces to see both ends)."""
         pid = self.global_rank
         events: list[dict] = [
             {"ph": "M", "name": "process_name", "pid": pid,
@@ -135,6 +140,8 @@ class StepStats:
             {"ph": "M", "name": "thread_name", "pid": pid, "tid": 0, "args": {"name": "device"}},
             {"ph": "M", "name": "thread_name", "pid": pid, "tid": 1,
              "args": {"name": "cpu (waiting)"}},
+            {"ph": "M", "name": "thread_name", "pid": pid, "tid": MESSAGE_TRACK,
+             "args": {"name": "messages"}},
         ]
         base_us = self.start_unix * 1e6
         for span in self.spans:
@@ -146,16 +153,35 @@ class StepStats:
             })
         for cat, messages in (("send", self.sends), ("recv", self.arrivals)):
             for src, dst, mb, offset in messages:
+                ts = base_us + offset * 1e6
                 events.append({
-                    "ph": "i", "s": "t", "pid": pid, "tid": 0, "cat": cat,
-                    "name": f"{cat} {src}->{dst} mb {mb}", "ts": base_us + offset * 1e6,
+                    "ph": "X", "pid": pid, "tid": MESSAGE_TRACK, "cat": cat,
+                    "name": f"{cat} {src}->{dst} mb {mb}", "ts": ts, "dur": 1.0,
                     "args": {"src": src, "dst": dst, "microbatch": mb},
                 })
+                # A flow event binds to the slice enclosing it: inside the message's own
+                # slice, not at its edge, where another slice may begin or end. Both ends
+                # compute the id from the message and the step alone (a microbatch
+                # crosses an edge once per step; Perfetto keeps a flow id once used).
+                flow = {"ph": "s"} if cat == "send" else {"ph": "f", "bp": "e"}
+                events.append({**flow, "pid": pid, "tid": MESSAGE_TRACK, "cat": "message",
+                               "name": f"{src}->{dst} mb {mb}", "ts": ts + 0.5,
+                               "id": message_flow_id(self.step, src, dst, mb)})
         return events
 
     def write_chrome_trace(self, path: str | os.PathLike) -> None:
         """Write this rank's timeline; open it in https://ui.perfetto.dev or chrome://tracing."""
         write_chrome_trace([self], path)
+
+
+MESSAGE_TRACK = 2
+"""The trace's thread id for a rank's messages."""
+
+
+def message_flow_id(step: int, src: int, dst: int, microbatch: int) -> int:
+    """The trace's flow id of the message of ``microbatch`` from stage ``src`` to ``dst``
+    in ``step`` (a stage sends only to its neighbours: ``dst - src + 1`` is 0 or 2)."""
+    return ((step * (1 << 24) + microbatch) * (1 << 20) + src) * 4 + (dst - src + 1)
 
 
 def write_chrome_trace(stats: Iterable[StepStats], path: str | os.PathLike) -> None:

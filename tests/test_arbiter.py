@@ -165,3 +165,18 @@ def test_no_deadlock_and_memory_bound_under_random_timings(name):
                                        if a.stage_index == stage and a.computation_type in kinds]
                                 assert ran == hint.stream(stage, kinds)
     assert runs >= 200
+
+
+def test_the_log_says_what_the_limit_allows_and_where_the_gains_are():
+    from rrfp.schedule import limit_summary
+
+    hint = build_hint("1F1B", num_ranks=4, num_stages=4, n_microbatches=8)
+    for spec, says in (("hint", "allows no activation memory beyond the fixed schedule's (4 "
+                                "microbatches on this rank), so RRFP mostly follows the hint"),
+                       ("hint+2", "allows 6 microbatches of activations on this rank, 2 more "
+                                  "than the fixed schedule holds"),
+                       (2, "allows 2 microbatches of activations on this rank, fewer than "
+                           "the 4 the fixed schedule holds")):
+        summary = limit_summary(spec, resolve_buffer_limits(spec, hint), hint, rank=0)
+        assert says in summary, summary
+        assert ("1.03-1.17x" in summary) == (spec != 2), summary

@@ -79,6 +79,8 @@ def test_class_csv_and_dict_sources_give_the_same_hint(tmp_path):
 
 @pytest.mark.parametrize("source,message", [
     ("Zigzag", "unknown hint 'Zigzag'"),
+    ("hints/missing.csv", "hint file 'hints/missing.csv' not found"),
+    ("missing.CSV", "hint file 'missing.CSV' not found"),
     ({0: ["0F0", "0X1"], 1: []}, "is not an action like"),
     ({0: ["0F0", "0B0", "0F1", "0B1"], 1: ["1F0", "1B0"]}, "does not fit a pipeline"),
     ({0: ["0F0", "0F0", "0F1", "0B0", "0B1"], 1: ["1F0", "1B0", "1F1", "1B1"]}, "runs 0F0 twice"),

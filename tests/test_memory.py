@@ -51,6 +51,32 @@ def test_meter_counts_a_storage_once_however_many_views_of_it_are_saved():
     assert meter.live_bytes() == 0
 
 
+def test_microbatches_split_off_a_batch_count_their_own_rows_while_their_graph_holds_them():
+    """Microbatches that are views of one batch (as torch's schedules split it), the
+    batch and its views kept alive throughout (as the step keeps them): each counts the
+    rows it reaches, and only until its backward."""
+    meter = ActivationMeter()
+    weight = torch.randn(WIDTH, WIDTH, requires_grad=True)
+    meter.reset([weight])
+    batch = torch.randn(4 * ROWS, WIDTH)
+    microbatches = batch.chunk(4)  # views: leaves that autograd saves as themselves
+    losses = []
+    for count, microbatch in enumerate(microbatches, 1):
+        with meter.saving():
+            losses.append((microbatch @ weight).tanh().sum())  # saves the view, the output
+        assert meter.sample() == count * 2 * ONE_ACTIVATION
+    for count, loss in enumerate(losses, 1):
+        loss.backward()
+        assert meter.sample() == (4 - count) * 2 * ONE_ACTIVATION
+    # Overlapping views of one storage count the bytes they reach together once.
+    with meter.saving():
+        first = (batch[: 2 * ROWS] @ weight).sum()
+        second = (batch[ROWS: 3 * ROWS] @ weight).sum()
+    assert meter.sample() == 3 * ONE_ACTIVATION
+    del first, second
+    assert meter.live_bytes() == 0
+
+
 def test_meter_after_reset_ignores_what_dies_from_before_and_what_dies_on_other_threads():
     meter = ActivationMeter()
     weight = torch.randn(WIDTH, WIDTH, requires_grad=True)

@@ -75,6 +75,16 @@ def test_outputs_and_eval_match_torch(hint, reference, per_rank, layout):
             assert result["output_shape"] == (4 * workers.BATCH_PER_MICROBATCH, workers.DIM)
 
 
+def test_stages_listed_out_of_order_run_in_stage_order():
+    # torch's first-step shape inference walks the stage list with blocking receives:
+    # listed in reverse, rank 0 would wait for stage 1's activation and rank 1 for stage
+    # 2's, before anything could check the placement. A hang fails on the world timeout.
+    ranks = run_local_world(2, workers.stages_listed_in_reverse, timeout=60)
+    assert [result["listed"] for result in ranks] == [[2, 0], [3, 1]]
+    for rank, result in enumerate(ranks):
+        assert result["bitwise"], f"rank {rank}: not bitwise torch's Interleaved1F1B"
+
+
 def test_slow_microbatch_is_overtaken_on_an_asynchronous_device():
     # GPipe, 2 ranks, 8 microbatches, emulated device time: stage 0's forward of
     # microbatch 4 takes 0.6 s instead of 0.02 s. The fixed schedule leaves stage 1 idle
@@ -131,6 +141,22 @@ def test_measured_activation_bytes_stay_within_what_the_limit_allows(case):
                 f"(torch's fixed schedule: {fixed} B)")
 
 
+def test_microbatches_split_off_one_batch_count_their_own_bytes_while_held():
+    """The first stage's microbatches are views of the input batch, which the step keeps
+    whole; the last stage's inputs are receive buffers, which the ring keeps. Each counts
+    its own bytes, while its graph holds it: every rank reports the microbatches it holds
+    times one microbatch's saved bytes (the Linear's input and the Tanh's output), at every
+    limit (rank 1 holds one at each)."""
+    limits = [1, 2, 4]
+    ranks = run_local_world(2, workers.chunked_input_bytes, limits, timeout=120)
+    per_microbatch = 2 * workers.BATCH_PER_MICROBATCH * workers.DIM * 8
+    assert [ranks[0][limit][1] for limit in limits] == [1, 2, 4]
+    assert [ranks[1][limit][1] for limit in limits] == [1, 1, 1]
+    for rank, result in enumerate(ranks):
+        for limit, (measured, held) in result.items():
+            assert measured == held * per_microbatch, (rank, limit, measured)
+
+
 def test_without_the_meter_forwards_run_unhooked_and_match_torch():
     """``meter_activations=False``: no saved-tensor hooks around the forwards, no bytes
     reported, gradients and losses still bitwise torch's Schedule1F1B (the metered run is
@@ -171,7 +197,8 @@ BAD_INPUTS = {
     "too_few_microbatches": ["at least as many microbatches as stages", "got 1 microbatches"],
     "too_few_microbatches_dualpipev": ["DualPipeV", "at least as many microbatches as stages"],
     "fixed_below_hint": ["policy='fixed'", "holds up to 2 microbatches", "buffer_limit=1 allows 1"],
-    "launch_depth_zero": ["launch_depth must be an int >= 1 or None"],
+    "launch_depth_negative": ["launch_depth must be an int >= 1, or None, 0 or 'none'"],
+    "unknown_policy": ["unknown policy 'eager'", "case-insensitive"],
 }
 
 

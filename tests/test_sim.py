@@ -114,8 +114,54 @@ def test_replay_file_round_trip_and_trace_conversion(tmp_path):
     assert timing.gradient_latency[1][0] == pytest.approx(0.05)
 
 
-def test_cli_prints_a_table_and_draws_charts(tmp_path, capsys):
+def test_trace_links_each_send_to_its_receive_with_a_flow(tmp_path):
+    """Each message is a slice on its rank's message track at each end, and a flow arrow
+    runs from the send's slice to the receive's (the flow event inside each slice, so
+    Perfetto binds it there), in one trace of the ranks' steps."""
+    import json
+
+    from rrfp.stats import MESSAGE_TRACK, Span, write_chrome_trace
+    from tests.workers import made_up_stats
+
+    # Two steps of two ranks, in one file: each step's messages have flows of their own.
+    messages = {0: dict(sends=[(0, 1, 0, 0.2), (0, 1, 1, 0.3)], arrivals=[(1, 0, 0, 0.65)]),
+                1: dict(sends=[(1, 0, 0, 0.6)], arrivals=[(0, 1, 0, 0.25), (0, 1, 1, 0.4)])}
+    ranks = [made_up_stats(rank, start_unix=100.0 + 10 * step, step=step,
+                           spans=[Span("x", 0.0, 1.0)], **messages[rank])
+             for step in range(2) for rank in (0, 1)]
+    write_chrome_trace(ranks, tmp_path / "trace.json")
+    events = json.loads((tmp_path / "trace.json").read_text())["traceEvents"]
+    slices = [e for e in events if e["ph"] == "X" and e.get("cat") in ("send", "recv")]
+    starts = sorted((e for e in events if e["ph"] == "s"), key=lambda e: e["ts"])
+    ends = sorted((e for e in events if e["ph"] == "f"), key=lambda e: e["ts"])
+    assert len(slices) == 12 and len(starts) == len(ends) == 6
+    for start in starts:
+        (end,) = [e for e in ends if e["id"] == start["id"]]
+        assert 0 < end["ts"] - start["ts"] < 1e6  # the same step's receive
+        assert end["bp"] == "e" and (end["name"], end["cat"]) == (start["name"], start["cat"])
+        for flow, cat in ((start, "send"), (end, "recv")):
+            (enclosing,) = [e for e in slices if e["cat"] == cat and e["pid"] == flow["pid"]
+                            and e["ts"] < flow["ts"] < e["ts"] + e["dur"]]
+            assert enclosing["tid"] == flow["tid"] == MESSAGE_TRACK
+            assert enclosing["name"] == f"{cat} {flow['name']}"
+        src, dst = map(int, start["name"].split()[0].split("->"))
+        assert (start["pid"], end["pid"]) == (src, dst)  # stage s is on rank s here
+    assert len({e["id"] for e in starts}) == 6
+
+
+def test_cli_prints_a_table_and_draws_charts(tmp_path, capsys, monkeypatch):
+    import rrfp.sim.plot
     from rrfp.sim.__main__ import main
+    from rrfp.sim.plot import kinds_shown
+
+    drawn = {}
+    plot_timelines = rrfp.sim.plot.plot_timelines
+
+    def recording(results, path, **kwargs):
+        drawn.update(labels=list(results), kinds=kinds_shown(results), **kwargs)
+        plot_timelines(results, path, **kwargs)
+
+    monkeypatch.setattr(rrfp.sim.plot, "plot_timelines", recording)
 
     charts = tmp_path / "outputs" / "charts"  # made by the CLI
     main(["--pp", "4", "--microbatches", "8", "--hint", "BFW", "--workload", "latency",
@@ -125,18 +171,33 @@ def test_cli_prints_a_table_and_draws_charts(tmp_path, capsys):
     assert "speedup mean" in out and "policy BFW" in out and "limit       32" in out
     assert (charts / "t.png").stat().st_size > 10_000
     assert (charts / "s.png").stat().st_size > 10_000
+    # A rule has no fixed form: the fixed panel names its reference; a split backward
+    # shows I and W, never B.
+    assert drawn["labels"] == ["fixed InterleavedZeroBubble (the BFW rule's reference)",
+                               "RRFP (BFW, limit 32)"]
+    assert drawn["kinds"] == ["F", "I", "W"]
+    assert drawn["time_unit"] == "forward = 1"
 
 
 def test_cli_replays_measured_timings(tmp_path, capsys):
     from rrfp.sim.__main__ import main
     from rrfp.sim.workloads import make_timing
 
-    make_timing("latency", 2, 8, 0).save(tmp_path / "timings.json")
-    main(["--replay", str(tmp_path / "timings.json"), "--hint", "GPipe", "--pp", "2",
-          "--microbatches", "8", "--policy", "hint"])
+    from rrfp.sim.study import compare
+
+    timing = make_timing("latency", 2, 8, 0)
+    timing.save(tmp_path / "timings.json")
+    # The pipeline's shape comes from the timings file.
+    main(["--replay", str(tmp_path / "timings.json"), "--hint", "GPipe", "--policy", "hint"])
     out = capsys.readouterr().out
-    assert f"replay {tmp_path / 'timings.json'}, limit 'hint', policy hint" in out
+    assert (f"GPipe: 2 ranks x 1 stages (loop), 8 microbatches, replay "
+            f"{tmp_path / 'timings.json'}, limit 'hint', policy hint") in out
     assert "for 1 seeds" in out
+    # Replayed timings are seconds: makespans are shown in ms.
+    hint = build_hint("GPipe", num_ranks=2, num_stages=2, n_microbatches=8)
+    row = compare(hint, timing, 0, policy="hint")
+    assert "fixed ms" in out and "rrfp ms" in out and "bound ms" in out
+    assert f"   0 {row.fixed.makespan * 1e3:9.2f} {row.rrfp.makespan * 1e3:9.2f} " in out
 
 
 def _cli_error(argv: list[str], capsys) -> str:
@@ -161,7 +222,9 @@ def _cli_error(argv: list[str], capsys) -> str:
      "drop --layout (only the BF and BFW rules take a placement)"),
     (["--hint", "DualPipeV", "--layout", "loop"], "--layout loop does not fit hint DualPipeV"),
     (["--hint", "1F1B", "--layout", "v"], "--layout v does not fit hint 1F1B"),
-    (["--limit", "lots"], "--limit lots: buffer_limit='lots' is not understood"),
+    (["--limit", "lots"], "argument --limit: buffer_limit='lots' is not understood"),
+    (["--policy", "eager"], "argument --policy: unknown policy 'eager'"),
+    (["--launch-depth", "-1"], "argument --launch-depth: launch_depth must be an int >= 1"),
     (["--replay", "{tmp}/timings.json", "--seeds", "3"],
      "--replay simulates one measured step, so --seeds would be ignored: drop them, or drop "
      "--replay to simulate a workload"),
@@ -180,6 +243,45 @@ def test_cli_refuses_bad_or_contradictory_options_saying_what_to_change(argv, me
     make_timing("uniform", 2, 8, 0).save(tmp_path / "timings.json")
     argv = [arg.format(tmp=tmp_path) for arg in argv]
     assert message.format(tmp=tmp_path) in _cli_error(argv, capsys)
+
+
+def test_cli_gives_a_result_or_a_usage_error_for_every_limit_and_policy(capsys):
+    """Every hint on 2-4 ranks, every limit from 1 to the hint's largest stage peak and the
+    hint-relative ones, every policy: a table where ScheduleRRFP's own check accepts the
+    limit for that policy, else a usage error; never a traceback (a warm-up step in the
+    fixed order under a limit below the hint's peaks once stalled)."""
+    from rrfp.sim.__main__ import main, TWO_CHUNK_HINTS, V_HINTS
+    from rrfp.sim.engine import SIM_POLICIES
+
+    outcomes = set()
+    for name in HINT_NAMES:
+        per_rank = 2 if name.lower() in TWO_CHUNK_HINTS else 1
+        for pp in (2, 3, 4):
+            hint = build_hint(name, num_ranks=pp, num_stages=pp * per_rank, n_microbatches=8,
+                              layout="v" if name.lower() in V_HINTS else "loop")
+            top = max(hint.peak_in_flight().values())
+            for limit in [*map(str, range(1, top + 1)), "hint", "hint+1", "2x hint"]:
+                for policy in SIM_POLICIES:
+                    try:
+                        resolve_buffer_limits(limit, hint, fixed_order=policy == "fixed")
+                        accepted = True
+                    except ValueError:
+                        accepted = False
+                    argv = ["--hint", name, "--pp", str(pp), "--microbatches", "8",
+                            "--limit", limit, "--policy", policy, "--seeds", "1"]
+                    try:
+                        main(argv)
+                        printed = True
+                    except SystemExit as e:
+                        assert e.code == 2, argv
+                        printed = False
+                    out, err = capsys.readouterr()
+                    assert printed == accepted, (argv, err.splitlines()[-1:])
+                    assert ("speedup mean" in out) == printed, argv
+                    outcomes.add((accepted, policy == "fixed"))
+    # Below the hint's peaks: results for the policies that may deviate, usage errors for
+    # the fixed order (and for limits ScheduleRRFP refuses whatever the policy).
+    assert outcomes == {(True, True), (True, False), (False, True), (False, False)}
 
 
 def test_cli_documents_every_option(capsys):
@@ -376,10 +478,8 @@ def test_history_durations_are_step_means_that_earlier_steps_temper():
 def test_critical_priorities_follow_measured_costs_and_keep_them_while_they_stay_close():
     from rrfp.arbiter import Arbiter
     from rrfp.policy import History, make_policy
-    from rrfp.sim.study import resolve_limit
-
     hint = build_hint("1F1B", num_ranks=4, num_stages=4, n_microbatches=8)
-    limits = resolve_limit("hint+2", hint)
+    limits = resolve_buffer_limits("hint+2", hint)
     history = History()
 
     def rank_by_costs() -> dict | None:

@@ -21,8 +21,10 @@ from torchtitan.protocols import train_spec  # noqa: E402
 from tests import workers  # noqa: E402
 
 from torchtitan_ext.log_ranks import log_ranks, print_only_on, warn_if_loss_hidden  # noqa: E402
+from rrfp.local import run_local_world  # noqa: E402
+from rrfp.settings import BufferLimit, parse_buffer_limit  # noqa: E402
 from torchtitan_ext.schedules import (  # noqa: E402
-    hint_of, parse_buffer_limit, placement_schedule, validate)
+    hint_of, placement_schedule, schedule_arguments, validate)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CONFIG = "train_configs/llama3_debug_cpu.toml"
@@ -86,14 +88,18 @@ def test_schedule_names():
     (["--parallelism.pipeline_parallel_schedule", "RRFP-1F1B",
       "--parallelism.pipeline_parallel_layers_per_stage", "2"], "runs one stage per rank"),
     (["--parallelism.pipeline_parallel_schedule", "RRFP-1F1B",
-      "--training.local_batch_size", "1"], "at least as many microbatches as stages"),
+      "--training.local_batch_size", "1"],
+     r"at least as many microbatches as stages.*; here microbatches = "
+     r"training.local_batch_size \(1\) / parallelism.pipeline_parallel_microbatch_size "
+     r"\(1\): raise the first or lower the second"),
     (["--parallelism.pipeline_parallel_schedule", "RRFP-DualPipeV",
       "--training.local_batch_size", "2"], "at least as many microbatches as stages"),
     (["--training.local_batch_size", "6", "--parallelism.pipeline_parallel_microbatch_size", "4"],
      "must be a multiple of"),
-    (["--rrfp.buffer_limit", "0"], "buffer_limit=0 is below 1"),
-    (["--rrfp.buffer_limit", "lots"], "is not understood"),
-    (["--rrfp.policy", "eager"], "is not one of"),
+    (["--rrfp.buffer_limit", "0"], "rrfp.buffer_limit: buffer_limit=0 is below 1"),
+    (["--rrfp.buffer_limit", "lots"], "rrfp.buffer_limit: buffer_limit='lots' is not understood"),
+    (["--rrfp.policy", "eager"], "rrfp.policy: unknown policy 'eager'"),
+    (["--rrfp.launch_depth", "-1"], "rrfp.launch_depth: launch_depth must be an int >= 1"),
     (["--rrfp.policy", "fixed", "--rrfp.buffer_limit", "1"], "policy='fixed' runs hint"),
     (["--parallelism.pipeline_parallel_degree", "1"], "pipeline_parallel_degree >= 2"),
     (["--rrfp.coordination", "vote"], "is not one of"),
@@ -113,6 +119,20 @@ def test_bad_rrfp_configs_are_rejected_with_what_to_change(overrides, message):
         validate(config, n_layers(config))
 
 
+def test_fewer_microbatches_than_stages_warn_as_torchtitan_does(caplog):
+    config = parse("--parallelism.pipeline_parallel_schedule", "RRFP-GPipe",
+                   "--training.local_batch_size", "1")
+    with caplog.at_level("WARNING"):
+        validate(config, n_layers(config))
+    assert ("Number of microbatches (1) is less than the total number of stages (2) which "
+            "may result in a bubble in the pipeline.") in caplog.text
+    caplog.clear()
+    config = parse("--parallelism.pipeline_parallel_schedule", "RRFP-GPipe")
+    with caplog.at_level("WARNING"):
+        validate(config, n_layers(config))
+    assert "Number of microbatches" not in caplog.text
+
+
 def test_good_configs_pass_validation():
     for schedule in ("RRFP", "RRFP-Interleaved1F1B", "RRFP-ZBVZeroBubble", "RRFP-BFW"):
         config = parse("--parallelism.pipeline_parallel_schedule", schedule)
@@ -126,13 +146,13 @@ def test_good_configs_pass_validation():
 
 # (The main config's pipeline needs at least 5 microbatches per rank: its own peak.)
 @pytest.mark.parametrize("toml_value,cli_value,expected", [
-    ("6", None, 6),
-    ('"6"', None, 6),
-    ('"hint+2"', None, "hint+2"),
-    (None, "6", 6),
-    (None, "hint", "hint"),
-    (None, "hint+1", "hint+1"),
-    ("3", "hint", "hint"),
+    ("6", None, BufferLimit(6)),
+    ('"6"', None, BufferLimit(6)),
+    ('"hint+2"', None, BufferLimit(None, extra=2)),
+    (None, "6", BufferLimit(6)),
+    (None, "hint", BufferLimit(None)),
+    (None, "2x hint", BufferLimit(None, factor=2)),
+    ("3", "hint", BufferLimit(None)),
 ])
 def test_buffer_limit_is_an_int_or_a_string_in_toml_and_on_the_command_line(
         toml_value, cli_value, expected, tmp_path):
@@ -149,6 +169,71 @@ def test_buffer_limit_is_an_int_or_a_string_in_toml_and_on_the_command_line(
     config = ConfigManager().parse_args(args)
     assert parse_buffer_limit(config.rrfp.buffer_limit) == expected
     validate(config, n_layers(config))
+
+
+# One setting per row, as a Python caller, train.toml's [rrfp] section and the simulator's
+# command line write it. (The main config's pipeline: Interleaved1F1B, 2 ranks x 2 stages,
+# 8 microbatches; a rank holds up to 5 at the hint's memory.)
+SPELLINGS = [
+    (dict(buffer_limit=6, policy="Critical", launch_depth=None),
+     dict(buffer_limit="6", policy='"Critical"', launch_depth="0"),
+     ["--limit", "6", "--policy", "Critical", "--launch-depth", "none"]),
+    (dict(buffer_limit="6", policy="HINT", launch_depth=3),
+     dict(buffer_limit='"6"', policy='"hint"', launch_depth='"3"'),
+     ["--limit", "6", "--policy", "Hint", "--launch-depth", "3"]),
+    (dict(buffer_limit="2x hint", policy=None, launch_depth=0),
+     dict(buffer_limit='"2x hint"', policy='""', launch_depth='"none"'),
+     ["--limit", "2x hint", "--launch-depth", "0"]),
+    (dict(buffer_limit="Hint+1", policy="window", launch_depth="none"),
+     dict(buffer_limit='"hint+1"', policy='"Window"', launch_depth='"NONE"'),
+     ["--limit", "HINT + 1", "--policy", "WINDOW", "--launch-depth", "NONE"]),
+    (dict(buffer_limit="hint", policy="fixed", launch_depth=2),
+     dict(buffer_limit='"hint"', policy='"FIXED"', launch_depth="2"),
+     ["--policy", "Fixed"]),
+]
+
+
+def test_each_setting_means_the_same_from_python_toml_and_the_simulator(tmp_path):
+    """buffer_limit, policy and launch_depth, each spelled as a Python caller, train.toml
+    and ``python -m rrfp.sim`` would: the same limits per stage and per rank, the same
+    policy and launch depth (no bound: ``inf``), from ScheduleRRFP itself (Python and
+    TOML, the latter through ``validate`` and the arguments torchtitan_ext passes) and
+    from the simulator's comparison."""
+    import math
+
+    from rrfp.hints import build_hint
+    from rrfp.sim.__main__ import build_parser
+    from rrfp.sim.study import compare
+
+    with open(os.path.join(ROOT, CONFIG)) as f:
+        text = f.read()
+    toml_arguments = []
+    for i, (_, toml, _) in enumerate(SPELLINGS):
+        lines = "".join(f"{key} = {value}\n" for key, value in toml.items())
+        config_file = tmp_path / f"train{i}.toml"
+        config_file.write_text(text.replace('buffer_limit = "hint"\n', lines))
+        config = ConfigManager().parse_args(["--job.config_file", str(config_file)])
+        validate(config, n_layers(config))
+        toml_arguments.append(schedule_arguments(config.rrfp))
+    python_arguments = [python for python, _, _ in SPELLINGS]
+    built = run_local_world(2, workers.settings_as_built, python_arguments + toml_arguments,
+                            timeout=120)
+    hint = build_hint("Interleaved1F1B", num_ranks=2, num_stages=4, n_microbatches=8)
+    for i, (python, toml, cli) in enumerate(SPELLINGS):
+        args = build_parser().parse_args(["--pp", "2", "--microbatches", "8",
+                                          "--hint", "Interleaved1F1B", *cli])
+        row = compare(hint, "uniform", 0, limit=args.limit, policy=args.policy,
+                      launch_depth=args.launch_depth)
+        simulated = (dict(row.limits.per_stage), dict(row.limits.per_rank), row.policy,
+                     args.launch_depth)
+        for rank in (0, 1):
+            from_python, from_toml = built[rank][i], built[rank][len(SPELLINGS) + i]
+            assert from_python == from_toml == simulated, (python, toml, cli)
+    limits = [built[0][i][1] for i in range(len(SPELLINGS))]
+    assert limits == [{0: 6, 1: 6}, {0: 6, 1: 6}, {0: 10, 1: 6}, {0: 6, 1: 4}, {0: 5, 1: 3}]
+    assert [built[0][i][2:] for i in range(len(SPELLINGS))] == [
+        ("critical", math.inf), ("hint", 3), ("hint", math.inf), ("window", math.inf),
+        ("fixed", 2)]
 
 
 def tensorboard_scalars(dump) -> dict[str, int]:
@@ -177,6 +262,10 @@ def test_main_job_trains_on_cpu_and_logs_rrfp_stats(tmp_path):
     assert float(losses[8]) < float(losses[1]) - 2.0
     assert ("ScheduleRRFP with hint Interleaved1F1B (loop placement), policy lookahead, buffer "
             "limit 'hint'") in out
+    # What that limit allows, and where the gains are, in the same line.
+    assert ("buffer_limit='hint' allows no activation memory beyond the fixed schedule's (3 "
+            "microbatches on this rank), so RRFP mostly follows the hint") in out
+    assert "speed needs memory slack, e.g. buffer_limit='hint+2'" in out
     assert re.search(STATS_LINE.format(step=8, label="", activations=METERED), out)
     scalars = tensorboard_scalars(tmp_path)
     for tag in ("rrfp/idle_fraction/pp0", "rrfp/out_of_hint_order/pp1",

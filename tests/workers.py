@@ -244,6 +244,37 @@ def outputs_and_eval(rank: int, world_size: int, hint: str, reference: str,
             "output_shape": tuple(rrfp[2].shape) if has_last else None}
 
 
+def stages_listed_in_reverse(rank: int, world_size: int) -> dict:
+    """Interleaved1F1B with each rank's stages listed in reverse (``[rank + pp, rank]``):
+    two steps, against torch's fixed schedule given them in stage order."""
+    M, steps = 2 * world_size, 2
+    chain = make_chain(2 * world_size)
+    x, y = make_batch(M)
+    stages, blocks = build_stages(chain, rank, world_size, "loop")
+    fixed = run_steps(torch_schedule("Interleaved1F1B", stages, M), stages, blocks, x, y, steps)
+    stages, blocks = build_stages(chain, rank, world_size, "loop")
+    schedule = ScheduleRRFP(stages[::-1], M, loss_fn=loss_fn, hint="Interleaved1F1B",
+                            stall_timeout=20)
+    history = run_steps(schedule, stages, blocks, x, y, steps)
+    schedule.close()
+    return {"bitwise": bitwise_equal(history, fixed),
+            "listed": [stage.stage_index for stage in stages[::-1]]}
+
+
+def settings_as_built(rank: int, world_size: int, arguments: list[dict]) -> list[tuple]:
+    """What ScheduleRRFP (Interleaved1F1B, 2 stages per rank, 8 microbatches) makes of each
+    set of keyword arguments: its limits per stage and per rank, policy and launch depth."""
+    chain = make_chain(2 * world_size)
+    built = []
+    for kwargs in arguments:
+        stages, _ = build_stages(chain, rank, world_size, "loop")
+        schedule = ScheduleRRFP(stages, 8, loss_fn=loss_fn, hint="Interleaved1F1B", **kwargs)
+        schedule.close()
+        built.append((dict(schedule.buffer_limits.per_stage), dict(schedule.buffer_limits.per_rank),
+                      schedule.policy, schedule.launch_depth))
+    return built
+
+
 def slow_microbatch_comparison(rank: int, world_size: int, hint: str, policy: str,
                                n_microbatches: int, slow_mb: int, slow_s: float,
                                repeats: int, launch_depth: int | None = None) -> dict:
@@ -381,6 +412,28 @@ def memory_world(rank: int, world_size: int, hint: str, reference: str, per_rank
     return results
 
 
+def chunked_input_bytes(rank: int, world_size: int, limits: list) -> dict:
+    """1F1B on plain blocks (a Linear saves its input, a Tanh its output), whose first stage
+    gets microbatches that torch splits off one input batch as views: per limit, each
+    rank's peak activation bytes and microbatches held. (No outputs returned: the last
+    stage would keep every microbatch's output for the step's result.)"""
+    M = 8
+    chain = make_chain(world_size)
+    x, y = make_batch(M)
+    inputs = (x,) if rank == 0 else ()
+    results = {}
+    for limit in limits:
+        stages, _ = build_stages(chain, rank, world_size, "loop")
+        schedule = ScheduleRRFP(stages, M, loss_fn=loss_fn, hint="1F1B", buffer_limit=limit,
+                                policy="hint", stall_timeout=60)
+        for _ in range(2):
+            schedule.step(*inputs, target=y, return_outputs=False)
+        stats = schedule.last_step_stats
+        schedule.close()
+        results[limit] = (stats.peak_activation_bytes, stats.peak_rank_in_flight)
+    return results
+
+
 class HookProbe(torch.nn.Module):
     """A block that records, at each forward, whether saved-tensor hooks are installed."""
 
@@ -468,8 +521,10 @@ def bad_input(rank: int, world_size: int, case: str) -> str:
         kwargs["hint"], per_rank, layout, n_microbatches = "DualPipeV", 2, "v", 2
     elif case == "fixed_below_hint":
         kwargs["policy"], kwargs["buffer_limit"] = "fixed", 1
-    elif case == "launch_depth_zero":
-        kwargs["launch_depth"] = 0
+    elif case == "launch_depth_negative":
+        kwargs["launch_depth"] = -1
+    elif case == "unknown_policy":
+        kwargs["policy"] = "eager"
     else:
         raise AssertionError(case)
     chain = make_chain(world_size * per_rank)

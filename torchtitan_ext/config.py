@@ -11,23 +11,24 @@ class RRFP:
     """Readiness-first pipeline schedule settings (used by ``RRFP`` / ``RRFP-<hint>`` schedules)."""
 
     buffer_limit: int | str = "hint"
-    """Cap on forwards in flight per stage (activation memory): ``"hint"`` = the fixed
-    schedule's own peak (no extra memory), ``"hint+k"``, or an integer >= 1 (``4`` or
-    ``"4"`` in TOML, ``--rrfp.buffer_limit 4`` on the command line)."""
+    """Microbatches of activations held, per stage and per rank: ``"hint"``, ``"hint+k"``,
+    ``"Nx hint"`` or an integer (``4`` or ``"4"`` in TOML, ``--rrfp.buffer_limit 4`` on the
+    command line). Parsed as ScheduleRRFP parses it: ``rrfp.settings.BUFFER_LIMIT_HELP``."""
 
     policy: str = ""
-    """Arbitration policy: ``hint``, ``lookahead``, ``critical``, ``arrival``, ``window``,
-    ``BF``, ``BFW``, ``fixed``; empty = ScheduleRRFP's default (the rule for BF/BFW; else
-    ``lookahead`` at the hint's memory; with slack ``critical`` for one stage per rank,
-    ``hint`` for several)."""
+    """Arbitration policy, case-insensitive: ``hint``, ``lookahead``, ``critical``,
+    ``arrival``, ``window``, ``BF``, ``BFW``, ``fixed``; empty = ScheduleRRFP's default (the
+    rule for BF/BFW; else ``lookahead`` at the hint's memory; with slack ``critical`` for one
+    stage per rank, ``hint`` for several)."""
 
     coordination: str = "leader"
     """With tensor parallelism, how a TP group settles on each action: ``leader`` (its first
     rank decides and broadcasts) or ``agree`` (all-gather proposals, defer on
     disagreement). ``leader`` was faster in benchmarks/results/coordination.md."""
 
-    launch_depth: int = DEFAULT_LAUNCH_DEPTH
-    """Launched actions the device may hold before the rank decides again (0: no bound).
+    launch_depth: int | str = DEFAULT_LAUNCH_DEPTH
+    """Launched actions the device may hold before the rank decides again (``0`` or
+    ``"none"``: no bound, as ``None`` in Python).
     The rank picks what runs next when its GPU is free, so choices see the latest
     arrivals; 2 hides the CPU's launch cost behind the running action
     (benchmarks/results/launch_depth.md)."""

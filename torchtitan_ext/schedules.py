@@ -24,7 +24,7 @@ from rrfp import ScheduleRRFP
 from rrfp.arbiter import resolve_buffer_limits
 from rrfp.coordination import COORDINATIONS
 from rrfp.hints import build_hint, HINT_NAMES, rule_reference, RULE_NAMES
-from rrfp.policy import POLICIES
+from rrfp.settings import parse_launch_depth, parse_policy
 from torchtitan_ext.config import RRFP
 from torchtitan_ext.models import first_stage_modules
 
@@ -111,12 +111,13 @@ def stages_per_rank(job_config, n_layers: int) -> int:
     return max(1, stages // parallelism.pipeline_parallel_degree)
 
 
-def parse_buffer_limit(value: int | str) -> int | str:
-    """``[rrfp] buffer_limit`` as ScheduleRRFP takes it: an int as given or written as a
-    string ("4"), anything else ("hint", "hint+2") unchanged for ScheduleRRFP to check."""
-    if isinstance(value, str) and value.strip().isdigit():
-        return int(value)
-    return value
+def schedule_arguments(settings: RRFP) -> dict:
+    """ScheduleRRFP's keyword arguments from the ``[rrfp]`` section, as written: the
+    schedule parses them with the parsers that ``validate`` checks them with."""
+    return dict(buffer_limit=settings.buffer_limit, policy=settings.policy,
+                launch_depth=settings.launch_depth, stall_timeout=settings.stall_timeout,
+                coordination=settings.coordination, variable_shapes=settings.variable_shapes,
+                meter_activations=settings.meter_activations)
 
 
 def validate(job_config, n_layers: int) -> None:
@@ -147,20 +148,43 @@ def validate(job_config, n_layers: int) -> None:
         raise ValueError(f"hint {hint!r} runs one stage per rank, but "
                          f"pipeline_parallel_layers_per_stage gives {per_rank} per rank")
     layout = "v" if placement_schedule(hint) in _V_HINTS else "loop"
-    built = build_hint(hint, num_ranks=pp, num_stages=pp * per_rank,
-                       n_microbatches=n_microbatches(job_config), layout=layout)
+    microbatches = n_microbatches(job_config)
+    try:
+        built = build_hint(hint, num_ranks=pp, num_stages=pp * per_rank,
+                           n_microbatches=microbatches, layout=layout)
+    except ValueError as e:
+        if "microbatches" not in str(e):
+            raise
+        raise ValueError(
+            f"{e}; here microbatches = training.local_batch_size "
+            f"({job_config.training.local_batch_size}) / "
+            f"parallelism.pipeline_parallel_microbatch_size "
+            f"({parallelism.pipeline_parallel_microbatch_size}): raise the first or lower "
+            "the second") from None
+    if microbatches < built.num_stages:
+        from torchtitan.tools.logging import logger
+
+        # What torchtitan warns for its own schedules, whose construction RRFP replaces.
+        logger.warning(
+            f"Number of microbatches ({microbatches}) is less than the total number "
+            f"of stages ({built.num_stages}) which may result in a bubble in the pipeline.")
     settings = rrfp_settings(job_config)
-    resolve_buffer_limits(parse_buffer_limit(settings.buffer_limit), built,
-                          fixed_order=settings.policy == "fixed")
-    if settings.policy and settings.policy not in POLICIES:
-        raise ValueError(f"rrfp.policy={settings.policy!r} is not one of {list(POLICIES)}")
+    # The parsers ScheduleRRFP applies to the same values (which it is given as written),
+    # run here so that a bad one stops before training, naming its field.
+    checks = {
+        "policy": lambda: parse_policy(settings.policy),
+        "launch_depth": lambda: parse_launch_depth(settings.launch_depth),
+        "buffer_limit": lambda: resolve_buffer_limits(
+            settings.buffer_limit, built, fixed_order=parse_policy(settings.policy) == "fixed"),
+    }
+    for field_name, check in checks.items():
+        try:
+            check()
+        except ValueError as e:
+            raise ValueError(f"rrfp.{field_name}: {e}") from None
     if settings.coordination not in COORDINATIONS:
         raise ValueError(f"rrfp.coordination={settings.coordination!r} is not one of "
                          f"{list(COORDINATIONS)}")
-    depth = settings.launch_depth
-    if isinstance(depth, bool) or not isinstance(depth, int) or depth < 0:
-        raise ValueError(f"rrfp.launch_depth={depth!r} must be an integer >= 1, or 0 for no "
-                         "bound")
 
 
 def coordination_group(stages) -> dist.ProcessGroup | None:
@@ -221,21 +245,17 @@ def install() -> None:
         settings = rrfp_settings(job_config)
         schedule = ScheduleRRFP(
             stages, n_microbatches(job_config), loss_fn=loss_fn, scale_grads=False,
-            hint=hint, buffer_limit=parse_buffer_limit(settings.buffer_limit),
-            stall_timeout=settings.stall_timeout, policy=settings.policy or None,
-            coordination_group=coordination_group(stages), coordination=settings.coordination,
-            launch_depth=settings.launch_depth or None, variable_shapes=settings.variable_shapes,
-            meter_activations=settings.meter_activations,
+            hint=hint, coordination_group=coordination_group(stages),
+            **schedule_arguments(settings),
         )
         from torchtitan.tools.logging import logger
 
         logger.info(
             f"Using pipeline schedule {name}: ScheduleRRFP with hint {schedule.hint.name} "
             f"({schedule.hint.layout} placement), policy {schedule.policy}, buffer limit "
-            f"{settings.buffer_limit!r}: at most {schedule.buffer_limits.per_rank[schedule.rank]} "
-            f"microbatches of activations on this rank (the hint holds "
-            f"{schedule.hint.rank_peaks()[schedule.rank]}), launch depth "
-            f"{schedule.launch_depth}, {n_microbatches(job_config)} microbatches")
+            f"{settings.buffer_limit!r}, launch depth {schedule.launch_depth}, "
+            f"{n_microbatches(job_config)} microbatches. {schedule.limit_summary} "
+            "([rrfp] buffer_limit)")
         return schedule
 
     @functools.wraps(metrics._get_metrics_rank)

@@ -3,7 +3,7 @@
     python -m rrfp.sim --pp 8 --microbatches 64 --hint 1F1B --workload multimodal \\
         --limit hint+2 --seeds 10 [--plot outputs/timeline.png] [--sweep outputs/tradeoff.png]
 
-Times are in units of one mean forward. Every figure is simulated.
+Times are in units of one mean forward (replayed timings: in ms). Every figure is simulated.
 """
 
 from __future__ import annotations
@@ -16,10 +16,13 @@ import os
 import statistics
 import time
 
-from rrfp.hints import build_hint, Hint, HINT_NAMES, RULE_NAMES
+from rrfp.arbiter import resolve_buffer_limits
+from rrfp.hints import build_hint, Hint, HINT_NAMES, rule_reference, RULE_NAMES
 from rrfp.loop import DEFAULT_LAUNCH_DEPTH
+from rrfp.settings import (BUFFER_LIMIT_HELP, LAUNCH_DEPTH_HELP, parse_buffer_limit,
+                           parse_launch_depth, parse_policy, policy_help)
 from rrfp.sim.engine import SIM_POLICIES
-from rrfp.sim.study import compare, resolve_limit, SWEEP_LIMITS, sweep_limits, timing_for
+from rrfp.sim.study import compare, SWEEP_LIMITS, sweep_limits, timing_for
 from rrfp.sim.workloads import Timing, WORKLOADS, WorkloadParams
 
 PROG = "python -m rrfp.sim"
@@ -28,10 +31,22 @@ TWO_CHUNK_HINTS = {"interleaved1f1b", "loopedbfs", "interleavedzerobubble", "zbv
 V_HINTS = {"zbvzerobubble", "dualpipev"}
 DEFAULT_WORKLOAD = "jitter"
 DEFAULT_SEEDS = 5
+DEFAULT_PP, DEFAULT_MICROBATCHES = 8, 32
 
 
-def _limit(text: str) -> str | int:
-    return int(text) if text.isdigit() else text
+def _limit(text: str) -> str:
+    try:
+        parse_buffer_limit(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    return text
+
+
+def _policy(text: str) -> str | None:
+    try:
+        return parse_policy(text, SIM_POLICIES)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 def _at_least_one(text: str) -> int:
@@ -45,7 +60,11 @@ def _at_least_one(text: str) -> int:
 
 
 def _launch_depth(text: str) -> float:
-    return math.inf if text.lower() == "none" else _at_least_one(text)
+    try:
+        depth = parse_launch_depth(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    return math.inf if depth is None else depth
 
 
 def _non_negative(text: str) -> float:
@@ -64,13 +83,15 @@ def _option(name: str) -> str:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog=PROG, description=__doc__.split("\n")[0],
-                                     epilog="Times are in units of one mean forward; every "
-                                            "figure is simulated.")
+                                     epilog="Times are in units of one mean forward (replayed "
+                                            "timings: ms); every figure is simulated.")
     pipeline = parser.add_argument_group("pipeline")
-    pipeline.add_argument("--pp", type=_at_least_one, default=8,
-                          help="pipeline ranks (default: %(default)s)")
-    pipeline.add_argument("--microbatches", type=_at_least_one, default=32,
-                          help="microbatches per step (default: %(default)s)")
+    pipeline.add_argument("--pp", type=_at_least_one,
+                          help=f"pipeline ranks (default: {DEFAULT_PP}; with --replay, what "
+                               "the timings file holds)")
+    pipeline.add_argument("--microbatches", type=_at_least_one,
+                          help=f"microbatches per step (default: {DEFAULT_MICROBATCHES}; with "
+                               "--replay, what the timings file holds)")
     pipeline.add_argument("--hint", default="1F1B",
                           help=f"the schedule RRFP takes as its hint and compares with: one of "
                                f"{', '.join(HINT_NAMES)}, or a CSV in torch's compute-only "
@@ -96,14 +117,13 @@ def build_parser() -> argparse.ArgumentParser:
 
     rrfp = parser.add_argument_group("RRFP")
     rrfp.add_argument("--limit", type=_limit, default="hint",
-                      help="buffer limit (forwards in flight per stage): hint, hint+k, "
-                           "'2x hint' or an integer (default: %(default)s)")
-    rrfp.add_argument("--policy", choices=SIM_POLICIES,
-                      help="arbitration policy (default: what ScheduleRRFP would pick)")
+                      help=f"buffer limit, as ScheduleRRFP's buffer_limit: {BUFFER_LIMIT_HELP} "
+                           "(default: %(default)s)")
+    rrfp.add_argument("--policy", type=_policy,
+                      help=f"{policy_help(SIM_POLICIES)} (clairvoyant and informed: the "
+                           "simulator's yardsticks, which see what no rank can)")
     rrfp.add_argument("--launch-depth", type=_launch_depth, default=DEFAULT_LAUNCH_DEPTH,
-                      help="launched actions a device may hold before its rank decides "
-                           "again, or 'none' for no bound (default: %(default)s, as "
-                           "ScheduleRRFP)")
+                      help=f"{LAUNCH_DEPTH_HELP} (default: %(default)s, as ScheduleRRFP)")
     rrfp.add_argument("--launch-cost", type=_non_negative, default=0.0,
                       help="CPU time of each launch, in forwards; the fixed schedule pays "
                            "it too (default: %(default)s)")
@@ -122,9 +142,35 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _stages_per_rank(args: argparse.Namespace) -> int:
+    return args.stages_per_rank or (2 if args.hint.lower() in TWO_CHUNK_HINTS else 1)
+
+
+def _replayed(parser: argparse.ArgumentParser, args: argparse.Namespace) -> Timing | None:
+    """The replayed timings (None without --replay); ``--pp`` and ``--microbatches``
+    default to theirs, and to ``DEFAULT_PP`` and ``DEFAULT_MICROBATCHES`` otherwise."""
+    timing = None
+    if args.replay:
+        if not os.path.isfile(args.replay):
+            parser.error(f"--replay {args.replay}: no such file; write one from a run's trace "
+                         f"with python -m rrfp.sim.replay TRACE_JSON -o {args.replay}")
+        try:
+            timing = Timing.load(args.replay)
+        except ValueError as e:
+            parser.error(f"--replay {args.replay}: {e}")
+        per_rank = _stages_per_rank(args)
+        if args.pp is None and timing.num_stages % per_rank:
+            parser.error(f"--replay {args.replay}: its {timing.num_stages} stages do not make "
+                         f"{per_rank} per rank: give --pp and --stages-per-rank")
+    args.pp = args.pp or (timing.num_stages // _stages_per_rank(args) if timing else DEFAULT_PP)
+    args.microbatches = args.microbatches or (timing.n_microbatches if timing
+                                              else DEFAULT_MICROBATCHES)
+    return timing
+
+
 def _hint(parser: argparse.ArgumentParser, args: argparse.Namespace) -> Hint:
     name = args.hint.lower()
-    per_rank = args.stages_per_rank or (2 if name in TWO_CHUNK_HINTS else 1)
+    per_rank = _stages_per_rank(args)
     layout = args.layout or ("v" if name in V_HINTS else "loop")
     try:
         hint = build_hint(args.hint, num_ranks=args.pp, num_stages=args.pp * per_rank,
@@ -132,7 +178,7 @@ def _hint(parser: argparse.ArgumentParser, args: argparse.Namespace) -> Hint:
     except ValueError as e:
         parser.error(str(e))
     try:
-        resolve_limit(args.limit, hint)
+        resolve_buffer_limits(args.limit, hint, fixed_order=args.policy == "fixed")
     except ValueError as e:
         parser.error(f"--limit {args.limit}: {e}")
     if args.layout and args.layout != hint.layout:
@@ -142,10 +188,20 @@ def _hint(parser: argparse.ArgumentParser, args: argparse.Namespace) -> Hint:
     return hint
 
 
+def _fixed_name(hint: Hint) -> str:
+    """The fixed schedule a hint is compared with: itself, or a rule's reference schedule
+    (a rule has no fixed form of its own)."""
+    if hint.policy == "hint":
+        return hint.name
+    per_rank = hint.num_stages // hint.num_ranks
+    reference = rule_reference(hint.policy, hint.layout, per_rank).__name__
+    return f"{reference.removeprefix('Schedule')} (the {hint.name} rule's reference)"
+
+
 def _workload(parser: argparse.ArgumentParser, args: argparse.Namespace,
-              hint: Hint) -> str | Timing:
+              hint: Hint, replayed: Timing | None) -> str | Timing:
     """The workload name, or the replayed timings."""
-    if not args.replay:
+    if replayed is None:
         return args.workload or DEFAULT_WORKLOAD
     workload_options = [_option(name) for name in ("workload", "seeds")
                         + tuple(f.name for f in dataclasses.fields(WorkloadParams))
@@ -153,11 +209,8 @@ def _workload(parser: argparse.ArgumentParser, args: argparse.Namespace,
     if workload_options:
         parser.error(f"--replay simulates one measured step, so {', '.join(workload_options)} "
                      "would be ignored: drop them, or drop --replay to simulate a workload")
-    if not os.path.isfile(args.replay):
-        parser.error(f"--replay {args.replay}: no such file; write one from a run's trace "
-                     f"with python -m rrfp.sim.replay TRACE_JSON -o {args.replay}")
     try:
-        return timing_for(hint, Timing.load(args.replay), seed=0)
+        return timing_for(hint, replayed, seed=0)
     except ValueError as e:
         parser.error(f"--replay {args.replay}: {e}")
 
@@ -173,8 +226,9 @@ def _make_chart_folders(parser: argparse.ArgumentParser, args: argparse.Namespac
 def main(argv: list[str] | None = None) -> None:
     parser = build_parser()
     args = parser.parse_args(argv)
+    replayed = _replayed(parser, args)
     hint = _hint(parser, args)
-    workload = _workload(parser, args, hint)
+    workload = _workload(parser, args, hint, replayed)
     _make_chart_folders(parser, args)
     params = WorkloadParams(**{f.name: getattr(args, f.name)
                                for f in dataclasses.fields(WorkloadParams)
@@ -191,13 +245,15 @@ def main(argv: list[str] | None = None) -> None:
           f"{args.microbatches} microbatches, {label}, limit {args.limit!r}, "
           f"policy {rows[0].policy}, launch depth {args.launch_depth}, launch cost "
           f"{args.launch_cost} (simulated)")
-    print(f"{'seed':>4} {'fixed':>9} {'rrfp':>9} {'speedup':>8} {'bound':>9} "
-          f"{'rrfp/bound':>10} {'fixed/bound':>11} {'memory':>7}")
+    # Replayed timings are in seconds, shown in ms; workloads in units of one mean forward.
+    scale, unit = (1e3, " ms") if replayed else (1.0, "")
+    print(f"{'seed':>4} {'fixed' + unit:>9} {'rrfp' + unit:>9} {'speedup':>8} "
+          f"{'bound' + unit:>9} {'rrfp/bound':>10} {'fixed/bound':>11} {'memory':>7}")
     for r in rows:
         bound = r.bounds.tighter
-        print(f"{r.seed:>4} {r.fixed.makespan:9.2f} {r.rrfp.makespan:9.2f} {r.speedup:8.3f} "
-              f"{bound:9.2f} {r.rrfp.makespan / bound:10.3f} {r.fixed.makespan / bound:11.3f} "
-              f"{r.memory_ratio:6.2f}x")
+        print(f"{r.seed:>4} {r.fixed.makespan * scale:9.2f} {r.rrfp.makespan * scale:9.2f} "
+              f"{r.speedup:8.3f} {bound * scale:9.2f} {r.rrfp.makespan / bound:10.3f} "
+              f"{r.fixed.makespan / bound:11.3f} {r.memory_ratio:6.2f}x")
     print("bound: the tighter of the critical path and the busiest rank's work plus its "
           "fill and drain; memory: most loaded rank's activations vs the fixed schedule's")
     speedups = [r.speedup for r in rows]
@@ -207,9 +263,10 @@ def main(argv: list[str] | None = None) -> None:
         from rrfp.sim.plot import plot_timelines
 
         first = rows[0]
-        plot_timelines({f"fixed {hint.name}": first.fixed,
+        plot_timelines({f"fixed {_fixed_name(hint)}": first.fixed,
                         f"RRFP ({first.policy}, limit {args.limit})": first.rrfp},
-                       args.plot, title=f"{hint.name}, {label}, seed 0 (simulated)")
+                       args.plot, title=f"{hint.name}, {label}, seed 0 (simulated)",
+                       time_unit="seconds" if replayed else "forward = 1")
         print(f"wrote {args.plot}")
     if args.sweep:
         from rrfp.sim.plot import plot_tradeoff

@@ -20,7 +20,8 @@ def _pyplot():
     return plt
 
 
-def plot_timelines(results: Mapping[str, SimResult], path: str, title: str = "") -> None:
+def plot_timelines(results: Mapping[str, SimResult], path: str, title: str = "",
+                   time_unit: str = "forward = 1") -> None:
     """One panel per run (e.g. fixed, RRFP), a row per rank; white gaps are idle."""
     plt = _pyplot()
     ranks = len(next(iter(results.values())).spans)
@@ -36,16 +37,24 @@ def plot_timelines(results: Mapping[str, SimResult], path: str, title: str = "")
         ax.set_ylim(ranks - 0.5, -0.5)
         ax.set_yticks(range(ranks))
         ax.set_ylabel("rank")
-        ax.set_title(f"{label}: makespan {result.makespan:.1f}", fontsize=10, loc="left")
+        ax.set_title(f"{label}: makespan {result.makespan:.4g}", fontsize=10, loc="left")
         ax.set_xlim(0, end * 1.01)
-    axes[-1, 0].set_xlabel("time (forward = 1)")
-    handles = [plt.Rectangle((0, 0), 1, 1, color=c) for c in COLOURS.values()]
-    fig.legend(handles, list(COLOURS), loc="upper right", ncol=4, fontsize=8)
+    axes[-1, 0].set_xlabel(f"time ({time_unit})")
+    shown = kinds_shown(results)
+    handles = [plt.Rectangle((0, 0), 1, 1, color=COLOURS[kind]) for kind in shown]
+    fig.legend(handles, shown, loc="upper right", ncol=len(shown), fontsize=8)
     if title:
         fig.suptitle(title, fontsize=11, x=0.01, ha="left")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
+
+
+def kinds_shown(results: Mapping[str, SimResult]) -> list[str]:
+    """The action kinds the runs show, for the legend: a split-backward run has I and W,
+    never B."""
+    return [kind for kind in COLOURS if any(span.kind == kind for r in results.values()
+                                            for spans in r.spans.values() for span in spans)]
 
 
 def plot_tradeoff(sweeps: Mapping[str, Mapping[str, list[Comparison]]], path: str,

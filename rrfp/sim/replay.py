@@ -1,7 +1,7 @@
 """Turn a runtime trace into a replay file: "what would RRFP gain on my timings?"
 
     python -m rrfp.sim.replay rrfp_demo_trace.json -o outputs/timings.json
-    python -m rrfp.sim --replay outputs/timings.json --hint GPipe --pp 2 --microbatches 8
+    python -m rrfp.sim --replay outputs/timings.json --hint GPipe
 
 The trace is the Chrome trace ``ScheduleRRFP`` writes (``rrfp.write_chrome_trace`` of all
 ranks' ``last_step_stats``, or ``rrfp.merge_chrome_traces`` of per-rank files). Durations
@@ -29,7 +29,7 @@ def timing_from_trace(trace: dict) -> Timing:
         args = event.get("args", {})
         if event.get("ph") == "X" and event.get("cat") in ("F", "B", "I", "W"):
             spans[(event["cat"], args["stage"], args["microbatch"])].append(event["dur"] / 1e6)
-        elif event.get("ph") == "i" and event.get("cat") in ("send", "recv"):
+        elif event.get("ph") == "X" and event.get("cat") in ("send", "recv"):
             table = sends if event["cat"] == "send" else recvs
             table[(args["src"], args["dst"], args["microbatch"])].append(event["ts"] / 1e6)
     if not spans:

@@ -47,14 +47,6 @@ class Comparison:
         return self.fixed.makespan / self.rrfp.makespan
 
 
-def resolve_limit(limit: str | int, hint: Hint) -> MemoryLimits:
-    """Like ``resolve_buffer_limits``, plus ``"2x hint"`` (twice the hint's peaks)."""
-    if limit == "2x hint":
-        return MemoryLimits({s: 2 * peak for s, peak in hint.peak_in_flight().items()},
-                            {r: 2 * peak for r, peak in hint.rank_peaks().items()})
-    return resolve_buffer_limits(limit, hint)
-
-
 def timing_for(hint: Hint, workload: str | Timing, seed: int,
                params: WorkloadParams = WorkloadParams()) -> Timing:
     if isinstance(workload, Timing):
@@ -73,15 +65,17 @@ def compare(hint: Hint, workload: str | Timing, seed: int, *, limit: str | int =
             reorder_ahead: bool = False) -> Comparison:
     """Simulate the step drawn with ``seed`` under the fixed schedule and under RRFP.
 
-    ``policy=None`` picks what ScheduleRRFP would. The policies that learn from earlier
-    steps (lookahead, critical) first see two (other seeds of the same workload), as they
-    would at run time.
+    ``policy=None`` picks what ScheduleRRFP would; ``limit`` is refused with
+    ``ValueError`` where ScheduleRRFP refuses it (for ``policy="fixed"``, below the hint's
+    peaks). The policies that learn from earlier steps (lookahead, critical) first run two
+    (other seeds of the same workload), as they would at run time: the same policy, from
+    an empty history.
     ``launch_depth``, ``launch_cost`` (in forwards) and ``reorder_ahead`` (see
     ``StepLoop``) apply to RRFP; the fixed schedule
     pays the same launch cost but never waits to decide, so its CPU runs ahead of its
     device without bound, as torch's schedules do on CUDA.
     """
-    limits = resolve_limit(limit, hint)
+    limits = resolve_buffer_limits(limit, hint, fixed_order=policy == "fixed")
     policy = policy or default_policy(hint, limits)
     timing = timing_for(hint, workload, seed, params)
     fixed = simulate(hint, timing.duration, latency=timing.latency, policy="fixed",
@@ -90,9 +84,13 @@ def compare(hint: Hint, workload: str | Timing, seed: int, *, limit: str | int =
                   reorder_ahead=reorder_ahead)
     histories = None
     if policy in LEARNING_POLICIES:
-        for k, warm_policy in ((1, "fixed"), (2, policy)):
+        # The first step runs the policy itself, as ScheduleRRFP's does: without history
+        # lookahead follows the hint and critical costs actions by default durations. (A
+        # fixed-order first step would stall below the hint's peaks, where the runtime
+        # refuses the fixed order.)
+        for k in (1, 2):
             warm = timing_for(hint, workload, seed + k * _WARMUP_SEED, params)
-            histories = simulate(hint, warm.duration, latency=warm.latency, policy=warm_policy,
+            histories = simulate(hint, warm.duration, latency=warm.latency, policy=policy,
                                  limits=limits, histories=histories, **launch).histories
     rrfp = simulate(hint, timing.duration, latency=timing.latency, policy=policy,
                     limits=limits, histories=histories, **launch)

@@ -1,0 +1,94 @@
+"""How the user spells each setting: one parser per setting.
+
+``ScheduleRRFP``, the torchtitan ``[rrfp]`` section and the simulator's command line all
+parse through these functions, so a value means the same wherever it is written (TOML and
+the command line hand over strings where Python code passes ints or None). The help texts
+are shared for the same reason.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import NamedTuple
+
+from rrfp.policy import POLICIES
+
+BUFFER_LIMIT_HELP = (
+    "microbatches of activations held (from a microbatch's forward until its last backward "
+    "piece), per stage and per rank (a rank's stages together): 'hint' (the fixed schedule's "
+    "own peaks, per stage and per rank), 'hint+k' (k more), 'Nx hint' (N times them, e.g. "
+    "'2x hint') or an integer n (n on each stage and each rank)")
+LAUNCH_DEPTH_HELP = (
+    "launched-but-incomplete actions the device may hold before the rank decides again: an "
+    "integer >= 1, or 0 or 'none' for no bound")
+
+
+def policy_help(names: Sequence[str]) -> str:
+    return ("how to pick among ready actions, case-insensitive: " + ", ".join(names)
+            + "; none given: ScheduleRRFP's default (the rule of a BF/BFW hint; else "
+            "lookahead at the hint's memory; with slack critical for one stage per rank, "
+            "hint for several)")
+
+
+class BufferLimit(NamedTuple):
+    """A parsed ``buffer_limit``: ``value`` microbatches, or (``value`` None) ``factor``
+    times the hint's own peak plus ``extra``."""
+
+    value: int | None
+    factor: int = 1
+    extra: int = 0
+
+    def of(self, peak: int) -> int:
+        """The limit where the hint's own peak is ``peak``."""
+        return self.value if self.value is not None else self.factor * peak + self.extra
+
+
+def parse_buffer_limit(spec: object) -> BufferLimit:
+    """``"hint"``, ``"hint+k"``, ``"Nx hint"``, an int n >= 1, or n written as a string
+    (case and spaces do not matter). ``ValueError`` saying what to write otherwise."""
+    if isinstance(spec, bool) or not isinstance(spec, (int, str)):
+        raise ValueError(f"buffer_limit must be 'hint', 'hint+k', 'Nx hint' or an int >= 1, "
+                         f"got {spec!r}")
+    text = spec if isinstance(spec, int) else spec.replace(" ", "").lower()
+    if isinstance(text, int) or text.isdigit():
+        value = int(text)
+        if value < 1:
+            raise ValueError(
+                f"buffer_limit={spec!r} is below 1: at least one microbatch per stage must be "
+                "allowed in flight; use an int >= 1, 'hint', 'hint+k' or 'Nx hint'")
+        return BufferLimit(value)
+    if text == "hint":
+        return BufferLimit(None)
+    if text.startswith("hint+") and text[5:].isdigit():
+        return BufferLimit(None, extra=int(text[5:]))
+    if text.endswith("xhint") and text[:-5].isdigit() and int(text[:-5]) >= 1:
+        return BufferLimit(None, factor=int(text[:-5]))
+    raise ValueError(
+        f"buffer_limit={spec!r} is not understood: use 'hint' (the fixed schedule's own peaks "
+        "per stage and per rank), 'hint+k' with k >= 0, 'Nx hint' with N >= 1, or an int >= 1")
+
+
+def parse_policy(name: str | None, names: Sequence[str] = POLICIES) -> str | None:
+    """A policy's name as ``names`` spell it, matched case-insensitively (as hint names
+    are); None or an empty name: the default (None)."""
+    if name is None or not name.strip():
+        return None
+    for known in names:
+        if known.lower() == name.strip().lower():
+            return known
+    raise ValueError(f"unknown policy {name!r}: use one of {list(names)} (case-insensitive), "
+                     "or none for the default")
+
+
+def parse_launch_depth(depth: object) -> int | None:
+    """An int >= 1, or None, 0 or ``"none"`` for no bound (None); an int may be written as
+    a string."""
+    if isinstance(depth, str):
+        text = depth.strip().lower()
+        depth = None if text == "none" else int(text) if text.isdigit() else depth
+    if depth is None:
+        return None
+    if isinstance(depth, bool) or not isinstance(depth, int) or depth < 0:
+        raise ValueError(f"launch_depth must be an int >= 1, or None, 0 or 'none' for no "
+                         f"bound, got {depth!r}")
+    return depth or None
