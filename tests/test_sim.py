@@ -309,9 +309,11 @@ def test_sixty_four_ranks_and_256_microbatches_simulate_quickly():
     import time
 
     hint = build_hint("1F1B", num_ranks=64, num_stages=64, n_microbatches=256)
-    start = time.perf_counter()
+    # CPU time of this process: other processes on the cores do not count (wall time on a
+    # loaded machine ran past the bound).
+    start = time.process_time()
     result = simulate(hint, _uniform, policy="hint", limits=resolve_buffer_limits("hint", hint))
-    assert time.perf_counter() - start < 10.0
+    assert time.process_time() - start < 10.0
     assert result.makespan == (256 + 63) * 3.0
 
 
