@@ -45,15 +45,22 @@ class Wakeup:
     def notify(self) -> None:
         self._event.set()
 
-    def wait(self, timeout: float) -> None:
-        """Return after a notification (or, when polling, a short interval), or ``timeout``."""
+    def wait(self, timeout: float) -> bool:
+        """Return after a notification (or, when polling, a short interval), or ``timeout``;
+        whether the caller should look at its sources again (False: ``timeout`` passed
+        without a notification, and nothing is polled)."""
         if self.polled:
             self._event.wait(min(timeout, self.POLL_INTERVAL_S))
+            fired = True
         else:
-            self._event.wait(timeout)
-        # Clearing after the wait may drop a notification that raced with it, but the
-        # loop collects every source right after, so nothing is lost.
-        self._event.clear()
+            fired = self._event.wait(timeout)
+        if fired:
+            # Clearing may drop a notification that raced with the wait's return, but the
+            # caller collects every source right after, so nothing is lost. After a
+            # timeout the event is left alone: a notification that came just after it
+            # must wake the next wait.
+            self._event.clear()
+        return fired
 
 
 class HostDevice:

@@ -51,7 +51,8 @@ from rrfp.memory import ActivationMeter
 from rrfp.policy import default_policy, History, make_policy, POLICIES
 from rrfp.receives import ReceiveRings, shape_header
 from rrfp.stats import Span, StepStats
-from rrfp.transport import create_channels, SendDelay, Transport
+from rrfp.transport import (create_channels, FAILURE_POLL_S, PeerFailedError, ReceiveStreams,
+                            SendDelay, Transport)
 
 logger = logging.getLogger(__name__)
 
@@ -158,6 +159,11 @@ class ScheduleRRFP(PipelineScheduleMulti):
             raise ValueError(f"launch_depth must be an int >= 1 or None (no bound), got "
                              f"{launch_depth!r}")
         stage_device = stages[0].device
+        if send_delay is not None and stage_device.type == "cuda":
+            raise ValueError(
+                "send_delay emulates link latency for CPU studies: its sender thread's "
+                "current CUDA stream is not the compute stream, so it could send an output "
+                "before the compute stream wrote it; use it with CPU stages")
         if device is not None and stage_device.type != "cpu":
             raise ValueError(f"the emulated device runs CPU stages; these stages are on "
                              f"{stage_device}: pass device=None to run on their stream")
@@ -226,7 +232,8 @@ class ScheduleRRFP(PipelineScheduleMulti):
         self._receives = ReceiveRings(self.variable_shapes)
         self._meter = ActivationMeter() if meter_activations else None
         self._transport = Transport(create_channels(self._hint, stages[0].group, stage_device),
-                                    self._wakeup, send_delay=send_delay)
+                                    self._wakeup, send_delay=send_delay,
+                                    receive_streams=ReceiveStreams(stage_device))
         self._coordination_group = coordination_group
         self._collectives_checked = False
         self.coordination = coordination
@@ -304,22 +311,34 @@ class ScheduleRRFP(PipelineScheduleMulti):
             stall_timeout=self.stall_timeout,
             describe_rank=f"pipeline rank {self.rank} (global rank {dist.get_rank()})",
             describe_peer=lambda peer: f"global rank {self._global_ranks[peer]}",
-            coordinator=coordinator, block=self._wakeup.wait,
+            coordinator=coordinator, block=self._wait,
         )
         self._device.begin_step(origin, self._wakeup)
         try:
             self._receives.start(self._transport, hint, self._stage_by_index,
                                  self.buffer_limits.per_stage, training=self._has_backward)
             for timeout in loop.run():
-                self._wakeup.wait(timeout)
+                self._wait(timeout)
             if coordinator is not None:
                 coordinator.finish()
             self._transport.finish_sends(self.stall_timeout)
-        except TimeoutError as e:
+        except PeerFailedError as e:
             self._abandon(e)
-            raise PipelineStallError(f"pipeline rank {self.rank}: {e}") from e
+            raise self._peer_failed(e, loop) from e
         except BaseException as e:
+            # A peer's failure may be what broke this step (a closed gloo connection): say
+            # so, naming it; otherwise this rank failed first, and tells the others.
+            try:
+                self._transport.check_peers(force=True)
+            except PeerFailedError as peer:
+                self._abandon(peer)
+                raise self._peer_failed(peer, loop) from e
+            self._transport.publish_failure(
+                f"pipeline rank {self.rank} (global rank {dist.get_rank()}) failed its step: "
+                f"{type(e).__name__}: {e}")
             self._abandon(e)
+            if isinstance(e, TimeoutError):
+                raise PipelineStallError(f"pipeline rank {self.rank}: {e}") from e
             raise
         finally:
             self.last_step_stats = _step_stats(self, loop, executor, coordinator, clock(),
@@ -333,13 +352,31 @@ class ScheduleRRFP(PipelineScheduleMulti):
             self._internal_losses = [executor.losses[m] for m in range(self._n_microbatches)]
         self._update_losses(self._stages, losses)
 
+    def _peer_failed(self, error: PeerFailedError, loop: StepLoop) -> PeerFailedError:
+        """``error``, saying also what this rank was waiting for."""
+        return PeerFailedError(
+            f"pipeline rank {self.rank} (global rank {dist.get_rank()}) stops its step: "
+            f"{error}\nit was waiting for:\n" + "\n".join(loop.waiting()), error.failed_rank)
+
+    def _wait(self, timeout: float) -> None:
+        """Wait up to ``timeout`` for an arrival or a completion; meanwhile check, every
+        ``FAILURE_POLL_S``, whether another rank of the pipeline failed (then raise
+        ``PeerFailedError`` naming it: on NCCL nothing else would tell this rank)."""
+        end = time.perf_counter() + timeout
+        while True:
+            self._transport.check_peers()
+            left = end - time.perf_counter()
+            if left <= 0 or self._wakeup.wait(min(left, FAILURE_POLL_S)):
+                return
+
     def _abandon(self, error: BaseException) -> None:
-        """After a failed step: close the channels, so that the peers' pending receives
-        from this rank fail at once instead of waiting for their stall timeout, and stop
-        the device; free the unfinished microbatches' activations; refuse further steps."""
+        """After a failed step (its failure already published, or a peer's seen): abort
+        the channels, all at once, so that pending receives fail (on gloo the peers' too),
+        and stop the device; free the unfinished microbatches' activations; refuse
+        further steps."""
         self._failure = f"a step failed with {type(error).__name__} on pipeline rank {self.rank}"
         try:
-            self.close()
+            self._close(failed=True)
         except RuntimeError as e:  # the step's own error is the one to raise
             logger.warning("pipeline rank %d: %s", self.rank, e)
             return  # a thread still running may read the stages' caches
@@ -353,11 +390,23 @@ class ScheduleRRFP(PipelineScheduleMulti):
     def close(self, timeout: float = 10.0) -> None:
         """Stop this schedule's threads and close its channels (idempotent).
 
-        Raises ``RuntimeError`` naming any thread still alive after ``timeout`` seconds.
+        After healthy steps the sends still in flight complete first (within
+        ``stall_timeout``: on NCCL a step may return before the peer has received its
+        last messages), then the channels are shut down; after a failed step they were
+        aborted. Raises ``RuntimeError`` if such a send fails or does not complete (the
+        channels are then aborted), or naming any thread still alive after ``timeout``
+        seconds.
         """
+        self._close(failed=False, timeout=timeout)
+
+    def _close(self, failed: bool, timeout: float = 10.0) -> None:
         self._failure = self._failure or "the schedule was closed"
-        alive = self._transport.close(timeout)
-        alive += self._device.close(timeout)
+        try:
+            alive = self._transport.close(timeout, failed=failed,
+                                          send_timeout=self.stall_timeout)
+        finally:
+            device_alive = self._device.close(timeout)
+        alive += device_alive
         if alive:
             raise RuntimeError(f"threads still running after close(): {[t.name for t in alive]}")
 

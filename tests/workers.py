@@ -813,7 +813,7 @@ def lazily_connected_channels(rank: int, world_size: int, connect: bool) -> dict
     import rrfp.schedule
     from rrfp.transport import create_channels
 
-    def lazy(name, store, channel_rank, timeout):
+    def lazy(name, store, channel_rank, timeout, **naming):
         return LazilyConnectedGroup(store, channel_rank, timeout_s=3.0)
 
     rrfp.schedule.create_channels = functools.partial(create_channels, group_factory=lazy,
@@ -1089,3 +1089,53 @@ def made_up_stats(rank: int, **fields) -> StepStats:
                   realized_order=[], step_time=1.0, device_busy_time=0.5, wait_time=0.0,
                   decision_time=0.0, launch_time=0.0, start_unix=0.0)
     return StepStats(**{**values, **fields})
+
+
+def _channels_of(kind: str, **fake):
+    """Make ScheduleRRFP build its channels as ``kind`` says: ``"gloo"`` (rrfp's own) or
+    ``"nccl-like"`` (``tests.nccl_like``: polled, local abort, sends that complete only
+    once the peer receives). Returns the fake factory (or None)."""
+    import functools
+
+    import rrfp.schedule
+    from rrfp.transport import create_channels
+    from tests import nccl_like
+
+    if kind == "gloo":
+        rrfp.schedule.create_channels = create_channels
+        return None
+    made = nccl_like.factory(**fake)
+    rrfp.schedule.create_channels = functools.partial(create_channels, group_factory=made,
+                                                      backend="nccl")
+    return made
+
+
+def clean_close_then_peer_steps(rank: int, world_size: int, kind: str) -> dict:
+    """An eval step (forwards only) of 1F1B over 6 microbatches; rank 1's forwards are slow
+    (0.2 s), so its activation ring (2 slots) has not posted the receives of the last
+    microbatches when rank 0 has sent everything. Rank 0 closes its schedule right after
+    its step; rank 1 must still complete its own (no message of rank 0's dropped)."""
+    _channels_of(kind)
+    M = 6
+    chain = make_chain(world_size)
+    x, y = make_batch(M)
+    wrap = ((lambda s, b: EmulatedDeviceTime(b, M, lambda mb: 0.2, lambda mb: 0.0))
+            if rank == 1 else None)
+    stages, blocks = build_stages(chain, rank, world_size, "loop", wrap=wrap)
+    schedule = ScheduleRRFP(stages, M, loss_fn=loss_fn, hint="1F1B", stall_timeout=float(__import__('os').environ.get('ST','300')),
+                            device=EmulatedDevice(), launch_depth=1)
+    run_steps(schedule, stages, blocks, x, y, 1)  # shape inference: torch's blocking P2P
+    inputs = (x,) if rank == 0 else ()
+    error = None
+    start = time.perf_counter()
+    try:
+        with torch.no_grad():
+            schedule.eval(*inputs, target=y)
+        if rank == 0:
+            schedule.close()
+    except Exception as e:
+        error = error_chain(e)
+    elapsed = time.perf_counter() - start
+    if rank == 1:
+        schedule.close()
+    return {"error": error, "elapsed": elapsed}
