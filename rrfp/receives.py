@@ -175,8 +175,8 @@ class _Ring:
         if len(shapes) != len(templates):
             raise ValueError(f"variable shapes: a message of {len(shapes)} tensors on "
                              f"{self.edge}, where shape inference found {len(templates)}")
-        buffers = iter([torch.empty(shape, dtype=t.dtype, device=t.device)
-                        for shape, t in zip(shapes, templates)])
+        # From the transport: on CUDA allocated on its receive stream (``ReceiveStreams``).
+        buffers = iter([transport.receive_buffer(shape, t) for shape, t in zip(shapes, templates)])
         slot = tuple(next(buffers) if t is not None else None for t in self.slots[0])
         self._bind(mb, slot)
         transport.post_receive(self.edge, mb, _present(slot))
