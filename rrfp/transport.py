@@ -769,6 +769,12 @@ class ReceiveStreams:
     receive completes (``wait()`` orders it after the receive), so they are not handed out
     again before that reading is done.
 
+    torch draws streams from a small round-robin pool per priority; a high-priority
+    stream may still be shared with another user of that pool (FSDP2's all-gather and
+    reduce-scatter streams are high priority): a receive would then also wait for their
+    queued work. Not seen on hardware (none was available); ``benchmarks/gpu_check.py``
+    measures arrival latency with compute queued.
+
     ``cuda``: the ``torch.cuda`` API (a recording fake in the tests); ``None``: CPU.
     """
 
@@ -780,7 +786,10 @@ class ReceiveStreams:
         if device is not None and device.type == "cuda":
             self._cuda = cuda if cuda is not None else torch.cuda
             self._device = device
-            self.side = self._cuda.Stream(device)
+            # High priority: from the other pool than the low-priority streams NCCL gives
+            # its communicators, so the side stream is never a channel's own NCCL stream
+            # (a receive posted under another channel's stream would wait for its kernel).
+            self.side = self._cuda.Stream(device, priority=-1)
 
     def posting(self):
         """Context under which a receive is posted."""

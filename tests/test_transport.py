@@ -150,9 +150,11 @@ class RecordingCuda:
         self.current = self.compute
         self.log: list[tuple[str, str]] = []
         self.streams: list[_Stream] = []
+        self.priorities: list[int] = []
 
-    def Stream(self, device):
+    def Stream(self, device, priority=0):
         stream = _Stream(f"side{len(self.streams)}")
+        self.priorities.append(priority)
         self.streams.append(stream)
         return stream
 
@@ -206,6 +208,7 @@ def test_receives_and_their_buffers_are_posted_under_a_side_stream_not_the_compu
     transport.post_receive(edge, 1, [torch.zeros(1)])
     assert cuda.current is cuda.compute  # restored after each
     (side,) = cuda.streams
+    assert cuda.priorities == [-1]  # not from the pool NCCL's communicators draw from
     assert cuda.log == [("allocate", side.name)] * 2 + [("recv", side.name)] * 3
     # The compute stream reads them once their receives completed: not reused before.
     assert all(b.recorded == ["compute"] for b in buffers)
