@@ -691,10 +691,18 @@ class Transport:
         return sent
 
     def collect(self) -> list[Received]:
-        """Messages that arrived since the last call; never blocks. Raises if a send
-        completed with an error."""
-        self._sends.poll()
-        return self._arrivals.collect()
+        """Messages that arrived since the last call; never blocks. Raises if a send or
+        receive completed with an error: ``PeerFailedError`` if a peer's published failure
+        explains it (on gloo a failed peer's closed connections fail them)."""
+        try:
+            self._sends.poll()
+            return self._arrivals.collect()
+        except RuntimeError as e:
+            try:
+                self.failures.check(force=True)
+            except PeerFailedError as peer:
+                raise peer from e
+            raise
 
     def check_peers(self, force: bool = False) -> None:
         """Raise ``PeerFailedError`` if another rank of the pipeline published a failure

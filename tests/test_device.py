@@ -99,12 +99,22 @@ def test_wakeup_wakes_a_waiter_and_host_device_completes_at_launch():
 
 
 def test_gpu_check_dry_run_passes_on_cpu():
-    # The single-process part of benchmarks/gpu_check.py on the emulated device.
+    # benchmarks/gpu_check.py on CPU: the single-process part on the emulated device, and
+    # the transport part (many channels, a receive posted with compute queued, a clean
+    # close with sends in flight, failure told through the store) on 2 gloo processes.
     result = subprocess.run([sys.executable, "-m", "benchmarks.gpu_check", "--dry-run"], cwd=ROOT,
-                            capture_output=True, text=True, timeout=180)
+                            capture_output=True, text=True, timeout=400)
     assert result.returncode == 0, result.stdout + result.stderr
-    assert "bitwise equal to torch's ScheduleInterleaved1F1B: True" in result.stdout
-    assert "single-process checks passed (dry run on CPU)" in result.stdout
+    out = result.stdout
+    assert "bitwise equal to torch's ScheduleInterleaved1F1B: True" in out
+    assert "every span at least its emulated kernel time" in out and ": ok" in out
+    assert "single-process checks passed (dry run on CPU)" in out
+    for check in ("[4] 14 channels", "[5] arrival with 200 ms of compute queued",
+                  "[6] the producer closed right after its sends", "[7] the consumer raised "
+                  "PeerFailedError naming global rank 0", "carried a message"):
+        line = next((l for l in out.splitlines() if check in l), None)
+        assert line is not None and line.endswith("True"), (check, out)
+    assert "transport checks passed (dry run on CPU, 2 processes, gloo)" in out
 
 
 class _FakeEvent:
