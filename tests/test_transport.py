@@ -293,3 +293,15 @@ def test_gloo_channels_carry_their_name():
     for t in threads:
         t.join(60)
     assert all(g.group_name == "rrfp/0-1/0/0-1" for g in groups)
+
+
+def test_send_delay_is_refused_for_cuda_stages():
+    """``send_delay``'s sender thread has the default stream current, not the compute
+    stream: it could send an output before the compute stream wrote it."""
+    from rrfp import ScheduleRRFP
+
+    class CudaStage:  # what the check reads of a stage, before anything else is built
+        device = torch.device("cuda", 0)
+
+    with pytest.raises(ValueError, match="send_delay emulates link latency for CPU studies"):
+        ScheduleRRFP([CudaStage()], 4, send_delay=lambda edge, mb: 0.0)
