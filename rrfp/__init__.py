@@ -2,6 +2,7 @@
 
 from rrfp.hints import build_hint, Hint, HINT_NAMES
 from rrfp.schedule import PipelineStallError, ScheduleRRFP
+from rrfp.transport import PeerFailedError
 from rrfp.stats import merge_chrome_traces, StepStats, write_chrome_trace
 
 __all__ = [
@@ -9,6 +10,7 @@ __all__ = [
     "Hint",
     "HINT_NAMES",
     "merge_chrome_traces",
+    "PeerFailedError",
     "PipelineStallError",
     "ScheduleRRFP",
     "StepStats",
