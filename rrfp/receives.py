@@ -113,7 +113,7 @@ class _Ring:
             return ctype in INPUT_GRAD_KINDS
         return ctype in WEIGHT_GRAD_KINDS if self.training else ctype == F
 
-    def ensure_slots(self) -> None:
+    def ensure_slots(self, header_device: torch.device | None = None) -> None:
         """(Re)take the slots from the stage's own buffers of its first microbatches; drop
         the rest. The stage re-creates its buffers when it is re-initialized (a switch
         between training and evaluation): then the slots are taken again."""
@@ -124,14 +124,14 @@ class _Ring:
         count = 1 if self.variable else self.size
         self.slots = [tuple(info.buffer for info in self.infos(mb)) for mb in range(count)]
         tensors = sum(1 for t in self.slots[0] if t is not None)
-        device = self.stage.device
+        device = header_device or self.stage.device  # the host with gloo header channels
         self.headers = [torch.zeros(header_size(tensors), dtype=torch.int64, device=device)
                         for _ in range(self.size)] if self.variable and self.edge.is_forward else []
         if self.variable and device.type == "cuda" and self.copy_stream is None:
             self.copy_stream = torch.cuda.Stream(device)
 
     def start(self, transport: Transport, order: list[int]) -> None:
-        self.ensure_slots()
+        self.ensure_slots(transport.header_device(self.stage.device))
         self.order, self.posted = order, 0
         self.free = deque(range(self.size))
         self.in_use.clear()

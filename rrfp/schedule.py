@@ -231,7 +231,8 @@ class ScheduleRRFP(PipelineScheduleMulti):
         self.variable_shapes = bool(variable_shapes)
         self._receives = ReceiveRings(self.variable_shapes)
         self._meter = ActivationMeter() if meter_activations else None
-        self._transport = Transport(create_channels(self._hint, stages[0].group, stage_device),
+        self._transport = Transport(create_channels(self._hint, stages[0].group, stage_device,
+                                                    header_channels=bool(variable_shapes)),
                                     self._wakeup, send_delay=send_delay,
                                     receive_streams=ReceiveStreams(stage_device))
         self._coordination_group = coordination_group
@@ -679,7 +680,8 @@ class _StageExecutor:
         tensors = [op.tensor for op in ops]
         self.sends.append((edge.src, edge.dst, mb, self.clock()))
         if schedule.variable_shapes and edge.is_forward:
-            schedule._transport.send(edge, mb, [shape_header(tensors, stage.device)])
+            header = shape_header(tensors, schedule._transport.header_device(stage.device))
+            schedule._transport.send(edge, mb, [header], header=True)
         schedule._transport.send(edge, mb, tensors)
 
 

@@ -175,6 +175,9 @@ class Channel:
     """``"gloo"`` or ``"nccl"``: how arrivals are detected and sends completed."""
     group: dist.ProcessGroup
     """The channel's own process group of the two ranks."""
+    headers: "Channel | None" = None
+    """Variable shapes on NCCL: a gloo channel of the same two ranks for the shape headers,
+    so that a header is read on the host without a device-to-host copy per message."""
 
     def __str__(self) -> str:
         return (f"channel {self.edge.src}->{self.edge.dst} (global rank {self.src_rank} -> "
@@ -189,6 +192,8 @@ class Channel:
     def abort(self) -> None:
         """After a failure: fail every pending operation on the channel; not used again.
         NCCL: at this end only (``ncclCommAbort``); gloo: at both ends."""
+        if self.headers is not None:
+            self.headers.abort()
         if self.backend_name == "nccl":
             self.group.abort()
             return
@@ -206,6 +211,8 @@ class Channel:
         untouched here (closing it would fail a peer still reading its last message)."""
         if self.backend_name == "nccl":
             self.group.shutdown()
+        if self.headers is not None:
+            self.headers.shutdown()
 
 
 class ChannelMap(dict):
@@ -305,13 +312,17 @@ def create_channels(
     connect: bool = True,
     timeout: datetime.timedelta = CHANNEL_TIMEOUT,
     backend: str | None = None,
+    header_channels: bool = False,
 ) -> ChannelMap:
     """Create and connect this rank's channels: one per remote edge of the hint touching it.
 
     Every rank of the pipeline group calls it when it builds its schedule (each builds as
     many schedules over the group as the others); only the two ranks of a channel
     communicate to create it. ``connect=False`` skips the exchange that connects each
-    channel (only to show what happens without it).
+    channel (only to show what happens without it). ``backend``: how the channels are
+    driven (``"gloo"`` or ``"nccl"``); by default NCCL for CUDA devices.
+    ``header_channels`` (variable shapes): NCCL channels get a gloo channel each for the
+    shape headers (``Channel.headers``); with fixed shapes none is created.
     """
     pp_ranks = tuple(dist.get_process_group_ranks(pp_group or dist.group.WORLD))
     generation = _generations.get(pp_ranks, 0)
@@ -331,7 +342,13 @@ def create_channels(
         group = group_factory(backend_name, store, rank, timeout,
                               group_name=f"{prefix}{edge.src}-{edge.dst}",
                               global_ranks=(src, dst))
-        channel = Channel(edge, src, dst, rank, backend_name, group)
+        headers = None
+        if header_channels and backend_name == "nccl":
+            # A real gloo group: its construction connects it (both ranks, in this order).
+            headers = Channel(edge, src, dst, rank, "gloo", make_channel_group(
+                "gloo", dist.PrefixStore("headers/", store), rank, timeout,
+                group_name=f"{prefix}{edge.src}-{edge.dst}/headers", global_ranks=(src, dst)))
+        channel = Channel(edge, src, dst, rank, backend_name, group, headers)
         if connect:
             _connect(channel, device, timeout)
         channels[edge] = channel
@@ -650,6 +667,11 @@ class Transport:
         self._bytes_sent = 0
         self._delayed = ({e: _DelayedSender(c, self._sends) for e, c in channels.items()
                           if c.rank == 0} if send_delay is not None else {})
+        headed = [c for c in channels.values() if c.headers is not None]
+        self.headers_on_host = bool(headed)
+        """Whether shape headers travel on the host (gloo side channels)."""
+        self._header_arrivals = _WaiterThreads(wakeup) if headed else None
+        self._header_sends = _SendCompletion(False, self._describe_send) if headed else None
         self.receive_streams = receive_streams or ReceiveStreams(None)
         self.failures = FailureBoard(getattr(channels, "store", None), dist.get_rank()
                                      if dist.is_initialized() else 0)
@@ -667,17 +689,33 @@ class Transport:
         Call in the producer's send order: messages on a channel match in posting order.
         """
         channel = self.channels[edge]
+        if header and channel.headers is not None:
+            works = [channel.headers.recv(b) for b in buffers]
+            self._header_arrivals.watch(edge, microbatch, works, header)
+            return
         with self.receive_streams.posting():
             works = [channel.recv(b) for b in buffers]
         self._arrivals.watch(edge, microbatch, works, header)
+
+    def header_device(self, device: torch.device) -> torch.device:
+        """Where the shape headers of ``device``'s messages live: the host when they travel
+        on gloo side channels (no device-to-host copy per message), else ``device``."""
+        return torch.device("cpu") if self.headers_on_host else device
 
     def receive_buffer(self, shape: torch.Size, like: torch.Tensor) -> torch.Tensor:
         """A fresh buffer of ``shape`` (``like``'s dtype and device) to receive into."""
         return self.receive_streams.empty(shape, like.dtype, like.device)
 
-    def send(self, edge: Edge, microbatch: int, tensors: list[torch.Tensor]) -> None:
+    def send(self, edge: Edge, microbatch: int, tensors: list[torch.Tensor], *,
+             header: bool = False) -> None:
+        """Send ``tensors`` (``header``: the shape header of the message to follow)."""
         self._messages_sent += len(tensors)
         self._bytes_sent += sum(t.nbytes for t in tensors)
+        headers = self.channels[edge].headers
+        if header and headers is not None:
+            self._header_sends.watch(edge, microbatch, [headers.send(t) for t in tensors],
+                                     tensors)
+            return
         if self._send_delay is not None:
             self._delayed[edge].submit(microbatch, tensors, self._send_delay(edge, microbatch))
             return
@@ -696,7 +734,10 @@ class Transport:
         explains it (on gloo a failed peer's closed connections fail them)."""
         try:
             self._sends.poll()
-            return self._arrivals.collect()
+            arrived = self._arrivals.collect()
+            if self._header_arrivals is not None:
+                arrived += self._header_arrivals.collect()
+            return arrived
         except RuntimeError as e:
             try:
                 self.failures.check(force=True)
@@ -718,6 +759,8 @@ class Transport:
         for sender in self._delayed.values():
             sender.drain(deadline)
         self._sends.finish(deadline, self.check_peers)
+        if self._header_sends is not None:
+            self._header_sends.finish(deadline, self.check_peers)
 
     def close(self, timeout: float = 10.0, *, failed: bool = False,
               send_timeout: float | None = None) -> list[threading.Thread]:
@@ -742,6 +785,8 @@ class Transport:
                 for sender in self._delayed.values():
                     sender.drain(deadline)
                 self._sends.drain(deadline, self.check_peers)
+                if self._header_sends is not None:
+                    self._header_sends.drain(deadline, self.check_peers)
             except Exception as e:  # raised once the channels are aborted
                 error, failed = e, True
         how = "abort" if failed else "shutdown"
@@ -752,6 +797,10 @@ class Transport:
         self._sends.close()
         alive += self._arrivals.close(timeout)
         threads = [s.thread for s in self._delayed.values()] + [self._sends.thread]
+        if self._header_sends is not None:
+            self._header_sends.close()
+            alive += self._header_arrivals.close(timeout)
+            threads.append(self._header_sends.thread)
         for thread in threads:
             if thread is not None:
                 thread.join(timeout)

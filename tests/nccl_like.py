@@ -77,6 +77,7 @@ class StoreP2PGroup:
         self._cond = threading.Condition()
         self.aborted = False
         self.shutdowns = 0
+        self.sent_dtypes: list[torch.dtype] = []
         self.aborts = 0
         self._thread = threading.Thread(target=self._progress, daemon=True,
                                         name="fake-nccl-progress")
@@ -87,6 +88,7 @@ class StoreP2PGroup:
     # ------------------------------------------------------------------ the group API
     def send(self, tensors, peer: int, tag: int) -> FakeWork:
         (tensor,) = tensors
+        self.sent_dtypes.append(tensor.dtype)
         work = FakeWork(f"fake NCCL send {self._sent}")
         with self._cond:
             n = self._sent

@@ -311,3 +311,16 @@ def test_after_a_clean_step_and_close_the_peer_completes_its_step(kind):
     assert ranks[0]["error"] is None and ranks[1]["error"] is None, ranks
     # Rank 0's close waited for rank 1's slow forwards to take its messages.
     assert ranks[0]["elapsed"] >= 0.2, ranks[0]
+
+
+def test_variable_shapes_on_nccl_channels_send_their_headers_on_the_host():
+    """On NCCL channels each channel gets a gloo side channel for the shape headers, so a
+    header is read on the host, with no device-to-host copy per message: the (NCCL-like)
+    data channels carry only the connection token and the payloads, never an int64
+    header; results are bitwise the fixed order's on the same data."""
+    ranks = run_local_world(2, workers.variable_shapes, "1F1B", 1, "loop", 5, "nccl-like",
+                            timeout=180)
+    for rank, result in enumerate(ranks):
+        assert result["bitwise"], f"rank {rank}: differs from the fixed order on the same data"
+        assert result["error"] < 1e-12
+        assert result["data_dtypes"] == ["torch.float32", "torch.float64"], result

@@ -936,10 +936,12 @@ def variable_batches(n_microbatches: int, lengths: list[int], seed: int):
 
 
 def variable_shapes(rank: int, world_size: int, hint: str, per_rank: int, layout: str,
-                    delay_seed: int) -> dict:
+                    delay_seed: int, kind: str = "gloo") -> dict:
     """Microbatches of different sequence lengths, and other lengths the next step: RRFP
     (variable_shapes, emulated device, random delays) vs RRFP's fixed policy on the same
-    data, bitwise, and vs the unpipelined float64 model."""
+    data, bitwise, and vs the unpipelined float64 model. ``kind``: the channels
+    (``_channels_of``); on ``"nccl-like"`` ones, also what went over them."""
+    made = _channels_of(kind)
     num_stages, M = world_size * per_rank, 2 * world_size
     chain = make_chain(num_stages)
     local = local_stage_indices(rank, world_size, num_stages, layout)
@@ -985,8 +987,12 @@ def variable_shapes(rank: int, world_size: int, hint: str, per_rank: int, layout
         expected = [p.grad for s in local for p in reference[s].parameters()]
         errors.append(max((g - e).abs().max().item() for g, e in zip(grads, expected)))
         optimizer.step()
-    return {"bitwise": bitwise_equal(rrfp, fixed), "error": max(errors),
-            "out_of_order": stats.out_of_hint_order, "receive_bytes": stats.receive_buffer_bytes}
+    result = {"bitwise": bitwise_equal(rrfp, fixed), "error": max(errors),
+              "out_of_order": stats.out_of_hint_order,
+              "receive_bytes": stats.receive_buffer_bytes}
+    if made is not None:  # the dtypes sent over the (NCCL-like) data channels
+        result["data_dtypes"] = sorted({str(d) for g in made.made for d in g.sent_dtypes})
+    return result
 
 
 def messages_per_step(rank: int, world_size: int, variable: bool) -> int:
