@@ -471,7 +471,8 @@ class _SendCompletion:
     issued; NCCL: completion is polled (a CUDA event query). A send that completed with an
     error raises, naming its channel (``describe``), when that is seen."""
 
-    def __init__(self, polled: bool, describe: Callable[[Edge, int], str]) -> None:
+    def __init__(self, polled: bool, describe: Callable[[Edge, int], str] = (
+            lambda edge, microbatch: f"the send of microbatch {microbatch} on {edge}")) -> None:
         self._polled = polled
         self._describe = describe
         self._cond = threading.Condition()
