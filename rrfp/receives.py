@@ -25,6 +25,8 @@ message's buffers and posts their receives, then the next header. Receives on a 
 are thus posted exactly in the order they are sent: header, message, header, ... A
 gradient has the shape of the output it answers, which the receiving stage produced: its
 receive is posted once that forward has completed. With fixed shapes there is no header.
+On NCCL channels the headers travel on a gloo side channel of the same two ranks
+(``Transport.header_device`` is then the host): no device-to-host copy per message.
 """
 
 from __future__ import annotations

@@ -105,9 +105,10 @@ class ScheduleRRFP(PipelineScheduleMulti):
             ``launch_depth=None`` this decides whenever a launch returns: for studies.
         variable_shapes: microbatches may differ in shape (e.g. in sequence length): each
             activation message is then preceded by a small shape header on its channel,
-            and its receive buffers are allocated when the header arrives. Feed such
+            and its receive buffers are allocated when the header arrives (on NCCL the
+            headers go on a gloo side channel per channel, read on the host). Feed such
             microbatches with ``step_microbatches``. Off by default: with fixed shapes no
-            header is sent.
+            header is sent and no side channel is created.
         device: where actions run. ``None``: the stages' CUDA stream for CUDA stages,
             synchronous execution for CPU stages. ``rrfp.device.EmulatedDevice(...)``: an
             emulated asynchronous device for CPU stages (tests and studies).
