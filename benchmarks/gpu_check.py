@@ -362,13 +362,15 @@ def transport_checks(rank: int, world: int, device: torch.device) -> bool:
         return Transport(create_channels(hint, None, device), Wakeup(),
                          receive_streams=ReceiveStreams(device))
 
+    # Receive buffers come from torch.empty: no kernel writes them on the compute stream,
+    # which a receive posted under the side stream does not wait for.
     # [4] many channels at once
     transport = make("Interleaved1F1B", 4)
     mine = sorted(transport.channels.values(), key=lambda c: c.edge)
     buffers = {}
     for channel in mine:
         if channel.rank == 1:
-            buffers[channel.edge] = torch.zeros(1024, device=device)
+            buffers[channel.edge] = torch.empty(1024, device=device)
             transport.post_receive(channel.edge, 0, [buffers[channel.edge]])
     dist.barrier()
     for channel in mine:
@@ -415,7 +417,7 @@ def transport_checks(rank: int, world: int, device: torch.device) -> bool:
         if mode != "side stream":
             transport.receive_streams = ReceiveStreams(None)  # posted on the current stream
         for _ in range(rounds):
-            buffer = torch.zeros(4096, device=device)
+            buffer = torch.empty(4096, device=device)
             dist.barrier(group=pair)
             if rank == 1:
                 queued = time.perf_counter()
@@ -486,7 +488,7 @@ def transport_checks(rank: int, world: int, device: torch.device) -> bool:
         transport.close(30, failed=True)
         dist.broadcast_object_list([failed_at], src=0, group=pair)
     else:
-        transport.post_receive(edge, 0, [torch.zeros(16, device=device)])
+        transport.post_receive(edge, 0, [torch.empty(16, device=device)])
         named = False
         try:
             _await(transport, edge, 1, timeout=300)
@@ -502,7 +504,7 @@ def transport_checks(rank: int, world: int, device: torch.device) -> bool:
             f"after its failure (< 2 s): {results['failure']}")
     transport = make("1F1B", 1)  # recovery: fresh channels in the same process
     edge = next(c.edge for c in transport.channels.values() if c.edge.is_forward)
-    buffer = torch.zeros(16, device=device)
+    buffer = torch.empty(16, device=device)
     if rank == 1:
         transport.post_receive(edge, 0, [buffer])
         _await(transport, edge, 1)
