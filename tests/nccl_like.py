@@ -11,8 +11,8 @@ and behave as torch 2.13's ``ProcessGroupNCCL`` does where rrfp depends on it:
   peer never gets the message.
 * **An abort fails this end's pending works only; it does not reach the peer**, whose
   pending receives on the channel stay pending (``ncclCommAbort`` is local).
-* ``blocking_abort``: an abort blocks while another group of this process has a pending
-  receive that is not aborted (an ``ncclCommAbort`` whose device-wide clean-up waits for
+* ``blocking_abort``: an abort blocks while another such group of this process has a
+  pending receive that is not aborted (an ``ncclCommAbort`` whose device-wide clean-up waits for
   another communicator's spinning kernel, pytorch#119797).
 * ``fail_send_at``: the n-th message sent (0-based, after the connection token) completes
   with an error instead of moving (a planted send error).
@@ -122,7 +122,8 @@ class StoreP2PGroup:
         self._drop("communicator aborted")
         if self.blocking_abort:
             with _live_cond:
-                while any(g is not self and g.pending_receives() for g in _live):
+                while any(g is not self and g.blocking_abort and g.pending_receives()
+                          for g in _live):
                     _live_cond.wait(0.05)
 
     def shutdown(self) -> None:
