@@ -51,7 +51,7 @@ def _rank_main(rank: int, world_size: int, pp: int) -> dict:
     new = time.perf_counter() - start
     dist.barrier()
     for channel in channels.values():
-        channel.close()
+        channel.shutdown()
     return {"old": old, "old_calls": len(seconds[True]) + len(seconds[False]),
             "member_s": seconds[True], "non_member_s": seconds[False],
             "new": new, "new_channels": len(channels)}

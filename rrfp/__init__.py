@@ -6,6 +6,7 @@ check_supported()
 
 from rrfp.hints import build_hint, Hint, HINT_NAMES  # noqa: E402
 from rrfp.schedule import PipelineStallError, ScheduleRRFP  # noqa: E402
+from rrfp.transport import PeerFailedError  # noqa: E402
 from rrfp.stats import merge_chrome_traces, StepStats, write_chrome_trace  # noqa: E402
 
 __all__ = [
@@ -13,6 +14,7 @@ __all__ = [
     "Hint",
     "HINT_NAMES",
     "merge_chrome_traces",
+    "PeerFailedError",
     "PipelineStallError",
     "ScheduleRRFP",
     "StepStats",

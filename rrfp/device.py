@@ -45,15 +45,22 @@ class Wakeup:
     def notify(self) -> None:
         self._event.set()
 
-    def wait(self, timeout: float) -> None:
-        """Return after a notification (or, when polling, a short interval), or ``timeout``."""
+    def wait(self, timeout: float) -> bool:
+        """Return after a notification (or, when polling, a short interval), or ``timeout``;
+        whether the caller should look at its sources again (False: ``timeout`` passed
+        without a notification, and nothing is polled)."""
         if self.polled:
             self._event.wait(min(timeout, self.POLL_INTERVAL_S))
+            fired = True
         else:
-            self._event.wait(timeout)
-        # Clearing after the wait may drop a notification that raced with it, but the
-        # loop collects every source right after, so nothing is lost.
-        self._event.clear()
+            fired = self._event.wait(timeout)
+        if fired:
+            # Clearing may drop a notification that raced with the wait's return, but the
+            # caller collects every source right after, so nothing is lost. After a
+            # timeout the event is left alone: a notification that came just after it
+            # must wake the next wait.
+            self._event.clear()
+        return fired
 
 
 class HostDevice:
@@ -178,12 +185,23 @@ class EmulatedDevice:
 
 
 class CudaDevice:
-    """The current CUDA stream of ``device``: launches enqueue, completion is polled."""
+    """The current CUDA stream of ``device``: launches enqueue, completion is polled.
 
-    def __init__(self, device: torch.device):
+    Device times are placed on the host's timeline (one clock with arrivals, waits and
+    sends, all ``time.perf_counter`` from the step start): an event recorded at the step
+    start is polled at every launch and completion check until it has completed, and the
+    host time it was first seen complete anchors the events timed after it (later than
+    the truth by at most the host's delay in looking: a launch, or the loop's poll).
+    """
+
+    def __init__(self, device: torch.device, cuda=None):
         self.device = device
+        self._cuda = cuda if cuda is not None else torch.cuda
         self._pending: deque[tuple[_Action, torch.cuda.Event, torch.cuda.Event]] = deque()
         self._origin_event: torch.cuda.Event | None = None
+        self._origin = time.perf_counter()
+        self._anchor: float | None = None
+        """Seconds from the step start when the origin event was seen complete."""
 
     @property
     def outstanding(self) -> int:
@@ -191,25 +209,34 @@ class CudaDevice:
 
     def begin_step(self, origin: float, wakeup: Wakeup) -> None:
         wakeup.polled = True
-        # Device times are measured from when the stream reaches the step start.
-        self._origin_event = torch.cuda.Event(enable_timing=True)
-        self._origin_event.record(torch.cuda.current_stream(self.device))
+        self._origin, self._anchor = origin, None
+        self._origin_event = self._cuda.Event(enable_timing=True)
+        self._origin_event.record(self._cuda.current_stream(self.device))
+        self._look_at_origin()
+
+    def _look_at_origin(self) -> None:
+        if self._anchor is None and self._origin_event.query():
+            self._anchor = time.perf_counter() - self._origin
 
     def launch(self, action: _Action, work: Callable[[], None]) -> None:
-        stream = torch.cuda.current_stream(self.device)
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        self._look_at_origin()
+        stream = self._cuda.current_stream(self.device)
+        start = self._cuda.Event(enable_timing=True)
+        end = self._cuda.Event(enable_timing=True)
         start.record(stream)
         work()
         end.record(stream)
         self._pending.append((action, start, end))
 
     def completed(self) -> list[Completion]:
+        self._look_at_origin()  # complete before any later event: set before they are read
         done = []
         while self._pending and self._pending[0][2].query():
             action, start, end = self._pending.popleft()
             # Both events are complete: elapsed_time reads them without synchronizing.
-            done.append(Completion(action, self._origin_event.elapsed_time(start) / 1e3,
-                                   self._origin_event.elapsed_time(end) / 1e3))
+            done.append(Completion(action,
+                                   self._anchor + self._origin_event.elapsed_time(start) / 1e3,
+                                   self._anchor + self._origin_event.elapsed_time(end) / 1e3))
         return done
 
     def close(self, timeout: float) -> list[threading.Thread]:

@@ -201,7 +201,8 @@ class StepLoop:
         self.arbiter.record_launch(action)
         self._on_device.append(action)
 
-    def _stall_error(self, waited: float) -> PipelineStallError:
+    def waiting(self) -> list[str]:
+        """What the rank waits for now: a line per launched action and stream head."""
         lines = [f"  {describe(a)} launched, not yet completed by the device"
                  for a in self._on_device]
         for wait in self.arbiter.waits():
@@ -209,6 +210,10 @@ class StepLoop:
             if wait.peer_rank is not None:
                 line += f" ({self.describe_peer(wait.peer_rank)})"
             lines.append(line)
+        return lines
+
+    def _stall_error(self, waited: float) -> PipelineStallError:
+        lines = self.waiting()
         return PipelineStallError(
             f"{self.describe_rank} stalled: nothing launched, arrived or completed for "
             f"{waited:.1f} s "

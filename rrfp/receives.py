@@ -25,7 +25,9 @@ message's buffers and posts their receives, then the next header. Receives on a 
 are thus posted exactly in the order they are sent: header, message, header, ... A
 gradient has the shape of the output it answers, which the receiving stage produced: its
 receive is posted once that forward has completed (the executor records the shapes it
-sent, ``ReceiveRings.sent``). With fixed shapes there is no header.
+sent, ``ReceiveRings.sent``). With fixed shapes there is no header. On NCCL channels the
+headers travel on a gloo side channel of the same two ranks (``Transport.header_device``
+is then the host): no device-to-host copy per message.
 
 The rings own their buffers: the slots are allocated from the stage's receive metadata, a
 slot is bound to its microbatch's ``_RecvInfo`` when its receive is posted, and whatever
@@ -131,28 +133,28 @@ class _Ring:
             return ctype in INPUT_GRAD_KINDS
         return ctype in WEIGHT_GRAD_KINDS if self.training else ctype == F
 
-    def ensure_slots(self) -> None:
+    def ensure_slots(self, header_device: torch.device | None = None) -> None:
         """Make the slots from the stage's receive metadata, unless they were made for
         the stage's current descriptors (a switch between training and evaluation
-        re-initializes the stage)."""
+        re-initializes the stage); headers on ``header_device`` (default: the stage's)."""
         current = self.infos(0)
         if self.slots and current is self.source:
             return
         self.source = current
-        device = self.stage.device
         count = 1 if self.variable else self.size
         self.slots = [tuple(None if info.tensor_meta is None
-                            else _make_tensor_from_meta(info.tensor_meta, device)
+                            else _make_tensor_from_meta(info.tensor_meta, self.stage.device)
                             for info in current)
                       for _ in range(count)]
         tensors = sum(1 for t in self.slots[0] if t is not None)
+        device = header_device or self.stage.device  # the host with gloo header channels
         self.headers = [torch.zeros(header_size(tensors), dtype=torch.int64, device=device)
                         for _ in range(self.size)] if self.variable and self.edge.is_forward else []
         if self.variable and device.type == "cuda" and self.copy_stream is None:
             self.copy_stream = torch.cuda.Stream(device)
 
     def start(self, transport: Transport, order: list[int]) -> None:
-        self.ensure_slots()
+        self.ensure_slots(transport.header_device(self.stage.device))
         self.order, self.posted = order, 0
         self.free = deque(range(self.size))
         self.in_use.clear()
@@ -194,8 +196,8 @@ class _Ring:
         if len(shapes) != len(templates):
             raise ValueError(f"variable shapes: a message of {len(shapes)} tensors on "
                              f"{self.edge}, where shape inference found {len(templates)}")
-        buffers = iter([torch.empty(shape, dtype=t.dtype, device=t.device)
-                        for shape, t in zip(shapes, templates)])
+        # From the transport: on CUDA allocated on its receive stream (``ReceiveStreams``).
+        buffers = iter([transport.receive_buffer(shape, t) for shape, t in zip(shapes, templates)])
         slot = tuple(next(buffers) if t is not None else None for t in self.slots[0])
         self._bind(mb, slot)
         transport.post_receive(self.edge, mb, _present(slot))

@@ -53,7 +53,8 @@ from rrfp.policy import default_policy, History, make_policy
 from rrfp.receives import ReceiveRings, shape_header
 from rrfp.settings import parse_launch_depth, parse_policy
 from rrfp.stats import Span, StepStats
-from rrfp.transport import create_channels, SendDelay, Transport
+from rrfp.transport import (create_channels, FAILURE_POLL_S, PeerFailedError, ReceiveStreams,
+                            SendDelay, Transport)
 
 logger = logging.getLogger(__name__)
 
@@ -108,9 +109,10 @@ class ScheduleRRFP(PipelineScheduleMulti):
             ``launch_depth=None`` this decides whenever a launch returns: for studies.
         variable_shapes: microbatches may differ in shape (e.g. in sequence length): each
             activation message is then preceded by a small shape header on its channel,
-            and its receive buffers are allocated when the header arrives. Feed such
+            and its receive buffers are allocated when the header arrives (on NCCL the
+            headers go on a gloo side channel per channel, read on the host). Feed such
             microbatches pre-split: ``step(arg_mbs=..., target_mbs=...)``. Off by
-            default: with fixed shapes no header is sent.
+            default: with fixed shapes no header is sent and no side channel is created.
         device: where actions run. ``None``: the stages' CUDA stream for CUDA stages,
             synchronous execution for CPU stages. ``rrfp.device.EmulatedDevice(...)``: an
             emulated asynchronous device for CPU stages (tests and studies).
@@ -162,6 +164,11 @@ class ScheduleRRFP(PipelineScheduleMulti):
         if not stall_timeout > 0:
             raise ValueError(f"stall_timeout must be > 0 seconds, got {stall_timeout}")
         stage_device = stages[0].device
+        if send_delay is not None and stage_device.type == "cuda":
+            raise ValueError(
+                "send_delay emulates link latency for CPU studies: its sender thread's "
+                "current CUDA stream is not the compute stream, so it could send an output "
+                "before the compute stream wrote it; use it with CPU stages")
         if device is not None and stage_device.type != "cpu":
             raise ValueError(f"the emulated device runs CPU stages; these stages are on "
                              f"{stage_device}: pass device=None to run on their stream")
@@ -229,8 +236,10 @@ class ScheduleRRFP(PipelineScheduleMulti):
         self.variable_shapes = bool(variable_shapes)
         self._receives = ReceiveRings(self.variable_shapes)
         self._meter = ActivationMeter() if meter_activations else None
-        self._transport = Transport(create_channels(self._hint, stages[0].group, stage_device),
-                                    self._wakeup, send_delay=send_delay)
+        self._transport = Transport(create_channels(self._hint, stages[0].group, stage_device,
+                                                    header_channels=bool(variable_shapes)),
+                                    self._wakeup, send_delay=send_delay,
+                                    receive_streams=ReceiveStreams(stage_device))
         self._finalize_gradients = True
         self._coordination_group = coordination_group
         self._collectives_checked = False
@@ -313,23 +322,35 @@ class ScheduleRRFP(PipelineScheduleMulti):
             stall_timeout=self.stall_timeout,
             describe_rank=f"pipeline rank {self.rank} (global rank {dist.get_rank()})",
             describe_peer=lambda peer: f"global rank {self._global_ranks[peer]}",
-            coordinator=coordinator, block=self._wakeup.wait,
+            coordinator=coordinator, block=self._wait,
         )
         self._device.begin_step(origin, self._wakeup)
         try:
             self._receives.start(self._transport, hint, self._stage_by_index,
                                  self.buffer_limits.per_stage, training=self._has_backward)
             for timeout in loop.run():
-                self._wakeup.wait(timeout)
+                self._wait(timeout)
             if coordinator is not None:
                 coordinator.finish()
             self._transport.finish_sends(self.stall_timeout)
             self._receives.finish()
-        except TimeoutError as e:
+        except PeerFailedError as e:
             self._abandon(e)
-            raise PipelineStallError(f"pipeline rank {self.rank}: {e}") from e
+            raise self._peer_failed(e, loop) from e
         except BaseException as e:
+            # A peer's failure may be what broke this step (a closed gloo connection): say
+            # so, naming it; otherwise this rank failed first, and tells the others.
+            try:
+                self._transport.check_peers(force=True)
+            except PeerFailedError as peer:
+                self._abandon(peer)
+                raise self._peer_failed(peer, loop) from e
+            self._transport.publish_failure(
+                f"pipeline rank {self.rank} (global rank {dist.get_rank()}) failed its step: "
+                f"{type(e).__name__}: {e}")
             self._abandon(e)
+            if isinstance(e, TimeoutError):
+                raise PipelineStallError(f"pipeline rank {self.rank}: {e}") from e
             raise
         finally:
             self.last_step_stats = _step_stats(self, loop, executor, coordinator, clock(),
@@ -344,13 +365,31 @@ class ScheduleRRFP(PipelineScheduleMulti):
             self._internal_losses = [executor.losses[m] for m in range(self._n_microbatches)]
         self._update_losses(self._stages, losses)
 
+    def _peer_failed(self, error: PeerFailedError, loop: StepLoop) -> PeerFailedError:
+        """``error``, saying also what this rank was waiting for."""
+        return PeerFailedError(
+            f"pipeline rank {self.rank} (global rank {dist.get_rank()}) stops its step: "
+            f"{error}\nit was waiting for:\n" + "\n".join(loop.waiting()), error.failed_rank)
+
+    def _wait(self, timeout: float) -> None:
+        """Wait up to ``timeout`` for an arrival or a completion; meanwhile check, every
+        ``FAILURE_POLL_S``, whether another rank of the pipeline failed (then raise
+        ``PeerFailedError`` naming it: on NCCL nothing else would tell this rank)."""
+        end = time.perf_counter() + timeout
+        while True:
+            self._transport.check_peers()
+            left = end - time.perf_counter()
+            if left <= 0 or self._wakeup.wait(min(left, FAILURE_POLL_S)):
+                return
+
     def _abandon(self, error: BaseException) -> None:
-        """After a failed step: close the channels, so that the peers' pending receives
-        from this rank fail at once instead of waiting for their stall timeout, and stop
-        the device; free the unfinished microbatches' activations; refuse further steps."""
+        """After a failed step (its failure already published, or a peer's seen): abort
+        the channels, all at once, so that pending receives fail (on gloo the peers' too),
+        and stop the device; free the unfinished microbatches' activations; refuse
+        further steps."""
         self._failure = f"a step failed with {type(error).__name__} on pipeline rank {self.rank}"
         try:
-            self.close()
+            self._close(failed=True)
         except RuntimeError as e:  # the step's own error is the one to raise
             logger.warning("pipeline rank %d: %s", self.rank, e)
             return  # a thread still running may read the stages' caches
@@ -362,11 +401,23 @@ class ScheduleRRFP(PipelineScheduleMulti):
     def close(self, timeout: float = 10.0) -> None:
         """Stop this schedule's threads and close its channels (idempotent).
 
-        Raises ``RuntimeError`` naming any thread still alive after ``timeout`` seconds.
+        After healthy steps the sends still in flight complete first (within
+        ``stall_timeout``: on NCCL a step may return before the peer has received its
+        last messages), then the channels are shut down; after a failed step they were
+        aborted. Raises ``RuntimeError`` if such a send fails or does not complete (the
+        channels are then aborted), or naming any thread still alive after ``timeout``
+        seconds.
         """
+        self._close(failed=False, timeout=timeout)
+
+    def _close(self, failed: bool, timeout: float = 10.0) -> None:
         self._failure = self._failure or "the schedule was closed"
-        alive = self._transport.close(timeout)
-        alive += self._device.close(timeout)
+        try:
+            alive = self._transport.close(timeout, failed=failed,
+                                          send_timeout=self.stall_timeout)
+        finally:
+            device_alive = self._device.close(timeout)
+        alive += device_alive
         if alive:
             raise RuntimeError(f"threads still running after close(): {[t.name for t in alive]}")
 
@@ -737,7 +788,8 @@ class _StageExecutor:
         if edge.is_forward:
             schedule._receives.sent(edge.src, mb, tensors)
             if schedule.variable_shapes:
-                schedule._transport.send(edge, mb, [shape_header(tensors, stage.device)])
+                header = shape_header(tensors, schedule._transport.header_device(stage.device))
+                schedule._transport.send(edge, mb, [header], header=True)
         schedule._transport.send(edge, mb, tensors)
         if edge.is_forward:  # the transport holds the tensors until their send completes
             release_sent_outputs(stage, mb)

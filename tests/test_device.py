@@ -103,9 +103,68 @@ def test_wakeup_wakes_a_waiter_and_host_device_completes_at_launch():
 
 
 def test_gpu_check_dry_run_passes_on_cpu():
-    # The single-process part of benchmarks/gpu_check.py on the emulated device.
+    # benchmarks/gpu_check.py on CPU: the single-process part on the emulated device, and
+    # the transport part (many channels, a receive posted with compute queued, a clean
+    # close with sends in flight, failure told through the store) on 2 gloo processes.
     result = subprocess.run([sys.executable, "-m", "benchmarks.gpu_check", "--dry-run"], cwd=ROOT,
-                            capture_output=True, text=True, timeout=180)
+                            capture_output=True, text=True, timeout=400)
     assert result.returncode == 0, result.stdout + result.stderr
-    assert "bitwise equal to torch's ScheduleInterleaved1F1B: True" in result.stdout
-    assert "single-process checks passed (dry run on CPU)" in result.stdout
+    out = result.stdout
+    assert "bitwise equal to torch's ScheduleInterleaved1F1B: True" in out
+    assert "every span at least its emulated kernel time" in out and ": ok" in out
+    assert "single-process checks passed (dry run on CPU)" in out
+    for check in ("[4] 14 channels", "[5] arrival with 200 ms of compute queued",
+                  "[6] the producer closed right after its sends", "[7] the consumer raised "
+                  "PeerFailedError naming global rank 0", "carried a message"):
+        line = next((l for l in out.splitlines() if check in l), None)
+        assert line is not None and line.endswith("True"), (check, out)
+    assert "transport checks passed (dry run on CPU, 2 processes, gloo)" in out
+
+
+class _FakeEvent:
+    """A CUDA event on a fake device clock: complete once the clock has passed it."""
+
+    def __init__(self, clock, enable_timing=False):
+        self.clock, self.at = clock, None
+
+    def record(self, stream):  # the stream reaches it once its queued work is done
+        self.at = max(self.clock["queued_until"], self.clock["device"])
+
+    def query(self):
+        return self.at is not None and self.clock["device"] >= self.at
+
+    def elapsed_time(self, other):
+        return (other.at - self.at) * 1e3  # milliseconds
+
+
+class _FakeCuda:
+    def __init__(self, clock):
+        self.clock = clock
+
+    def Event(self, enable_timing=False):
+        return _FakeEvent(self.clock, enable_timing)
+
+    def current_stream(self, device):
+        return None
+
+
+def test_cuda_device_times_are_placed_on_the_host_timeline():
+    """Spans, arrivals and waits share one clock: device event times are anchored at the
+    host time the step-start event was seen complete, not at the device's own zero."""
+    from rrfp.device import CudaDevice
+
+    clock = {"device": 99.0, "queued_until": 100.5}  # earlier work queued until t=100.5
+    device = CudaDevice(torch.device("cuda", 0), cuda=_FakeCuda(clock))
+    origin = time.perf_counter()
+    device.begin_step(origin, Wakeup())
+    assert device._anchor is None  # the step-start event waits behind the earlier work
+    time.sleep(0.05)
+    clock["device"] = 100.5  # now it completes; the host sees it at its next look
+    seen = time.perf_counter() - origin
+    device.launch(_Action(0, F, 0), lambda: clock.__setitem__("queued_until", 100.7))
+    clock["device"] = 100.7  # the action ran 0.2 s on the device
+    (done,) = device.completed()
+    assert seen <= device._anchor <= time.perf_counter() - origin
+    assert device._anchor >= 0.05  # not the device's zero: the host saw it 50 ms in
+    assert abs(done.start - device._anchor) < 1e-9
+    assert abs((done.end - done.start) - 0.2) < 1e-9

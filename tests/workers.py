@@ -880,7 +880,7 @@ def lazily_connected_channels(rank: int, world_size: int, connect: bool) -> dict
     import rrfp.schedule
     from rrfp.transport import create_channels
 
-    def lazy(name, store, channel_rank, timeout):
+    def lazy(name, store, channel_rank, timeout, **naming):
         return LazilyConnectedGroup(store, channel_rank, timeout_s=3.0)
 
     rrfp.schedule.create_channels = functools.partial(create_channels, group_factory=lazy,
@@ -1003,10 +1003,12 @@ def variable_batches(n_microbatches: int, lengths: list[int], seed: int):
 
 
 def variable_shapes(rank: int, world_size: int, hint: str, per_rank: int, layout: str,
-                    delay_seed: int) -> dict:
+                    delay_seed: int, kind: str = "gloo") -> dict:
     """Microbatches of different sequence lengths, and other lengths the next step: RRFP
     (variable_shapes, emulated device, random delays) vs RRFP's fixed policy on the same
-    data, bitwise, and vs the unpipelined float64 model."""
+    data, bitwise, and vs the unpipelined float64 model. ``kind``: the channels
+    (``_channels_of``); on ``"nccl-like"`` ones, also what went over them."""
+    made = _channels_of(kind)
     num_stages, M = world_size * per_rank, 2 * world_size
     chain = make_chain(num_stages)
     local = local_stage_indices(rank, world_size, num_stages, layout)
@@ -1052,8 +1054,12 @@ def variable_shapes(rank: int, world_size: int, hint: str, per_rank: int, layout
         expected = [p.grad for s in local for p in reference[s].parameters()]
         errors.append(max((g - e).abs().max().item() for g, e in zip(grads, expected)))
         optimizer.step()
-    return {"bitwise": bitwise_equal(rrfp, fixed), "error": max(errors),
-            "out_of_order": stats.out_of_hint_order, "receive_bytes": stats.receive_buffer_bytes}
+    result = {"bitwise": bitwise_equal(rrfp, fixed), "error": max(errors),
+              "out_of_order": stats.out_of_hint_order,
+              "receive_bytes": stats.receive_buffer_bytes}
+    if made is not None:  # the dtypes sent over the (NCCL-like) data channels
+        result["data_dtypes"] = sorted({str(d) for g in made.made for d in g.sent_dtypes})
+    return result
 
 
 def messages_per_step(rank: int, world_size: int, variable: bool) -> int:
@@ -1289,3 +1295,151 @@ def gradient_accumulation(rank: int, world_size: int) -> dict:
         if run in result:
             del result[run]["grads"], result[run]["full"]
     return result
+
+
+def _channels_of(kind: str, **fake):
+    """Make ScheduleRRFP build its channels as ``kind`` says: ``"gloo"`` (rrfp's own) or
+    ``"nccl-like"`` (``tests.nccl_like``: polled, local abort, sends that complete only
+    once the peer receives). Returns the fake factory (or None)."""
+    import functools
+
+    import rrfp.schedule
+    from rrfp.transport import create_channels
+    from tests import nccl_like
+
+    if kind == "gloo":
+        rrfp.schedule.create_channels = create_channels
+        return None
+    made = nccl_like.factory(**fake)
+    rrfp.schedule.create_channels = functools.partial(create_channels, group_factory=made,
+                                                      backend="nccl")
+    return made
+
+
+def clean_close_then_peer_steps(rank: int, world_size: int, kind: str) -> dict:
+    """An eval step (forwards only) of 1F1B over 6 microbatches; rank 1's forwards are slow
+    (0.2 s), so its activation ring (2 slots) has not posted the receives of the last
+    microbatches when rank 0 has sent everything. Rank 0 closes its schedule right after
+    its step; rank 1 must still complete its own (no message of rank 0's dropped)."""
+    _channels_of(kind)
+    M = 6
+    chain = make_chain(world_size)
+    x, y = make_batch(M)
+    wrap = ((lambda s, b: EmulatedDeviceTime(b, M, lambda mb: 0.2, lambda mb: 0.0))
+            if rank == 1 else None)
+    stages, blocks = build_stages(chain, rank, world_size, "loop", wrap=wrap)
+    schedule = ScheduleRRFP(stages, M, loss_fn=loss_fn, hint="1F1B", stall_timeout=300,
+                            device=EmulatedDevice(), launch_depth=1)
+    run_steps(schedule, stages, blocks, x, y, 1)  # shape inference: torch's blocking P2P
+    inputs = (x,) if rank == 0 else ()
+    error = None
+    start = time.perf_counter()
+    try:
+        with torch.no_grad():
+            schedule.eval(*inputs, target=y)
+        if rank == 0:
+            schedule.close()
+    except Exception as e:
+        error = error_chain(e)
+    elapsed = time.perf_counter() - start
+    if rank == 1:
+        schedule.close()
+    return {"error": error, "elapsed": elapsed}
+
+
+FAILED_AT: list[float] = []
+"""``time.time()`` when a planted failure struck in this process."""
+
+
+def _strike(what: str):
+    FAILED_AT.append(time.time())
+    raise RuntimeError(f"{what} failed on purpose")
+
+
+def failure_reaches_every_rank(rank: int, world_size: int, kind: str, how: str) -> dict:
+    """GPipe over ``world_size`` ranks on the emulated device, ``stall_timeout`` 300 s;
+    in the second step one rank fails mid-step (``how``): ``"forward"`` (rank 0, stage 0's
+    forward of microbatch 2), ``"loss"`` (the last rank, microbatch 2's loss), ``"send"``
+    (rank 1's second activation send: on ``"nccl-like"`` channels its work completes with
+    an error, on gloo the send call raises). Channels: ``kind`` (``_channels_of``). Every
+    rank records what it raised and when; then each builds a new schedule in the same
+    process, whose step must be bitwise torch's GPipe."""
+    from rrfp.transport import Channel
+
+    M = 6
+    failing = {"forward": 0, "loss": world_size - 1, "send": 1}[how]
+    plant = how == "send" and rank == failing
+    # The second activation of the second step (the first step sent M).
+    _channels_of(kind, fail_send_at={(1, 2): M + 1} if plant and kind == "nccl-like" else None)
+    if plant and kind == "gloo":
+        real_send, sent = Channel.send, []
+
+        def send(self, tensor):
+            if self.edge.src == 1 and self.edge.dst == 2 and tensor.numel() > 1:
+                sent.append(1)
+                if len(sent) == 2 and armed:
+                    _strike("send")
+            return real_send(self, tensor)
+
+        Channel.send = send
+    armed = False
+    chain = make_chain(world_size)
+    x, y = make_batch(M)
+
+    class Failing(torch.nn.Module):
+        def __init__(self, inner):
+            super().__init__()
+            self.inner, self.calls = inner, 0
+
+        def forward(self, inp):
+            self.calls += 1
+            if armed and self.calls == 3:
+                _strike("forward")
+            return self.inner(inp)
+
+    calls = [0]
+
+    def loss(output, target):
+        calls[0] += 1
+        if armed and calls[0] == 3:
+            _strike("loss")
+        return loss_fn(output, target)
+
+    wrap = (lambda s, b: Failing(b)) if how == "forward" and rank == failing else None
+    stages, blocks = build_stages(chain, rank, world_size, "loop", wrap=wrap)
+    schedule = ScheduleRRFP(stages, M, loss_fn=loss if how == "loss" and rank == failing
+                            else loss_fn, hint="GPipe", stall_timeout=300,
+                            device=EmulatedDevice(), launch_depth=1)
+    run_steps(schedule, stages, blocks, x, y, 1)
+    snapshot = [copy.deepcopy(b) for b in blocks]
+    armed, calls[0] = True, 0
+    for stage in stages:
+        if isinstance(stage.submod, Failing):
+            stage.submod.calls = 0
+    if plant and kind == "gloo":
+        sent.clear()
+    error, failed_rank = None, None
+    try:
+        run_steps(schedule, stages, blocks, x, y, 1)
+    except Exception as e:
+        error = error_chain(e)
+        failed_rank = getattr(e, "failed_rank", None)
+    raised_at = time.time()
+    armed = False
+    if plant and kind == "gloo":
+        Channel.send = real_send
+    _channels_of(kind)
+    full = list(chain)
+    for s, saved in zip(local_stage_indices(rank, world_size, world_size, "loop"), snapshot):
+        full[s] = saved
+    recovered_stages, recovered_blocks = build_stages(full, rank, world_size, "loop")
+    recovered = ScheduleRRFP(recovered_stages, M, loss_fn=loss_fn, hint="GPipe",
+                             stall_timeout=300, device=EmulatedDevice(), launch_depth=1)
+    got = run_steps(recovered, recovered_stages, recovered_blocks, x, y, 1)
+    recovered.close()
+    fixed_stages, fixed_blocks = build_stages(full, rank, world_size, "loop")
+    expected = run_steps(torch_schedule("GPipe", fixed_stages, M), fixed_stages, fixed_blocks,
+                         x, y, 1)
+    return {"error": error, "failed_rank": failed_rank, "raised_at": raised_at,
+            "failed_at": FAILED_AT[0] if FAILED_AT else None,
+            "bitwise": bitwise_equal(got, expected), "threads_at_end": rrfp_threads()}

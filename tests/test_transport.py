@@ -1,0 +1,307 @@
+"""The transport alone, in one process: closing, failure, streams, NCCL settings.
+
+NCCL's behaviour comes from ``tests.nccl_like`` (channels over a store with NCCL's
+completion and abort semantics) and from recording fakes of the CUDA stream API and of
+``ProcessGroupNCCL``, written against torch 2.13's source (there is no GPU here).
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import threading
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from rrfp import transport as transport_module
+from rrfp.device import Wakeup
+from rrfp.hints import Edge
+from rrfp.transport import (Channel, ChannelMap, FailureBoard, make_channel_group,
+                            PeerFailedError, ReceiveStreams, Transport)
+from tests import nccl_like
+
+
+def _pair(store: dist.Store, edge: Edge, **fake) -> tuple[Channel, Channel]:
+    """Both ends of one NCCL-like channel, in this process (global ranks 0 -> 1)."""
+    prefix = dist.PrefixStore(f"{edge.src}-{edge.dst}/", store)
+    return (Channel(edge, 0, 1, 0, "nccl", nccl_like.StoreP2PGroup(prefix, 0, **fake)),
+            Channel(edge, 0, 1, 1, "nccl", nccl_like.StoreP2PGroup(prefix, 1, **fake)))
+
+
+def _transport(channels: list[Channel]) -> Transport:
+    return Transport(ChannelMap({c.edge: c for c in channels}), Wakeup())
+
+
+def _sequential_abort(channels: list[Channel]) -> None:
+    """What ``Transport.close`` did before: each channel's abort, one after another."""
+    for channel in channels:
+        channel.abort()
+
+
+def test_aborts_that_block_on_each_other_hang_in_sequence_and_finish_concurrently():
+    """An abort that blocks while another communicator has a pending receive (as an
+    ``ncclCommAbort`` can): aborting one channel after the other never ends; the
+    transport aborts them all at once, within its bound."""
+    store = dist.HashStore()
+    old = [_pair(store, Edge(0, 1), blocking_abort=True)[1],
+           _pair(dist.PrefixStore("b/", store), Edge(2, 1), blocking_abort=True)[1]]
+    for channel in old:
+        channel.recv(torch.zeros(2))  # a receive the peer never answers
+    hung = threading.Thread(target=_sequential_abort, args=(old,), daemon=True)
+    hung.start()
+    hung.join(2.0)
+    assert hung.is_alive(), "the sequential abort should block on the other pending receive"
+    old[1].group.abort()  # let it go, so that its group leaves the pending set
+    hung.join(10.0)
+    assert not hung.is_alive()
+
+    ends = [_pair(dist.PrefixStore("c/", store), Edge(0, 1), blocking_abort=True)[1],
+            _pair(dist.PrefixStore("d/", store), Edge(2, 1), blocking_abort=True)[1]]
+    transport = _transport(ends)
+    for channel in ends:
+        transport.post_receive(channel.edge, 0, [torch.zeros(2)])
+    alive: list = [None]
+    closing = threading.Thread(target=lambda: alive.__setitem__(
+        0, transport.close(timeout=30.0, failed=True)), daemon=True)
+    closing.start()
+    closing.join(60.0)  # its own bound is 30 s; the fakes' aborts take milliseconds
+    assert not closing.is_alive(), "the transport's close hung"
+    assert alive[0] == []
+    assert all(c.group.aborts == 1 and c.group.shutdowns == 0 for c in ends)
+
+
+def test_a_healthy_close_completes_the_sends_in_flight_before_shutting_down():
+    store = dist.HashStore()
+    producer, consumer = _pair(store, Edge(0, 1))
+    transport = _transport([producer])
+    transport.send(Edge(0, 1), 0, [torch.arange(4.0)])
+    transport.finish_sends(300.0)  # NCCL: stream-ordered; the send is still in flight
+    assert not producer.group.aborted
+    received = torch.zeros(4)
+    threading.Timer(0.3, lambda: consumer.recv(received)).start()
+    assert transport.close(timeout=10.0, send_timeout=300.0) == []
+    assert producer.group.shutdowns == 1 and producer.group.aborts == 0
+    deadline = time.perf_counter() + 30
+    while not torch.equal(received, torch.arange(4.0)) and time.perf_counter() < deadline:
+        time.sleep(0.01)
+    assert torch.equal(received, torch.arange(4.0)), "the message was dropped"
+
+
+def test_a_healthy_close_whose_send_does_not_complete_aborts_and_says_which():
+    producer, _ = _pair(dist.HashStore(), Edge(0, 1))
+    transport = _transport([producer])
+    transport.send(Edge(0, 1), 3, [torch.ones(2)])
+    with pytest.raises(RuntimeError, match=r"the send of microbatch 3 on channel 0->1 "
+                                           r"\(global rank 0 -> 1\) did not complete"):
+        transport.close(timeout=10.0, send_timeout=0.5)
+    assert producer.group.aborts == 1 and producer.group.shutdowns == 0
+
+
+def test_a_send_whose_work_completed_with_an_error_raises_naming_its_channel():
+    producer, consumer = _pair(dist.HashStore(), Edge(0, 1), fail_send_at=0)
+    transport = _transport([producer])
+    producer.send(torch.zeros(1))  # the connection's token: message 0 comes after it
+    transport.send(Edge(0, 1), 5, [torch.ones(2)])
+    with pytest.raises(RuntimeError, match=r"the send of microbatch 5 on channel 0->1 "
+                                           r"\(global rank 0 -> 1\) failed: .*planted"):
+        for _ in range(1000):
+            transport.collect()
+            time.sleep(0.005)
+    transport.close(timeout=10.0, failed=True)
+
+
+def test_the_failure_board_keeps_the_first_failure_and_reads_the_store_at_its_interval():
+    store = dist.HashStore()
+    now = [0.0]
+    first, second = FailureBoard(store, 3), FailureBoard(store, 5)
+    watcher = FailureBoard(store, 7, interval=0.1, clock=lambda: now[0])
+    watcher.check()  # reads: nothing yet
+    first.publish("rank 3 failed its step: boom")
+    second.publish("rank 5 failed its step: later")
+    now[0] = 0.05
+    watcher.check()  # within the interval: not read again
+    now[0] = 0.1
+    with pytest.raises(PeerFailedError, match="global rank 3 of the pipeline failed: rank 3 "
+                                              "failed its step: boom") as info:
+        watcher.check()
+    assert info.value.failed_rank == 3
+    first.check(force=True)  # its own failure is not a peer's
+    with pytest.raises(PeerFailedError):
+        second.check(force=True)
+
+
+class _Stream:
+    def __init__(self, name: str):
+        self.name = name
+
+    def __repr__(self) -> str:
+        return self.name
+
+
+class RecordingCuda:
+    """The part of ``torch.cuda`` the transport uses: streams, the current stream, and a
+    record of what happened under which current stream."""
+
+    def __init__(self):
+        self.compute = _Stream("compute")
+        self.current = self.compute
+        self.log: list[tuple[str, str]] = []
+        self.streams: list[_Stream] = []
+        self.priorities: list[int] = []
+
+    def Stream(self, device, priority=0):
+        stream = _Stream(f"side{len(self.streams)}")
+        self.priorities.append(priority)
+        self.streams.append(stream)
+        return stream
+
+    def current_stream(self, device=None):
+        return self.current
+
+    def stream(self, stream):
+        cuda = self
+
+        class _Guard:
+            def __enter__(self):
+                self.saved, cuda.current = cuda.current, stream
+
+            def __exit__(self, *exc):
+                cuda.current = self.saved
+
+        return _Guard()
+
+
+class _Buffer:
+    def __init__(self, cuda: RecordingCuda, shape):
+        self.cuda, self.shape, self.recorded = cuda, shape, []
+        cuda.log.append(("allocate", cuda.current.name))
+
+    def record_stream(self, stream):
+        self.recorded.append(stream.name)
+
+
+class _RecordingGroup:
+    def __init__(self, cuda: RecordingCuda):
+        self.cuda = cuda
+
+    def recv(self, tensors, peer, tag):
+        self.cuda.log.append(("recv", self.cuda.current.name))
+        return nccl_like.FakeWork("recv")
+
+
+def test_receives_and_their_buffers_are_posted_under_a_side_stream_not_the_compute_stream():
+    """NCCL's stream waits for the caller's current stream when a receive is posted: under
+    the compute stream, a receive would wait for all compute queued so far."""
+    cuda = RecordingCuda()
+    streams = ReceiveStreams(torch.device("cuda", 0), cuda=cuda,
+                             empty=lambda shape, **kw: _Buffer(cuda, shape))
+    edge = Edge(0, 1)
+    transport = Transport(ChannelMap({edge: Channel(edge, 0, 1, 1, "nccl",
+                                                    _RecordingGroup(cuda))}), Wakeup(),
+                          receive_streams=streams)
+    template = torch.zeros(1)
+    buffers = [transport.receive_buffer(torch.Size([4, 2]), template) for _ in range(2)]
+    transport.post_receive(edge, 0, buffers)
+    transport.post_receive(edge, 1, [torch.zeros(1)])
+    assert cuda.current is cuda.compute  # restored after each
+    (side,) = cuda.streams
+    assert cuda.priorities == [-1]  # not from the pool NCCL's communicators draw from
+    assert cuda.log == [("allocate", side.name)] * 2 + [("recv", side.name)] * 3
+    # The compute stream reads them once their receives completed: not reused before.
+    assert all(b.recorded == ["compute"] for b in buffers)
+
+
+def test_cpu_receives_use_no_stream():
+    streams = ReceiveStreams(torch.device("cpu"))
+    assert streams.side is None
+    with streams.posting():
+        pass
+    assert streams.empty(torch.Size([2]), torch.float32, torch.device("cpu")).shape == (2,)
+
+
+class _RecordingNCCL:
+    """Stands in for ``dist.ProcessGroupNCCL`` (absent from a CPU build): records the
+    environment and options a channel group is constructed with."""
+
+    made: list[dict] = []
+
+    class Options:
+        def __init__(self):
+            self._timeout = None
+            self.group_name = ""
+            self.global_ranks_in_group = []
+
+    def __init__(self, store, rank, size, options):
+        _RecordingNCCL.made.append({
+            "handling": os.environ.get("TORCH_NCCL_ASYNC_ERROR_HANDLING"),
+            "name": options.group_name, "ranks": list(options.global_ranks_in_group),
+            "timeout": options._timeout})
+
+
+class _Group:
+    class BackendType:
+        NCCL = "nccl"
+
+    def __init__(self, *args):
+        self.names: list[str] = []
+
+    def _set_default_backend(self, backend_type):
+        pass
+
+    def _register_backend(self, device, backend_type, backend):
+        pass
+
+    def _set_group_name(self, name):
+        self.names.append(name)
+
+
+@pytest.mark.parametrize("preset", [None, "3"])
+def test_nccl_channels_are_named_and_built_with_recoverable_error_handling(monkeypatch, preset):
+    """torch reads ``TORCH_NCCL_ASYNC_ERROR_HANDLING`` in the group's constructor; its
+    default (3) makes the watchdog end the process on a channel error. rrfp builds its
+    channels with 0 unless the user chose a value, and leaves the variable as it was."""
+    _RecordingNCCL.made.clear()
+    monkeypatch.setattr(dist, "ProcessGroupNCCL", _RecordingNCCL, raising=False)
+    monkeypatch.setattr(dist, "ProcessGroup", _Group)
+    for name in transport_module.ASYNC_ERROR_HANDLING:
+        monkeypatch.delenv(name, raising=False)
+    if preset is not None:
+        monkeypatch.setenv("TORCH_NCCL_ASYNC_ERROR_HANDLING", preset)
+    group = make_channel_group("nccl", dist.HashStore(), 0, datetime.timedelta(seconds=7),
+                               group_name="rrfp/0-1/0/0-1", global_ranks=(4, 5))
+    (made,) = _RecordingNCCL.made
+    assert made == {"handling": "0" if preset is None else preset, "name": "rrfp/0-1/0/0-1",
+                    "ranks": [4, 5], "timeout": datetime.timedelta(seconds=7)}
+    assert group.names == ["rrfp/0-1/0/0-1"]
+    assert os.environ.get("TORCH_NCCL_ASYNC_ERROR_HANDLING") == preset
+
+
+def test_gloo_channels_carry_their_name():
+    # A 2-rank gloo group needs its peer to connect: build both ends on threads.
+    store, groups = dist.HashStore(), [None, None]
+
+    def build(rank):
+        groups[rank] = make_channel_group("gloo", store, rank, datetime.timedelta(seconds=30),
+                                          group_name="rrfp/0-1/0/0-1", global_ranks=(0, 1))
+
+    threads = [threading.Thread(target=build, args=(r,)) for r in (0, 1)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert all(g.group_name == "rrfp/0-1/0/0-1" for g in groups)
+
+
+def test_send_delay_is_refused_for_cuda_stages():
+    """``send_delay``'s sender thread has the default stream current, not the compute
+    stream: it could send an output before the compute stream wrote it."""
+    from rrfp import ScheduleRRFP
+
+    class CudaStage:  # what the check reads of a stage, before anything else is built
+        device = torch.device("cuda", 0)
+
+    with pytest.raises(ValueError, match="send_delay emulates link latency for CPU studies"):
+        ScheduleRRFP([CudaStage()], 4, send_delay=lambda edge, mb: 0.0)
