@@ -40,6 +40,7 @@ from torchtitan.models.llama3 import model_registry  # noqa: E402
 from torchtitan_ext.assets import DATASET_NAME, TOKENIZER_DIR  # noqa: E402
 from torchtitan_ext.config import RRFP  # noqa: E402
 from torchtitan_ext.dataloaders import DocumentDataLoader  # noqa: E402
+from torchtitan_ext.multimodal import multimodal_registry  # noqa: E402
 from torchtitan_ext.trainer import RRFPMetricsProcessor, RRFPTrainer  # noqa: E402
 
 __all__ = ["rrfp_llama3_debug_cpu", "rrfp_documents_cpu", "rrfp_multimodal_cpu",
@@ -107,9 +108,7 @@ def rrfp_documents_cpu() -> RRFPTrainer.Config:
 def rrfp_multimodal_cpu() -> RRFPTrainer.Config:
     """llama3 debugmodel whose first stage encodes 0-40 image patches per sample (taken
     from the document) before the language layers; RRFP with variable shapes, on CPU."""
-    from torchtitan_ext.multimodal import multimodal_registry
-
-    config = _cpu_job(multimodal_registry("debugmodel"), "./outputs/multimodal_cpu",
+    config = _cpu_job(causal_sdpa(multimodal_registry("debugmodel")), "./outputs/multimodal_cpu",
                       seq_len=176)
     config.dataloader = DocumentDataLoader.Config(images=True)
     config.rrfp.variable_shapes = True

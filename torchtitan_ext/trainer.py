@@ -125,16 +125,22 @@ class RRFPTrainer(Trainer):
         return parallel_dims
 
     def post_dataloading_process(self, input_dict, labels):
+        """torchtitan's, then: under RRFP with ``rrfp.variable_shapes``, the microbatch cut
+        to its own content (``torchtitan_ext.data.split_by_content``); otherwise a batch
+        with image patches padded to one shape, the patches' targets ignored."""
         inputs, labels, extra_kwargs = super().post_dataloading_process(input_dict, labels)
         schedule = getattr(self, "pp_schedule", None)
-        if not (isinstance(schedule, ScheduleRRFP) and schedule.variable_shapes):
+        variable = isinstance(schedule, ScheduleRRFP) and schedule.variable_shapes
+        images = "patch_counts" in extra_kwargs
+        if not (variable or images):
             return inputs, labels, extra_kwargs
         unknown = set(extra_kwargs) - {"patches", "patch_counts"}
         if unknown:
             raise ValueError(f"rrfp.variable_shapes: the inputs {sorted(unknown)} are built "
                              "for the padded length; cut microbatches know only tokens, "
                              "labels and image patches")
-        cut = split_by_content(inputs, labels, extra_kwargs, 1)
+        pad_to = None if variable else (inputs.shape[1], extra_kwargs["patches"].shape[1])
+        cut = split_by_content(inputs, labels, extra_kwargs, 1, pad_to=pad_to)
         return cut.args[0][0], cut.targets[0], cut.kwargs[0]
 
     def train(self):
