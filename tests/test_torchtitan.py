@@ -304,6 +304,23 @@ def test_rrfp_trains_exactly_as_the_fixed_schedule(fixed, nproc, steps, parallel
     assert runs[fixed] == runs[f"RRFP-{fixed}"]
 
 
+@only_0_3
+def test_validation_under_rrfp_equals_the_fixed_schedules(tmp_path):
+    """torchtitan 0.3's validator calls ``pp_schedule.eval(arg_mbs=...)`` (the config
+    functions point it at the generated corpus)."""
+    runs = {}
+    for schedule in ("Interleaved1F1B", "RRFP"):
+        code, out = run_titan(2, "--training.steps", "2", "--validator.enable",
+                              "--validator.freq", "1", "--validator.steps", "2",
+                              "--parallelism.pipeline_parallel_schedule", schedule,
+                              dump=str(tmp_path / schedule))
+        assert code == 0, out[-3000:]
+        values = tensorboard_values(tmp_path / schedule)
+        runs[schedule] = values["validation_metrics/loss"] + values[LOSS]
+    assert len(runs["RRFP"]) == 4
+    assert runs["RRFP"] == runs["Interleaved1F1B"]
+
+
 @pytest.mark.parametrize("module", ["torchtitan_ext.train", "torchtitan.train"])
 def test_bad_config_stops_before_training_with_a_clear_message(module, tmp_path):
     code, out = run_titan(2, "--parallelism.pipeline_parallel_schedule", "RRFP-Zigzag",

@@ -29,6 +29,7 @@ require((0, 3), "torchtitan_ext.config_registry", CONFIG_FN_INSTEAD)
 from torchtitan.components.checkpoint import CheckpointManager  # noqa: E402
 from torchtitan.components.loss import CrossEntropyLoss  # noqa: E402
 from torchtitan.components.optimizer import default_adamw, LRSchedulersContainer  # noqa: E402
+from torchtitan.components.validate import Validator  # noqa: E402
 from torchtitan.config import ParallelismConfig, TrainingConfig  # noqa: E402
 from torchtitan.config.configs import DebugConfig  # noqa: E402
 from torchtitan.distributed.activation_checkpoint import SelectiveAC  # noqa: E402
@@ -84,6 +85,10 @@ def _cpu_job(model_spec, dump_folder: str, **training) -> RRFPTrainer.Config:
                   trace_folder="traces"),
         checkpoint=CheckpointManager.Config(enable=False),
         activation_checkpoint=None,
+        # Off as in the TOML jobs; --validator.enable evaluates on the generated corpus
+        # (the trainer's pre-split pp_schedule.eval(arg_mbs=...)).
+        validator=Validator.Config(freq=5, steps=2, dataloader=HuggingFaceTextDataLoader.Config(
+            dataset=DATASET_NAME, infinite=False)),
         debug=DebugConfig(seed=42),
     )
 
