@@ -230,6 +230,9 @@ def test_variable_shapes_refuse_attention_masks_of_the_padded_length():
         check(config)
     config.parallelism.pipeline_parallel_schedule = "Interleaved1F1B"  # not RRFP: no cutting
     check(config)
+    packed = parse("--rrfp.variable-shapes")  # the main job: torchtitan's packed text
+    with pytest.raises(ValueError, match="torchtitan's text dataloader packs documents"):
+        check(packed)
 
 
 def tensorboard_values(dump) -> dict[str, list[float]]:

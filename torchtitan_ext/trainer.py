@@ -29,6 +29,7 @@ require((0, 3), "torchtitan_ext.trainer", CONFIG_FN_INSTEAD)
 
 import torch.distributed as dist  # noqa: E402
 from torchtitan.components.metrics import _get_metrics_rank, MetricsProcessor  # noqa: E402
+from torchtitan.hf_datasets.text_datasets import HuggingFaceTextDataLoader  # noqa: E402
 from torchtitan.models.common.attention import FlexAttention, VarlenAttention  # noqa: E402
 from torchtitan.trainer import Trainer  # noqa: E402
 
@@ -83,6 +84,12 @@ def check(config) -> None:
         raise ValueError("rrfp.variable_shapes cuts microbatches to their own length, and "
                          "flex or varlen attention masks are built for the padded length: "
                          "build the model with attn_backend='sdpa'")
+    if isinstance(config.dataloader, HuggingFaceTextDataLoader.Config):
+        raise ValueError("rrfp.variable_shapes cuts samples that are not packed (one document "
+                         "each, padded at the end: torchtitan_ext.dataloaders."
+                         "DocumentDataLoader); torchtitan's text dataloader packs documents "
+                         "into full-length samples: set rrfp.variable_shapes false, or load "
+                         "whole documents")
 
 
 class RRFPTrainer(Trainer):
