@@ -2,6 +2,12 @@
 
     python -m benchmarks.variable_shapes_bench     # writes results/variable_shapes.md (~2 min)
 
+With torchtitan 0.3 installed it writes ``results/variable_shapes_0_3.md``: the same
+method on torchtitan 0.3's llama3 (``Decoder``; causal SDPA as in the CPU jobs) and its
+``rrfp_multimodal`` (``torchtitan_ext.multimodal``), split by torchtitan 0.3's own
+functions, every run called as torchtitan 0.3 calls schedules, with pre-split
+microbatches (``step(arg_mbs=..., kwarg_mbs=..., target_mbs=...)``).
+
 **Measured, real compute** (no emulated time): 2 CPU processes, one thread each (pipeline
 of 2 ranks x 2 stages, Interleaved1F1B), torchtitan's llama3 debug model split as
 torchtitan splits it, batches of 8 samples in 8 microbatches from ``torchtitan_ext.data``:
@@ -39,9 +45,6 @@ import torch.distributed as dist
 from torch.distributed.pipelining import PipelineStage
 from torch.distributed.pipelining.schedules import ScheduleInterleaved1F1B
 from torchtitan.components.loss import IGNORE_INDEX
-from torchtitan.components.tokenizer import HuggingFaceTokenizer
-from torchtitan.distributed.pipeline_parallel import generate_llm_fqn_per_model_part
-from torchtitan.models.llama3 import llama3_args, Transformer
 
 from benchmarks.pages import write_page
 from rrfp import ScheduleRRFP
@@ -54,13 +57,21 @@ from rrfp.sim.engine import simulate
 from rrfp.sim.workloads import Timing
 from torchtitan_ext.assets import TOKENIZER_DIR
 from torchtitan_ext.data import DocumentDataset, MAX_PATCHES, split_by_content
-from torchtitan_ext.models import first_stage_modules, MultimodalArgs, MultimodalTransformer
+from torchtitan_ext.version import torchtitan_version
+
+TITAN_0_3 = torchtitan_version() == (0, 3)
 
 BATCH, MICROBATCHES, TEXT_LEN = 8, 8, 128
 VARIANTS = ("padded torch", "RRFP fixed order", "RRFP")
 
 
 def _model(multimodal: bool) -> torch.nn.Module:
+    if TITAN_0_3:
+        return _model_0_3(multimodal)
+    from torchtitan.models.llama3 import llama3_args, Transformer
+
+    from torchtitan_ext.models import MultimodalArgs, MultimodalTransformer
+
     args = copy.copy(llama3_args["debugmodel"])
     args.max_seq_len = TEXT_LEN + (MAX_PATCHES if multimodal else 0)
     if multimodal:
@@ -72,8 +83,34 @@ def _model(multimodal: bool) -> torch.nn.Module:
     return model
 
 
+def _model_0_3(multimodal: bool) -> torch.nn.Module:
+    from torchtitan.models.llama3 import model_registry
+
+    from torchtitan_ext.config_registry import causal_sdpa
+    from torchtitan_ext.multimodal import multimodal_registry
+
+    spec = causal_sdpa(multimodal_registry() if multimodal else model_registry("debugmodel"))
+    torch.manual_seed(0)
+    model = spec.model.build()
+    with torch.no_grad():
+        model.init_weights()
+    return model
+
+
 def _stage_modules(model: torch.nn.Module, rank: int) -> list[tuple[int, torch.nn.Module]]:
     """torchtitan's split into 4 stages, loop placement over 2 ranks."""
+    if TITAN_0_3:
+        from torchtitan.distributed.pipeline_parallel import (
+            _generate_llm_fqn_per_model_part, _split_module)
+
+        names = _generate_llm_fqn_per_model_part(4, 6, 1, 1)
+        if getattr(model, "vision_encoder", None) is not None:  # as pipeline_vlm does
+            names[0].insert(0, "vision_encoder")
+        return [(index, _split_module(model, names[index])) for index in (rank, rank + 2)]
+    from torchtitan.distributed.pipeline_parallel import generate_llm_fqn_per_model_part
+
+    from torchtitan_ext.models import first_stage_modules
+
     names = first_stage_modules(model, generate_llm_fqn_per_model_part(4, 6, 1, 1))
     stages = []
     for index in (rank, rank + 2):
@@ -89,13 +126,21 @@ def _stage_modules(model: torch.nn.Module, rank: int) -> list[tuple[int, torch.n
     return stages
 
 
+def _tokenizer():
+    from torchtitan.components.tokenizer import HuggingFaceTokenizer
+
+    if TITAN_0_3:
+        return HuggingFaceTokenizer.Config().build(tokenizer_path=TOKENIZER_DIR)
+    return HuggingFaceTokenizer(TOKENIZER_DIR)
+
+
 def _loss(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
     return torch.nn.functional.cross_entropy(output.flatten(0, 1).float(), target.flatten(0, 1),
                                              reduction="sum", ignore_index=IGNORE_INDEX)
 
 
 def _batches(multimodal: bool, count: int):
-    tokenizer = HuggingFaceTokenizer(TOKENIZER_DIR)
+    tokenizer = _tokenizer()
     dataset = iter(DocumentDataset(tokenizer, TEXT_LEN, 0, 1, images=multimodal))
     batches = []
     for _ in range(count):
@@ -164,7 +209,12 @@ def _rank_main(rank: int, world: int, multimodal: bool, rounds: int) -> dict:
             dist.barrier()
             start = time.perf_counter()
             first, last = rank == 0, rank == 1
-            if padded:
+            if TITAN_0_3:  # as torchtitan 0.3 calls every schedule: pre-split
+                schedule.step(arg_mbs=mbs.args if first else None,
+                              kwarg_mbs=mbs.kwargs if first else [{}] * MICROBATCHES,
+                              target_mbs=mbs.targets if last else None,
+                              losses=[] if last else None, return_outputs=False)
+            elif padded:
                 kwargs = {k: torch.cat([kw[k] for kw in mbs.kwargs]) for k in mbs.kwargs[0]}
                 args = (torch.cat([a[0] for a in mbs.args]),) if first else ()
                 schedule.step(*args, **(kwargs if first else {}),
@@ -240,11 +290,17 @@ def main(argv=None) -> None:
     args = parser.parse_args(argv)
     started = time.time()
     header_us, header_bytes = _header_cost()
+    import torchtitan
+
+    versions = (f"torchtitan {torchtitan.__version__}, torch {torch.__version__}"
+                + (", every schedule called with pre-split microbatches, "
+                   "`step(arg_mbs=..., kwarg_mbs=..., target_mbs=...)`" if TITAN_0_3 else ""))
     lines = [
         "# Variable-shape microbatches: padding vs RRFP (real compute, measured)",
         "",
-        "Regenerate with `python -m benchmarks.variable_shapes_bench` ({elapsed} s on this "
-        "2-core machine). See the module docstring for the method.",
+        f"{versions}. Regenerate with `python -m benchmarks.variable_shapes_bench` ({{elapsed}} "
+        "s on this 2-core machine, with that torchtitan installed). See the module docstring "
+        "for the method.",
         "",
         "| data path | run | step ms (median) | valid tokens/s | vs padded | peak activations per "
         "rank (KiB) |",
@@ -286,7 +342,8 @@ def main(argv=None) -> None:
         *[f"* {p}" for p in predictions],
     ]
     elapsed = f"{time.time() - started:.0f}"
-    page = write_page("variable_shapes.md", [line.replace("{elapsed}", elapsed) for line in lines])
+    page = write_page("variable_shapes_0_3.md" if TITAN_0_3 else "variable_shapes.md",
+                      [line.replace("{elapsed}", elapsed) for line in lines])
     print(f"wrote {page}")
 
 

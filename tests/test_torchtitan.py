@@ -1,6 +1,9 @@
-"""torchtitan integration: RRFP schedule names, the CPU main job, fidelity, FSDP, bad configs.
+"""torchtitan integration: RRFP schedule names, the CPU main job, fidelity, FSDP, TP, bad
+configs, the data paths, against whichever torchtitan is installed (0.2.2: TOML jobs,
+0.3: config functions; ``JOBS`` names each job in both).
 
-End-to-end tests launch torchrun on CPU/gloo with a hard timeout each.
+End-to-end tests launch torchrun on CPU/gloo with a hard timeout each. Losses are compared
+at full precision: torchtitan writes them to TensorBoard as float32.
 """
 
 from __future__ import annotations
@@ -15,9 +18,6 @@ import pytest
 
 pytest.importorskip("torchtitan")
 
-from torchtitan.config import ConfigManager  # noqa: E402
-from torchtitan.protocols import train_spec  # noqa: E402
-
 from tests import workers  # noqa: E402
 
 from torchtitan_ext.log_ranks import log_ranks, print_only_on, warn_if_loss_hidden  # noqa: E402
@@ -25,23 +25,51 @@ from rrfp.local import run_local_world  # noqa: E402
 from rrfp.settings import BufferLimit, parse_buffer_limit  # noqa: E402
 from torchtitan_ext.schedules import (  # noqa: E402
     hint_of, placement_schedule, schedule_arguments, validate)
+from torchtitan_ext.version import torchtitan_version  # noqa: E402
+
+VERSION = torchtitan_version()
+TITAN_0_2, TITAN_0_3 = VERSION == (0, 2), VERSION == (0, 3)
+only_0_2 = pytest.mark.skipif(not TITAN_0_2, reason="torchtitan 0.2.2's adapter (TOML, "
+                              f"custom_import); installed: torchtitan {VERSION}")
+only_0_3 = pytest.mark.skipif(not TITAN_0_3, reason="torchtitan 0.3's adapter (config "
+                              f"functions, Trainer subclass); installed: torchtitan {VERSION}")
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-CONFIG = "train_configs/llama3_debug_cpu.toml"
+JOBS = {
+    "main": ("train_configs/llama3_debug_cpu.toml", "rrfp_llama3_debug_cpu"),
+    "documents": ("train_configs/documents_cpu.toml", "rrfp_documents_cpu"),
+    "multimodal": ("train_configs/multimodal_cpu.toml", "rrfp_multimodal_cpu"),
+}
+"""Job -> (its TOML file for torchtitan 0.2.2, its config function for 0.3)."""
 LOSS_LINE = re.compile(r"step:\s+(\d+)\s+(?:\x1b\[[0-9;]*m)?loss:\s+(-?[0-9.]+)")
+
+
+def job_args(job: str) -> list[str]:
+    """How torchtitan is told to run ``job``."""
+    toml, function = JOBS[job]
+    if TITAN_0_2:
+        return ["--job.config_file", os.path.join(ROOT, toml)]
+    return ["--module", "torchtitan_ext", "--config", function]
+
+
+def dump_args(dump: str) -> list[str]:
+    return ["--job.dump_folder" if TITAN_0_2 else "--dump_folder", dump]
 
 
 def run_titan(nproc: int, *overrides: str, dump: str, module: str = "torchtitan_ext.train",
               timeout: float = 300, env: dict[str, str] | None = None,
-              config: str = CONFIG) -> tuple[int, str]:
+              job: str = "main") -> tuple[int, str]:
     cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}",
-           "--standalone", "-m", module, "--job.config_file", config,
-           "--job.dump_folder", dump, "--rrfp.trace_folder", "", *overrides]
+           "--standalone", "-m", module, *job_args(job), *dump_args(dump),
+           "--rrfp.trace_folder", "", *overrides]
     environment = {key: value for key, value in os.environ.items() if key != "LOG_RANK"}
     # A session of its own, so a hang kills torchrun's workers too.
     proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             text=True, start_new_session=True,
-                            env={**environment, "PYTHONUNBUFFERED": "1", **(env or {})})
+                            env={**environment, "PYTHONUNBUFFERED": "1",
+                                 "PYTHONPATH": os.pathsep.join(
+                                     [ROOT, *filter(None, [os.environ.get("PYTHONPATH")])]),
+                                 **(env or {})})
     try:
         out, _ = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
@@ -65,12 +93,29 @@ def assert_one_rank_prints(output: str) -> None:
     assert "run_train.sh" not in output
 
 
-def parse(*overrides: str):
-    return ConfigManager().parse_args(["--job.config_file", os.path.join(ROOT, CONFIG), *overrides])
+def parse(*overrides: str, job: str = "main"):
+    """The job's configuration, as torchtitan parses it from the command line."""
+    from torchtitan.config import ConfigManager
+
+    return ConfigManager().parse_args([*job_args(job), *overrides])
 
 
 def n_layers(config) -> int:
-    return train_spec.get_train_spec(config.model.name).model_args[config.model.flavor].n_layers
+    if TITAN_0_2:
+        from torchtitan.protocols import train_spec
+
+        return train_spec.get_train_spec(config.model.name).model_args[config.model.flavor].n_layers
+    return len(config.model_spec.model.layers)
+
+
+def check(config) -> None:
+    """What the trainer checks before it builds anything (ValueError: what to change)."""
+    if TITAN_0_2:
+        validate(config, n_layers(config))
+    else:
+        from torchtitan_ext.trainer import check as check_0_3
+
+        check_0_3(config)
 
 
 def test_schedule_names():
@@ -94,8 +139,6 @@ def test_schedule_names():
      r"\(1\): raise the first or lower the second"),
     (["--parallelism.pipeline_parallel_schedule", "RRFP-DualPipeV",
       "--training.local_batch_size", "2"], "at least as many microbatches as stages"),
-    (["--training.local_batch_size", "6", "--parallelism.pipeline_parallel_microbatch_size", "4"],
-     "must be a multiple of"),
     (["--rrfp.buffer_limit", "0"], "rrfp.buffer_limit: buffer_limit=0 is below 1"),
     (["--rrfp.buffer_limit", "lots"], "rrfp.buffer_limit: buffer_limit='lots' is not understood"),
     (["--rrfp.policy", "eager"], "rrfp.policy: unknown policy 'eager'"),
@@ -116,7 +159,19 @@ def test_schedule_names():
 def test_bad_rrfp_configs_are_rejected_with_what_to_change(overrides, message):
     config = parse(*overrides)
     with pytest.raises(ValueError, match=message):
-        validate(config, n_layers(config))
+        check(config)
+
+
+def test_a_batch_that_does_not_split_into_microbatches_is_rejected(capsys):
+    overrides = ["--training.local_batch_size", "6",
+                 "--parallelism.pipeline_parallel_microbatch_size", "4"]
+    if TITAN_0_2:
+        with pytest.raises(ValueError, match="must be a multiple of"):
+            check(parse(*overrides))
+    else:  # torchtitan 0.3 checks it itself, while it parses
+        with pytest.raises(SystemExit):
+            parse(*overrides)
+        assert "must be evenly divisible" in capsys.readouterr().err
 
 
 def test_fewer_microbatches_than_stages_warn_as_torchtitan_does(caplog):
@@ -135,16 +190,34 @@ def test_fewer_microbatches_than_stages_warn_as_torchtitan_does(caplog):
 
 def test_good_configs_pass_validation():
     for schedule in ("RRFP", "RRFP-Interleaved1F1B", "RRFP-ZBVZeroBubble", "RRFP-BFW"):
-        config = parse("--parallelism.pipeline_parallel_schedule", schedule)
-        validate(config, n_layers(config))
+        check(parse("--parallelism.pipeline_parallel_schedule", schedule))
     # Context and expert parallelism stay available to torch's fixed schedules.
-    config = parse("--parallelism.pipeline_parallel_schedule", "Interleaved1F1B",
-                   "--parallelism.context_parallel_degree", "2",
-                   "--parallelism.expert_parallel_degree", "2")
-    validate(config, n_layers(config))
+    check(parse("--parallelism.pipeline_parallel_schedule", "Interleaved1F1B",
+                "--parallelism.context_parallel_degree", "2",
+                "--parallelism.expert_parallel_degree", "2"))
+
+
+def test_the_rrfp_settings_have_the_same_names_and_defaults_in_both_versions():
+    """The main job's ``rrfp`` settings: the TOML's ``[rrfp]`` section (0.2.2) and the
+    config function's ``rrfp`` field (0.3) give the same ``RRFP``."""
+    from torchtitan_ext.config import RRFP
+
+    assert parse().rrfp == RRFP(buffer_limit="hint", stall_timeout=300, log_stats=True,
+                                trace_folder="traces")
+    assert parse(job="documents").rrfp.variable_shapes is True
+    assert parse(job="multimodal").rrfp.variable_shapes is True
 
 
 # (The main config's pipeline needs at least 5 microbatches per rank: its own peak.)
+@pytest.mark.parametrize("cli_value,expected", [("6", BufferLimit(6)), ("hint", BufferLimit(None)),
+                                                ("hint+1", BufferLimit(None, extra=1))])
+def test_buffer_limit_is_an_int_or_a_string_on_the_command_line(cli_value, expected):
+    config = parse("--rrfp.buffer_limit", cli_value)
+    assert parse_buffer_limit(config.rrfp.buffer_limit) == expected
+    check(config)
+
+
+@only_0_2
 @pytest.mark.parametrize("toml_value,cli_value,expected", [
     ("6", None, BufferLimit(6)),
     ('"6"', None, BufferLimit(6)),
@@ -154,13 +227,13 @@ def test_good_configs_pass_validation():
     (None, "2x hint", BufferLimit(None, factor=2)),
     ("3", "hint", BufferLimit(None)),
 ])
-def test_buffer_limit_is_an_int_or_a_string_in_toml_and_on_the_command_line(
-        toml_value, cli_value, expected, tmp_path):
-    with open(os.path.join(ROOT, CONFIG)) as f:
+def test_buffer_limit_is_an_int_or_a_string_in_toml(toml_value, cli_value, expected, tmp_path):
+    from torchtitan.config import ConfigManager
+
+    with open(os.path.join(ROOT, JOBS["main"][0])) as f:
         text = f.read()
     assert 'buffer_limit = "hint"' in text
-    if toml_value is not None:
-        text = text.replace('buffer_limit = "hint"', f"buffer_limit = {toml_value}")
+    text = text.replace('buffer_limit = "hint"', f"buffer_limit = {toml_value}")
     config_file = tmp_path / "train.toml"
     config_file.write_text(text)
     args = ["--job.config_file", str(config_file)]
@@ -168,7 +241,7 @@ def test_buffer_limit_is_an_int_or_a_string_in_toml_and_on_the_command_line(
         args += ["--rrfp.buffer_limit", cli_value]
     config = ConfigManager().parse_args(args)
     assert parse_buffer_limit(config.rrfp.buffer_limit) == expected
-    validate(config, n_layers(config))
+    check(config)
 
 
 # One setting per row, as a Python caller, train.toml's [rrfp] section and the simulator's
@@ -193,6 +266,7 @@ SPELLINGS = [
 ]
 
 
+@only_0_2
 def test_each_setting_means_the_same_from_python_toml_and_the_simulator(tmp_path):
     """buffer_limit, policy and launch_depth, each spelled as a Python caller, train.toml
     and ``python -m rrfp.sim`` would: the same limits per stage and per rank, the same
@@ -205,7 +279,7 @@ def test_each_setting_means_the_same_from_python_toml_and_the_simulator(tmp_path
     from rrfp.sim.__main__ import build_parser
     from rrfp.sim.study import compare
 
-    with open(os.path.join(ROOT, CONFIG)) as f:
+    with open(os.path.join(ROOT, JOBS["main"][0])) as f:
         text = f.read()
     toml_arguments = []
     for i, (_, toml, _) in enumerate(SPELLINGS):
@@ -236,16 +310,39 @@ def test_each_setting_means_the_same_from_python_toml_and_the_simulator(tmp_path
         ("fixed", 2)]
 
 
-def tensorboard_scalars(dump) -> dict[str, int]:
-    """Tag -> number of values, of the one TensorBoard run under ``dump``."""
+@only_0_3
+def test_variable_shapes_refuse_attention_masks_of_the_padded_length():
+    from torchtitan.models.llama3 import model_registry
+
+    config = parse(job="documents")
+    config.model_spec = model_registry("debugmodel")  # torchtitan's default: flex attention
+    with pytest.raises(ValueError, match="build the model with attn_backend='sdpa'"):
+        check(config)
+    config.parallelism.pipeline_parallel_schedule = "Interleaved1F1B"  # not RRFP: no cutting
+    check(config)
+    packed = parse("--rrfp.variable-shapes")  # the main job: torchtitan's packed text
+    with pytest.raises(ValueError, match="torchtitan's text dataloader packs documents"):
+        check(packed)
+
+
+def tensorboard_values(dump) -> dict[str, list[float]]:
+    """Tag -> its values by step (float32, as torchtitan wrote them), of the one
+    TensorBoard run under ``dump``."""
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     (run_dir,) = (dump / "tb").iterdir()
     events = EventAccumulator(str(run_dir))
     events.Reload()
-    return {tag: len(events.Scalars(tag)) for tag in events.Tags()["scalars"]}
+    return {tag: [event.value for event in events.Scalars(tag)]
+            for tag in events.Tags()["scalars"]}
 
 
+def tensorboard_scalars(dump) -> dict[str, int]:
+    """Tag -> number of values, of the one TensorBoard run under ``dump``."""
+    return {tag: len(values) for tag, values in tensorboard_values(dump).items()}
+
+
+LOSS, GRAD_NORM = "loss_metrics/global_avg_loss", "grad_norm"
 STATS_LINE = (r"rrfp step {step:2}: {label}pp0 idle \d+% out-of-hint \d+ backpressure \d+ held \d+ "
               r"{activations} receive buffers \d+ B "
               r"dispatch \d+ us/action \| {label}pp1 idle")
@@ -271,7 +368,7 @@ def test_main_job_trains_on_cpu_and_logs_rrfp_stats(tmp_path):
     for tag in ("rrfp/idle_fraction/pp0", "rrfp/out_of_hint_order/pp1",
                 "rrfp/backpressure_entries/pp0", "rrfp/peak_in_flight/pp1",
                 "rrfp/peak_activation_bytes/pp0", "rrfp/peak_activation_bytes/pp1",
-                "rrfp/dispatch_overhead_us/pp0"):
+                "rrfp/dispatch_overhead_us/pp0", LOSS):
         assert scalars.get(tag) == 8, (tag, scalars)
     # Each run's traces go to a folder of their own.
     (run_traces,) = (tmp_path / "traces").iterdir()
@@ -285,19 +382,40 @@ def test_main_job_trains_on_cpu_and_logs_rrfp_stats(tmp_path):
     ("Interleaved1F1B", 4, 3, ["--parallelism.data_parallel_shard_degree", "2"]),
     ("Interleaved1F1B", 4, 3, ["--parallelism.tensor_parallel_degree", "2"]),
 ], ids=["pp-interleaved", "pp-1f1b", "pp-x-fsdp", "pp-x-tp"])
-def test_rrfp_logs_the_same_losses_as_the_fixed_schedule(fixed, nproc, steps, parallelism,
-                                                        tmp_path):
+def test_rrfp_trains_exactly_as_the_fixed_schedule(fixed, nproc, steps, parallelism, tmp_path):
+    """Losses and gradient norms at every step, bitwise (float32), RRFP against torch's
+    fixed schedule of its hint under torchtitan."""
     runs = {}
     for schedule in (fixed, f"RRFP-{fixed}"):
         code, out = run_titan(nproc, "--training.steps", str(steps), *parallelism,
                               "--parallelism.pipeline_parallel_schedule", schedule,
                               dump=str(tmp_path / schedule), timeout=400)
         assert code == 0, out[-3000:]
-        runs[schedule] = logged_losses(out)
+        assert sorted(logged_losses(out)) == list(range(1, steps + 1))
+        assert (f"ScheduleRRFP with hint {fixed}" in out) == schedule.startswith("RRFP")
+        values = tensorboard_values(tmp_path / schedule)
+        runs[schedule] = {tag: values[tag] for tag in (LOSS, GRAD_NORM)}
     if "--parallelism.data_parallel_shard_degree" in parallelism:
         assert re.search(STATS_LINE.format(step=steps, label="dp0/", activations=METERED), out), out[-3000:]
-    assert len(runs[fixed]) == steps
+    assert len(runs[fixed][LOSS]) == steps
     assert runs[fixed] == runs[f"RRFP-{fixed}"]
+
+
+@only_0_3
+def test_validation_under_rrfp_equals_the_fixed_schedules(tmp_path):
+    """torchtitan 0.3's validator calls ``pp_schedule.eval(arg_mbs=...)`` (the config
+    functions point it at the generated corpus)."""
+    runs = {}
+    for schedule in ("Interleaved1F1B", "RRFP"):
+        code, out = run_titan(2, "--training.steps", "2", "--validator.enable",
+                              "--validator.freq", "1", "--validator.steps", "2",
+                              "--parallelism.pipeline_parallel_schedule", schedule,
+                              dump=str(tmp_path / schedule))
+        assert code == 0, out[-3000:]
+        values = tensorboard_values(tmp_path / schedule)
+        runs[schedule] = values["validation_metrics/loss"] + values[LOSS]
+    assert len(runs["RRFP"]) == 4
+    assert runs["RRFP"] == runs["Interleaved1F1B"]
 
 
 @pytest.mark.parametrize("module", ["torchtitan_ext.train", "torchtitan.train"])
@@ -309,8 +427,10 @@ def test_bad_config_stops_before_training_with_a_clear_message(module, tmp_path)
     assert "Training starts" not in out
 
 
-def test_stock_torchtitan_train_with_custom_import(tmp_path):
-    """Also runs without the activation meter: the metric shows as not measured."""
+def test_stock_torchtitan_train_runs_rrfp(tmp_path):
+    """``torchrun -m torchtitan.train``: with the TOML's ``custom_import`` (0.2.2), with
+    ``--module torchtitan_ext`` (0.3). A V placement, whose loss (and TensorBoard) is on
+    rank 0; also without the activation meter: the metric shows as not measured."""
     code, out = run_titan(2, "--training.steps", "2",
                           "--parallelism.pipeline_parallel_schedule", "RRFP-ZBVZeroBubble",
                           "--rrfp.trace_folder", "traces", "--rrfp.no-meter-activations",
@@ -323,6 +443,9 @@ def test_stock_torchtitan_train_with_custom_import(tmp_path):
         step=2, label="", activations="activations not measured"), out)
     scalars = tensorboard_scalars(tmp_path)
     assert scalars.get("rrfp/dispatch_overhead_us/pp1") == 2
+    # TensorBoard is written by the rank with the loss (others have -1).
+    assert len(tensorboard_values(tmp_path)[LOSS]) == 2
+    assert min(tensorboard_values(tmp_path)[LOSS]) > 0
     assert not any("peak_activation_bytes" in tag for tag in scalars)
     (run_traces,) = (tmp_path / "traces").iterdir()
     assert sorted(p.name for p in run_traces.iterdir()) == ["step1.json", "step2.json"]
@@ -353,14 +476,34 @@ def test_log_rank_chooses_the_ranks_that_print(monkeypatch, caplog):
     assert not handler.filter(info) and handler.filter(error)
 
 
-@pytest.mark.parametrize("config", ["train_configs/documents_cpu.toml",
-                                    "train_configs/multimodal_cpu.toml"])
-def test_variable_shape_data_paths_train_and_their_loss_falls(config, tmp_path):
-    code, out = run_titan(2, "--training.steps", "6", dump=str(tmp_path), config=config)
+@pytest.mark.parametrize("job", ["documents", "multimodal"])
+def test_variable_shape_data_paths_train_and_their_loss_falls(job, tmp_path):
+    code, out = run_titan(2, "--training.steps", "6", dump=str(tmp_path), job=job)
     assert code == 0, out[-3000:]
     losses = logged_losses(out)
     assert sorted(losses) == list(range(1, 7))
     assert float(losses[6]) < float(losses[1]) - 2.0
+    # Microbatches differ in length, so what a stage holds differs from step to step.
+    values = tensorboard_values(tmp_path)
+    assert len(set(values["rrfp/peak_activation_bytes/pp0"])) > 1, values
+
+
+def test_variable_length_microbatches_train_as_the_fixed_schedule_on_padded_ones(tmp_path):
+    """Documents: RRFP on microbatches cut to their own length gives the losses and
+    gradient norms of torch's fixed schedule on microbatches padded to ``seq_len``
+    (padding comes last and is ignored by the loss, which torchtitan divides by the
+    number of valid tokens; causal attention never looks at it)."""
+    runs = {}
+    for schedule in ("Interleaved1F1B", "RRFP"):
+        code, out = run_titan(2, "--training.steps", "3",
+                              "--parallelism.pipeline_parallel_schedule", schedule,
+                              dump=str(tmp_path / schedule), job="documents")
+        assert code == 0, out[-3000:]
+        values = tensorboard_values(tmp_path / schedule)
+        runs[schedule] = values[LOSS] + values[GRAD_NORM]
+    assert len(set(values["rrfp/peak_activation_bytes/pp0"])) > 1, values  # RRFP's run
+    assert len(runs["RRFP"]) == 6
+    assert runs["RRFP"] == pytest.approx(runs["Interleaved1F1B"], rel=1e-6)
 
 
 def test_microbatches_are_cut_to_their_own_content():
@@ -408,3 +551,108 @@ def test_step_stats_are_gathered_through_the_store():
         activations = {k for k in scalars if "peak_activation_bytes" in k}
         assert activations == (set() if step == 2 else {
             "rrfp/peak_activation_bytes/pp0", "rrfp/peak_activation_bytes/pp1"})
+
+
+ADAPTERS = {
+    (0, 2): ["torchtitan_ext.register", "torchtitan_ext.patches_0_2",
+             "torchtitan_ext.trainer_hooks", "torchtitan_ext.models"],
+    (0, 3): ["torchtitan_ext.config_registry", "torchtitan_ext.trainer",
+             "torchtitan_ext.pipelining", "torchtitan_ext.dataloaders",
+             "torchtitan_ext.multimodal"],
+}
+
+
+def test_each_adapter_imports_with_its_version_and_refuses_the_other():
+    import importlib
+
+    import torchtitan_ext  # noqa: F401  (never fails)
+
+    for version, modules in ADAPTERS.items():
+        for name in modules:
+            if version == VERSION:
+                importlib.import_module(name)
+                continue
+            with pytest.raises(ImportError, match=(
+                    rf"{re.escape(name)} is for torchtitan {version[0]}\.{version[1]} and "
+                    rf"torchtitan {VERSION[0]}\.{VERSION[1]} is installed: with torchtitan "
+                    rf"{VERSION[0]}\.{VERSION[1]} a job is")):
+                importlib.import_module(name)
+
+
+def test_the_cpu_patch_targets_exist():
+    """torchtitan has no CPU setting: ``torchtitan_ext.cpu`` sets its modules' copies of
+    ``device_type`` / ``device_module``; each must still be there."""
+    import importlib
+
+    from torchtitan_ext.cpu import DEVICE_MODULES
+
+    for name, attributes in DEVICE_MODULES[VERSION].items():
+        module = importlib.import_module(name)
+        for attribute in attributes:
+            assert hasattr(module, attribute), (name, attribute)
+
+
+@only_0_2
+def test_the_0_2_schedule_patch_targets_exist():
+    """torchtitan 0.2.2 has no schedule hook: ``patches_0_2.install`` wraps these."""
+    import importlib
+
+    from torchtitan_ext.patches_0_2 import PATCHED
+
+    for name, attributes in PATCHED.items():
+        module = importlib.import_module(name)
+        for attribute in attributes:
+            assert callable(getattr(module, attribute, None)), (name, attribute)
+
+
+@only_0_3
+def test_the_0_3_adapter_uses_torchtitans_hooks():
+    """``pipelining_fn`` is the model's hook (no patch), ``RRFPTrainer`` a Trainer whose
+    config has the ``rrfp`` field, the loss rank of V placements is rank 0, and
+    torchtitan's ``run_train.sh`` advice (the one log record dropped) still reads so."""
+    import functools
+    import logging
+    from types import SimpleNamespace
+
+    from torchtitan.components.metrics import ensure_pp_loss_visible
+    from torchtitan.distributed.pipeline_parallel import pipeline_llm, pipeline_vlm
+    from torchtitan.models.llama3 import model_registry
+    from torchtitan.tools.utils import NoColor
+    from torchtitan.trainer import Trainer
+
+    from torchtitan_ext.config import RRFP
+    from torchtitan_ext.multimodal import multimodal_registry
+    from torchtitan_ext.pipelining import rrfp_pipelining, with_rrfp
+    from torchtitan_ext.trainer import HideLossAdvice, metrics_rank, RRFPTrainer
+
+    assert model_registry("debugmodel").pipelining_fn is pipeline_llm
+    assert multimodal_registry().pipelining_fn is pipeline_vlm
+    settings = RRFP(buffer_limit=4)
+    wrapped = with_rrfp(with_rrfp(model_registry("debugmodel"), RRFP()), settings)
+    assert isinstance(wrapped.pipelining_fn, functools.partial)
+    assert wrapped.pipelining_fn.func is rrfp_pipelining
+    assert wrapped.pipelining_fn.keywords == {"model_pipelining": pipeline_llm,
+                                              "settings": settings}
+    assert issubclass(RRFPTrainer, Trainer) and issubclass(RRFPTrainer.Config, Trainer.Config)
+    assert isinstance(parse(), RRFPTrainer.Config)
+
+    dims = SimpleNamespace(pp_enabled=True, world_size=4, pp=2)
+    assert metrics_rank(dims, "RRFP-ZBVZeroBubble") == metrics_rank(dims, "ZBVZeroBubble") == 0
+    assert metrics_rank(dims, "RRFP-DualPipeV") == 0
+    assert metrics_rank(dims, "RRFP") == metrics_rank(dims, "Interleaved1F1B") == 2
+
+    records = []
+
+    class Keep(logging.Handler):
+        def emit(self, record):
+            records.append(record)
+
+    handler = Keep()
+    torchtitan_logger = logging.getLogger()
+    torchtitan_logger.addHandler(handler)
+    try:
+        ensure_pp_loss_visible(parallel_dims=dims, pp_schedule="RRFP", color=NoColor())
+    finally:
+        torchtitan_logger.removeHandler(handler)
+    (record,) = [r for r in records if "run_train.sh" in r.getMessage()]
+    assert not HideLossAdvice().filter(record)

@@ -302,6 +302,7 @@ def test_send_delay_is_refused_for_cuda_stages():
 
     class CudaStage:  # what the check reads of a stage, before anything else is built
         device = torch.device("cuda", 0)
+        stage_index = 0
 
     with pytest.raises(ValueError, match="send_delay emulates link latency for CPU studies"):
         ScheduleRRFP([CudaStage()], 4, send_delay=lambda edge, mb: 0.0)

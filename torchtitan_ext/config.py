@@ -1,4 +1,6 @@
-"""The ``[rrfp]`` section of train.toml (``[job] custom_config_module = "torchtitan_ext.config"``)."""
+"""RRFP's settings: the ``[rrfp]`` section of train.toml on torchtitan 0.2.2 (``[job]
+custom_config_module = "torchtitan_ext.config"``), the ``rrfp`` field of
+``RRFPTrainer.Config`` on torchtitan 0.3 (``--rrfp.<field>``): one dataclass for both."""
 
 
 from dataclasses import dataclass, field
@@ -36,8 +38,9 @@ class RRFP:
     variable_shapes: bool = False
     """Cut each batch into microbatches as long as their own content (rounded up to 16)
     instead of one padded length, and send activations with a shape header (see
-    ``torchtitan_ext.data``; for the ``rrfp_llama3_documents`` and ``rrfp_multimodal``
-    models, whose samples are not packed)."""
+    ``torchtitan_ext.data``; for samples that are not packed: the documents and multimodal
+    jobs, ``rrfp_llama3_documents`` / ``rrfp_multimodal`` on torchtitan 0.2.2,
+    ``DocumentDataLoader`` on 0.3)."""
 
     meter_activations: bool = True
     """Measure the bytes of the activations saved for backward (``peak_activation_bytes`` in

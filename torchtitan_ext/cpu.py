@@ -1,7 +1,8 @@
-"""Let torchtitan 0.2.2 run on a machine without an accelerator: CPU tensors, gloo.
+"""Let torchtitan (0.2.2 and 0.3) run on a machine without an accelerator: CPU tensors, gloo.
 
-torchtitan picks its device at import time and falls back to "cuda" when none is found,
-in several modules' copies; it calls a few ``torch.cuda`` functions by name; it sets up
+torchtitan has no setting for this. It picks its device at import time and falls back to
+"cuda" when none is found, in several modules' copies (``DEVICE_MODULES``, per version: a
+test fails when one of them no longer has the attribute); it calls a few ``torch.cuda`` functions by name; it sets up
 ``barrier(device_ids=[current_device()])``, which needs an int. ``use_cpu()`` points all
 of them at the CPU. FSDP2 on gloo also needs sum reductions (gloo has no PREMUL_SUM):
 ``force_sum_reductions`` sets that on the model parts.
@@ -16,15 +17,28 @@ from types import SimpleNamespace
 
 import torch
 
-# Modules of torchtitan 0.2.2 that copied device_type / device_module at import.
-_DEVICE_MODULES = (
-    "torchtitan.tools.utils",
-    "torchtitan.distributed.utils",
-    "torchtitan.distributed.parallel_dims",
-    "torchtitan.distributed.dual_pipe_v",
-    "torchtitan.components.metrics",
-    "torchtitan.tools.profiling",
-)
+from torchtitan_ext.version import torchtitan_version
+
+DEVICE_MODULES: dict[tuple[int, int], dict[str, tuple[str, ...]]] = {
+    (0, 2): {
+        "torchtitan.tools.utils": ("device_type", "device_module"),
+        "torchtitan.distributed.utils": ("device_type", "device_module"),
+        "torchtitan.distributed.parallel_dims": ("device_type",),
+        "torchtitan.distributed.dual_pipe_v": ("device_type", "device_module"),
+        "torchtitan.components.metrics": ("device_type", "device_module"),
+        "torchtitan.tools.profiling": ("device_module",),
+    },
+    (0, 3): {
+        "torchtitan.tools.utils": ("device_type", "device_module"),
+        "torchtitan.distributed.utils": ("device_type", "device_module"),
+        "torchtitan.distributed.parallel_dims": ("device_type",),
+        "torchtitan.components.metrics": ("device_type", "device_module"),
+        "torchtitan.models.common.token_dispatcher": ("device_type", "device_module"),
+        "torchtitan.tools.profiler": ("device_module",),
+    },
+}
+"""Per torchtitan version, the modules that copied ``device_type`` / ``device_module`` at
+import, and which of the two each holds."""
 
 
 class CpuDeviceModule:
@@ -76,12 +90,13 @@ def use_cpu() -> bool:
         return False
     import importlib
 
-    for name in _DEVICE_MODULES:
+    for name, attributes in DEVICE_MODULES[torchtitan_version()].items():
         module = importlib.import_module(name)
-        if hasattr(module, "device_type"):
-            module.device_type = "cpu"
-        if hasattr(module, "device_module"):
-            module.device_module = CpuDeviceModule
+        for attribute in attributes:
+            if not hasattr(module, attribute):
+                raise RuntimeError(f"torchtitan_ext.cpu: {name}.{attribute} is gone; update "
+                                   "DEVICE_MODULES for this torchtitan")
+            setattr(module, attribute, "cpu" if attribute == "device_type" else CpuDeviceModule)
     return True
 
 

@@ -1,4 +1,4 @@
-"""Models and train specs whose per-microbatch work varies with the data.
+"""torchtitan 0.2.2: models and train specs whose per-microbatch work varies with the data.
 
 * ``rrfp_llama3_documents``: torchtitan's llama3, fed one document per sample
   (``torchtitan_ext.data``): microbatches differ in sequence length.
@@ -8,6 +8,10 @@
 """
 
 from __future__ import annotations
+
+from torchtitan_ext.version import require, TOML_INSTEAD
+
+require((0, 2), "torchtitan_ext.models", TOML_INSTEAD)
 
 import dataclasses
 

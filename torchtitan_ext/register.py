@@ -1,4 +1,4 @@
-"""Importing this module registers RRFP with torchtitan.
+"""Importing this module registers RRFP with torchtitan 0.2.2 (its adapter's entry point).
 
 Stock torchtitan: ``[experimental] custom_import = "torchtitan_ext.register"`` (plus
 ``[job] custom_config_module = "torchtitan_ext.config"`` for the ``[rrfp]`` section).
@@ -8,11 +8,15 @@ points torchtitan at the CPU when the machine has no accelerator, and hooks torc
 Trainer (config checks, one logging rank, RRFP stats: ``torchtitan_ext.trainer_hooks``).
 """
 
-from torchtitan_ext import trainer_hooks
-from torchtitan_ext.assets import register_dataset
-from torchtitan_ext.cpu import use_cpu
-from torchtitan_ext.models import register_models
-from torchtitan_ext.schedules import install
+from torchtitan_ext.version import require, TOML_INSTEAD
+
+require((0, 2), "torchtitan_ext.register", TOML_INSTEAD)
+
+from torchtitan_ext import trainer_hooks  # noqa: E402
+from torchtitan_ext.assets import register_dataset  # noqa: E402
+from torchtitan_ext.cpu import use_cpu  # noqa: E402
+from torchtitan_ext.models import register_models  # noqa: E402
+from torchtitan_ext.patches_0_2 import install  # noqa: E402
 
 install()
 register_dataset()

@@ -1,19 +1,23 @@
 """RRFP as torchtitan pipeline schedules: ``pipeline_parallel_schedule = "RRFP-<hint>"``.
 
+Shared by both torchtitan versions: the names, the check of a configuration, and building
+ScheduleRRFP from torchtitan's stages (``build_schedule``). How torchtitan is made to use
+them is each version's adapter: ``patches_0_2`` (0.2.2), ``pipelining`` (0.3).
+
+
 ``"RRFP"`` is the recommended setting for torchtitan's default placement (loop, 2 or more
 stages per rank): the Interleaved1F1B hint under ScheduleRRFP's default policy, which
 measured never slower than Interleaved1F1B itself; ``"RRFP-<hint>"`` takes any hint
 ScheduleRRFP accepts by name (the paper's BF rule is ``"RRFP-BF"``). Stage placement and stages per rank follow the hint exactly as torchtitan does for
 the hint itself. torchtitan 0.2.2 places V-shaped stages only when the schedule class *is*
-ZBVZeroBubble or DualPipeV (an identity check) and picks the loss-logging rank by name, so
-``install()`` wraps those functions of torchtitan to translate RRFP names, and builds
-ScheduleRRFP with the ``[rrfp]`` settings. torchtitan's own code is not edited.
+ZBVZeroBubble or DualPipeV (an identity check) and picks the loss-logging rank by name
+(both versions): the adapters show torchtitan ``torch_view_name`` instead of an RRFP name
+there. torchtitan's own code is not edited.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import functools
 import math
 
 import torch.distributed as dist
@@ -26,7 +30,6 @@ from rrfp.coordination import COORDINATIONS
 from rrfp.hints import build_hint, HINT_NAMES, rule_reference, RULE_NAMES
 from rrfp.settings import parse_launch_depth, parse_policy
 from torchtitan_ext.config import RRFP
-from torchtitan_ext.models import first_stage_modules
 
 PREFIX = "RRFP"
 DEFAULT_HINT = "Interleaved1F1B"
@@ -71,17 +74,25 @@ def placement_schedule(hint: str) -> str:
     return hint
 
 
-def _torch_view(job_config):
-    """job_config with an RRFP schedule name replaced by its placement schedule's name."""
-    hint = hint_of(job_config.parallelism.pipeline_parallel_schedule)
+def torch_view_name(schedule_name: str) -> str:
+    """The schedule name torchtitan is shown where it decides by name: an RRFP name becomes
+    its placement schedule's (torchtitan only treats "ZBVZeroBubble" as V-shaped when
+    choosing the loss rank, so DualPipeV's placement is shown as that); others unchanged."""
+    hint = hint_of(schedule_name)
     if hint is None:
-        return job_config
+        return schedule_name
     name = placement_schedule(hint)
-    # torchtitan 0.2.2 only treats "ZBVZeroBubble" as V-shaped when choosing the loss rank.
-    name = "ZBVZeroBubble" if name in _V_HINTS else name
+    return "ZBVZeroBubble" if name in _V_HINTS else name
+
+
+def _torch_view(job_config):
+    """job_config with an RRFP schedule name replaced by ``torch_view_name``'s."""
+    name = job_config.parallelism.pipeline_parallel_schedule
+    if hint_of(name) is None:
+        return job_config
     return dataclasses.replace(
-        job_config,
-        parallelism=dataclasses.replace(job_config.parallelism, pipeline_parallel_schedule=name))
+        job_config, parallelism=dataclasses.replace(
+            job_config.parallelism, pipeline_parallel_schedule=torch_view_name(name)))
 
 
 def rrfp_settings(job_config) -> RRFP:
@@ -89,8 +100,11 @@ def rrfp_settings(job_config) -> RRFP:
 
 
 def n_microbatches(job_config) -> int:
-    batch = job_config.training.local_batch_size
-    microbatch = job_config.parallelism.pipeline_parallel_microbatch_size
+    return microbatches_of(job_config.training.local_batch_size, job_config.parallelism)
+
+
+def microbatches_of(batch: int, parallelism) -> int:
+    microbatch = parallelism.pipeline_parallel_microbatch_size
     if batch % microbatch != 0:
         raise ValueError(
             f"training.local_batch_size={batch} must be a multiple of "
@@ -213,57 +227,21 @@ def coordination_group(stages) -> dist.ProcessGroup | None:
     return twin
 
 
-def install() -> None:
-    """Make torchtitan accept RRFP schedule names (idempotent)."""
-    import torchtitan.components.metrics as metrics
-    import torchtitan.distributed.pipeline_parallel as pipeline_parallel
+def build_schedule(schedule_name: str, settings: RRFP, stages, n_microbatches: int,
+                   loss_fn) -> ScheduleRRFP:
+    """ScheduleRRFP over torchtitan's ``stages`` for an RRFP schedule name, with the
+    ``rrfp`` settings; torchtitan backpropagates the sum of the microbatches' losses
+    (``scale_grads=False``), as for its own schedules. Logs what it built."""
+    schedule = ScheduleRRFP(
+        stages, n_microbatches, loss_fn=loss_fn, scale_grads=False,
+        hint=hint_of(schedule_name), coordination_group=coordination_group(stages),
+        **schedule_arguments(settings),
+    )
+    from torchtitan.tools.logging import logger
 
-    if getattr(pipeline_parallel, "_rrfp_installed", False):
-        return
-    pipeline_parallel._rrfp_installed = True
-    torch_get_schedule_class = pipeline_parallel.get_schedule_class
-    torch_build = pipeline_parallel.build_pipeline_schedule
-    torch_split = pipeline_parallel.pipeline_module_split
-
-    def get_schedule_class(name: str):
-        hint = hint_of(name)
-        if hint is None:
-            return torch_get_schedule_class(name)
-        return ScheduleRRFPSingleStage if hint in _SINGLE_STAGE_HINTS else ScheduleRRFP
-
-    def pipeline_module_split(whole_model, pp_mesh, pp_schedule, device, module_names_per_stage):
-        hint = hint_of(pp_schedule)
-        name = pp_schedule if hint is None else placement_schedule(hint)
-        return torch_split(whole_model, pp_mesh, name, device,
-                           first_stage_modules(whole_model, module_names_per_stage))
-
-    def build_pipeline_schedule(job_config, stages, loss_fn):
-        name = job_config.parallelism.pipeline_parallel_schedule
-        hint = hint_of(name)
-        if hint is None:
-            return torch_build(job_config, stages, loss_fn)
-        settings = rrfp_settings(job_config)
-        schedule = ScheduleRRFP(
-            stages, n_microbatches(job_config), loss_fn=loss_fn, scale_grads=False,
-            hint=hint, coordination_group=coordination_group(stages),
-            **schedule_arguments(settings),
-        )
-        from torchtitan.tools.logging import logger
-
-        logger.info(
-            f"Using pipeline schedule {name}: ScheduleRRFP with hint {schedule.hint.name} "
-            f"({schedule.hint.layout} placement), policy {schedule.policy}, buffer limit "
-            f"{settings.buffer_limit!r}, launch depth {schedule.launch_depth}, "
-            f"{n_microbatches(job_config)} microbatches. {schedule.limit_summary} "
-            "([rrfp] buffer_limit)")
-        return schedule
-
-    @functools.wraps(metrics._get_metrics_rank)
-    def get_metrics_rank(parallel_dims, job_config):
-        return torch_metrics_rank(parallel_dims, _torch_view(job_config))
-
-    torch_metrics_rank = metrics._get_metrics_rank
-    pipeline_parallel.get_schedule_class = get_schedule_class
-    pipeline_parallel.pipeline_module_split = pipeline_module_split
-    pipeline_parallel.build_pipeline_schedule = build_pipeline_schedule
-    metrics._get_metrics_rank = get_metrics_rank
+    logger.info(
+        f"Using pipeline schedule {schedule_name}: ScheduleRRFP with hint {schedule.hint.name} "
+        f"({schedule.hint.layout} placement), policy {schedule.policy}, buffer limit "
+        f"{settings.buffer_limit!r}, launch depth {schedule.launch_depth}, "
+        f"{n_microbatches} microbatches. {schedule.limit_summary} (rrfp.buffer_limit)")
+    return schedule

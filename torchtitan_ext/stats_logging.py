@@ -3,16 +3,19 @@ scalars ``rrfp/<metric>/<rank label>`` and Perfetto traces, at each metrics step
 
 from __future__ import annotations
 
+import functools
 import itertools
 import os
 import pickle
 from collections.abc import Callable
 from dataclasses import dataclass
+from datetime import datetime
 
 import torch.distributed as dist
 from torchtitan.tools.logging import logger
 
 from rrfp import ScheduleRRFP, StepStats, write_chrome_trace
+from torchtitan_ext.log_ranks import log_ranks
 
 
 @dataclass(frozen=True)
@@ -129,3 +132,36 @@ class StepStatsLog:
             self._store.delete_key(self._posted)
         self._posted = mine
         return gathered
+
+
+def log_step_stats(trainer, schedule: ScheduleRRFP, settings, metrics_rank: int,
+                   dump_folder: str) -> None:
+    """Add the pipeline's RRFP stats to each ``metrics_processor.log`` call of torchtitan's
+    ``trainer`` (both versions): TensorBoard scalars where torchtitan writes TensorBoard
+    (``metrics_rank``), the console line where torchtitan's lines print, traces of each run
+    in a folder of their own under ``dump_folder``."""
+    if not (settings.log_stats or settings.trace_folder):
+        return
+    parallel_dims = trainer.parallel_dims
+    # The rank that logs the loss (and writes TensorBoard) writes its pipeline's traces,
+    # each run into a folder of its own.
+    trace_folder = None
+    if settings.trace_folder and dist.get_rank() == metrics_rank:
+        trace_folder = os.path.join(dump_folder, settings.trace_folder,
+                                    datetime.now().strftime("%Y%m%d-%H%M%S"))
+    batch_mesh = parallel_dims.get_optional_mesh("batch")
+    # Only the ranks that show the stats read them: every read goes to the store's server.
+    stats_log = StepStatsLog(
+        schedule, parallel_dims.get_mesh("pp").get_group(),
+        replica=None if batch_mesh is None else batch_mesh.get_local_rank(),
+        log_stats=settings.log_stats, trace_folder=trace_folder,
+        reads=dist.get_rank() in {metrics_rank} | log_ranks(metrics_rank))
+    torch_log = trainer.metrics_processor.log
+
+    @functools.wraps(torch_log)
+    def log(step, global_avg_loss, global_max_loss, grad_norm, extra_metrics=None):
+        rrfp_metrics = stats_log.log(step)
+        torch_log(step, global_avg_loss, global_max_loss, grad_norm,
+                  extra_metrics={**(extra_metrics or {}), **rrfp_metrics})
+
+    trainer.metrics_processor.log = log

@@ -1,4 +1,4 @@
-"""What torchtitan_ext adds to torchtitan's Trainer, the same for both launch paths.
+"""torchtitan 0.2.2: what torchtitan_ext adds to torchtitan's Trainer, the same for both launch paths.
 
 ``torchrun -m torchtitan_ext.train`` runs torchtitan's own Trainer with these hooks; stock
 ``torchrun -m torchtitan.train`` with ``[experimental] custom_import =
@@ -19,10 +19,12 @@ copy of ``torchtitan.train``, so both copies are hooked:
 
 from __future__ import annotations
 
+from torchtitan_ext.version import require, TOML_INSTEAD
+
+require((0, 2), "torchtitan_ext.trainer_hooks", TOML_INSTEAD)
+
 import functools
-import os
 import sys
-from datetime import datetime
 from types import ModuleType
 
 import torch
@@ -35,7 +37,7 @@ from torchtitan_ext.cpu import force_sum_reductions
 from torchtitan_ext.log_ranks import log_ranks, print_only_on, warn_if_loss_hidden
 from torchtitan_ext.data import split_by_content
 from torchtitan_ext.schedules import n_microbatches, rrfp_settings, validate
-from torchtitan_ext.stats_logging import StepStatsLog
+from torchtitan_ext.stats_logging import log_step_stats
 
 _HOOKED = "_rrfp_hooks_installed"
 
@@ -131,30 +133,7 @@ def _variable_shape_step(trainer, schedule: ScheduleRRFP, input_dict, labels,
 
 def _log_step_stats(trainer, schedule: ScheduleRRFP) -> None:
     """Add the pipeline's RRFP stats to each ``metrics_processor.log`` call of ``trainer``."""
-    job_config, parallel_dims = trainer.job_config, trainer.parallel_dims
-    settings = rrfp_settings(job_config)
-    if not (settings.log_stats or settings.trace_folder):
-        return
-    # The rank that logs the loss (and writes TensorBoard) writes its pipeline's traces,
-    # each run into a folder of its own.
-    metrics_rank = metrics._get_metrics_rank(parallel_dims, job_config)
-    trace_folder = None
-    if settings.trace_folder and dist.get_rank() == metrics_rank:
-        trace_folder = os.path.join(job_config.job.dump_folder, settings.trace_folder,
-                                    datetime.now().strftime("%Y%m%d-%H%M%S"))
-    batch_mesh = parallel_dims.get_optional_mesh("batch")
-    # Only the ranks that show the stats read them: every read goes to the store's server.
-    stats_log = StepStatsLog(
-        schedule, parallel_dims.get_mesh("pp").get_group(),
-        replica=None if batch_mesh is None else batch_mesh.get_local_rank(),
-        log_stats=settings.log_stats, trace_folder=trace_folder,
-        reads=dist.get_rank() in {metrics_rank} | log_ranks(metrics_rank))
-    torch_log = trainer.metrics_processor.log
-
-    @functools.wraps(torch_log)
-    def log(step, global_avg_loss, global_max_loss, grad_norm, extra_metrics=None):
-        rrfp_metrics = stats_log.log(step)
-        torch_log(step, global_avg_loss, global_max_loss, grad_norm,
-                  extra_metrics={**(extra_metrics or {}), **rrfp_metrics})
-
-    trainer.metrics_processor.log = log
+    job_config = trainer.job_config
+    log_step_stats(trainer, schedule, rrfp_settings(job_config),
+                   metrics._get_metrics_rank(trainer.parallel_dims, job_config),
+                   job_config.job.dump_folder)
