@@ -105,6 +105,10 @@ class EmulatedDevice:
         self._error: tuple[_Action, BaseException] | None = None
         self._skip = False
         self._thread: threading.Thread | None = None
+        self.most_behind = 0
+        """Most launched actions not yet reported complete that a launch of this step
+        found (``outstanding`` at the launch): the step loop keeps it below its
+        ``launch_depth``."""
 
     @property
     def outstanding(self) -> int:
@@ -115,6 +119,7 @@ class EmulatedDevice:
             raise RuntimeError(f"{self._outstanding} actions of an earlier step are still running")
         self._origin = origin
         self._wakeup = wakeup
+        self.most_behind = 0
 
     def launch(self, action: _Action, work: Callable[[], None]) -> None:
         if self.launch_cost:
@@ -123,6 +128,7 @@ class EmulatedDevice:
             self._thread = threading.Thread(target=self._run, name="rrfp-emulated-device",
                                             daemon=True)
             self._thread.start()
+        self.most_behind = max(self.most_behind, self._outstanding)
         self._outstanding += 1
         self._work.put((action, work, torch.is_grad_enabled()))
 
@@ -184,6 +190,8 @@ class CudaDevice:
         self.device = device
         self._pending: deque[tuple[_Action, torch.cuda.Event, torch.cuda.Event]] = deque()
         self._origin_event: torch.cuda.Event | None = None
+        self.most_behind = 0
+        """As ``EmulatedDevice.most_behind``."""
 
     @property
     def outstanding(self) -> int:
@@ -191,11 +199,13 @@ class CudaDevice:
 
     def begin_step(self, origin: float, wakeup: Wakeup) -> None:
         wakeup.polled = True
+        self.most_behind = 0
         # Device times are measured from when the stream reaches the step start.
         self._origin_event = torch.cuda.Event(enable_timing=True)
         self._origin_event.record(torch.cuda.current_stream(self.device))
 
     def launch(self, action: _Action, work: Callable[[], None]) -> None:
+        self.most_behind = max(self.most_behind, len(self._pending))
         stream = torch.cuda.current_stream(self.device)
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record(stream)
