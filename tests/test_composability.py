@@ -148,6 +148,15 @@ def test_dtensor_stages_without_a_coordination_group_are_refused_on_every_rank()
         assert "no coordination_group is given" in message and "DTensor" in message
 
 
+def test_variable_shapes_refuse_dtensor_activations():
+    """Received DTensors are rebuilt with the global shape fixed at shape inference, so
+    variable shapes cannot hold: every rank refuses at its first step, saying why."""
+    for rank, message in enumerate(run_local_world(4, workers.dtensor_variable_shapes,
+                                                   timeout=120)):
+        assert message.startswith("ValueError: variable_shapes: stage "), (rank, message)
+        assert "receives a DTensor activation or gradient" in message, (rank, message)
+
+
 def test_parameters_shared_by_a_ranks_stages_are_reported():
     rank0, rank1 = run_local_world(2, workers.shared_parameters, timeout=60)
     assert len(rank0) == 1 and "stages 0 and 3" in rank0[0]

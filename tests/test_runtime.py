@@ -72,7 +72,8 @@ def test_bitwise_equal_to_torch_schedule_with_and_without_delays(case, world_siz
 ])
 def test_outputs_and_eval_match_torch(hint, reference, per_rank, layout):
     ranks = run_local_world(2, workers.outputs_and_eval, hint, reference, per_rank, layout, timeout=120)
-    assert any(n for result in ranks for n in result["out_of_order"].values()), ranks
+    # The training step ran actions out of the hint's order (and still matched torch).
+    assert any(result["out_of_order"]["train"] for result in ranks), ranks
     for result in ranks:
         assert result["same"]
         if result["has_last"]:

@@ -13,20 +13,20 @@ import sys
 
 import pytest
 
-pytest.importorskip("torchtitan")
+# torchtitan is a declared test dependency: imported plainly, so that a broken install
+# fails these tests instead of skipping them.
+from torchtitan.config import ConfigManager
+from torchtitan.protocols import train_spec
 
-from torchtitan.config import ConfigManager  # noqa: E402
-from torchtitan.protocols import train_spec  # noqa: E402
+from tests import workers
 
-from tests import workers  # noqa: E402
-
-from torchtitan_ext.log_ranks import log_ranks, print_only_on, warn_if_loss_hidden  # noqa: E402
-from torchtitan_ext.schedules import (  # noqa: E402
-    hint_of, parse_buffer_limit, placement_schedule, validate)
+from torchtitan_ext.log_ranks import log_ranks, print_only_on, warn_if_loss_hidden
+from torchtitan_ext.schedules import hint_of, parse_buffer_limit, placement_schedule, validate
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CONFIG = "train_configs/llama3_debug_cpu.toml"
 LOSS_LINE = re.compile(r"step:\s+(\d+)\s+(?:\x1b\[[0-9;]*m)?loss:\s+(-?[0-9.]+)")
+FULL_LOSS_LINE = re.compile(r"rrfp-test step (\d+) loss (\S+) grad_norm (\S+)")
 
 
 def run_titan(nproc: int, *overrides: str, dump: str, module: str = "torchtitan_ext.train",
@@ -56,6 +56,16 @@ def logged_losses(output: str) -> dict[int, str]:
     assert len(losses) == len(lines), f"a step's loss was logged more than once: {lines}"
     assert not any(loss.startswith("-") for loss in losses.values()), losses
     return dict(sorted(losses.items()))
+
+
+def full_precision_losses(output: str) -> dict[int, tuple[float, float]]:
+    """Step -> (loss, gradient norm) as ``tests.titan_full_losses`` prints them, exactly;
+    every rank that has the loss prints it, and all must agree."""
+    steps: dict[int, set] = {}
+    for step, loss, grad_norm in FULL_LOSS_LINE.findall(output):
+        steps.setdefault(int(step), set()).add((float.fromhex(loss), float.fromhex(grad_norm)))
+    assert all(len(seen) == 1 for seen in steps.values()), steps
+    return {step: seen.pop() for step, seen in sorted(steps.items())}
 
 
 def assert_one_rank_prints(output: str) -> None:
@@ -198,17 +208,22 @@ def test_main_job_trains_on_cpu_and_logs_rrfp_stats(tmp_path):
 ], ids=["pp-interleaved", "pp-1f1b", "pp-x-fsdp", "pp-x-tp"])
 def test_rrfp_logs_the_same_losses_as_the_fixed_schedule(fixed, nproc, steps, parallelism,
                                                         tmp_path):
-    runs = {}
+    """The losses and gradient norms of every step, at full precision (not the 5 decimals
+    torchtitan logs: a gradient off by a part in 10^7 would not show there)."""
+    runs, logged = {}, {}
     for schedule in (fixed, f"RRFP-{fixed}"):
         code, out = run_titan(nproc, "--training.steps", str(steps), *parallelism,
                               "--parallelism.pipeline_parallel_schedule", schedule,
-                              dump=str(tmp_path / schedule), timeout=400)
+                              dump=str(tmp_path / schedule), timeout=400,
+                              module="tests.titan_full_losses")
         assert code == 0, out[-3000:]
-        runs[schedule] = logged_losses(out)
+        runs[schedule] = full_precision_losses(out)
+        logged[schedule] = logged_losses(out)
     if "--parallelism.data_parallel_shard_degree" in parallelism:
         assert re.search(STATS_LINE.format(step=steps, label="dp0/", activations=METERED), out), out[-3000:]
-    assert len(runs[fixed]) == steps
+    assert sorted(runs[fixed]) == sorted(logged[fixed]) == list(range(1, steps + 1))
     assert runs[fixed] == runs[f"RRFP-{fixed}"]
+    assert logged[fixed] == logged[f"RRFP-{fixed}"]
 
 
 @pytest.mark.parametrize("module", ["torchtitan_ext.train", "torchtitan.train"])

@@ -231,11 +231,11 @@ def outputs_and_eval(rank: int, world_size: int, hint: str, reference: str,
         if kind == "fixed":
             stages, _ = build_stages(chain, rank, world_size, layout)
             schedule = torch_schedule(reference, stages, M)
-        else:  # random delays, and the last microbatch's first activation late
+        else:  # random delays, the last microbatch's first activation late, memory slack
             stages, _ = build_stages(chain, rank, world_size, layout,
                                      wrap=lambda s, b: random_device_time(5, s, M, 0.003)(b))
             schedule = ScheduleRRFP(stages, M, loss_fn=loss_fn, hint=hint, device=EmulatedDevice(),
-                                    launch_depth=1, stall_timeout=60,
+                                    launch_depth=1, stall_timeout=60, buffer_limit="hint+1",
                                     send_delay=random_send_delay(rank, 0.003, slow=(M - 1, 0.03)))
         inputs = (x,) if any(s.is_first for s in stages) else ()
         train_losses: list = []
@@ -1166,6 +1166,37 @@ def tensor_parallel_without_coordination(rank: int, world_size: int) -> str:
     except ValueError as e:
         return str(e)
     raise AssertionError("no ValueError")
+
+
+def dtensor_variable_shapes(rank: int, world_size: int) -> str:
+    """PP 2 x TP 2, the first stage's output a DTensor (``use_local_output=False``), so
+    that activations and their gradients travel as DTensors, with ``variable_shapes=True``:
+    what each rank's first step raises."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel, parallelize_module, RowwiseParallel)
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "tp"))
+    pp = mesh["pp"].get_local_rank()
+    torch.manual_seed(0)
+    chain = [MLPBlock().double() for _ in range(2)]
+    x, y = make_batch(2)
+    block = parallelize_module(copy.deepcopy(chain[pp]), mesh["tp"],
+                               {"up": ColwiseParallel(),
+                                "down": RowwiseParallel(use_local_output=pp == 1)})
+    stage = PipelineStage(block, pp, 2, torch.device("cpu"), group=mesh["pp"].get_group(),
+                          get_mesh=lambda names, layout: mesh[names])
+    schedule = ScheduleRRFP(stage, 2, loss_fn=loss_fn, hint="1F1B", stall_timeout=5,
+                            variable_shapes=True, coordination_group=mesh["tp"].get_group())
+    xs, ys = list(x.chunk(2)), list(y.chunk(2))
+    try:
+        schedule.step_microbatches([(t,) for t in xs] if pp == 0 else None,
+                                   ys if pp == 1 else None)
+    except Exception as e:
+        return f"{type(e).__name__}: {e}"
+    finally:
+        schedule.close()
+    return "no error"
 
 
 def shared_parameters(rank: int, world_size: int) -> list[str]:
