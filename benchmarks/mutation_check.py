@@ -113,6 +113,13 @@ MUTATIONS = [
         ("tests/test_composability.py::test_fsdp_unshards_for_the_whole_step_and_reduce_scatters_"
          "at_reduce_grad_in_stage_order",)),
     Mutation(
+        "fsdp_no_unshard_at_step_start", "FSDP modules are unsharded at step start, in stage "
+        "order", "rrfp/schedule.py",
+        "handles = [module.unshard(async_op=True) for module in fsdp_modules]",
+        "handles = []",
+        ("tests/test_composability.py::test_fsdp_unshards_for_the_whole_step_and_reduce_scatters_"
+         "at_reduce_grad_in_stage_order",)),
+    Mutation(
         "gloo_send_kept", "a sent tensor is let go once its send completes (gloo and NCCL)",
         "rrfp/transport.py", "        data = [t.detach() for t in tensors]\n",
         "        data = [t.detach() for t in tensors]\n"
