@@ -60,6 +60,8 @@ class HostDevice:
     """Synchronous execution on the calling thread (CPU tensors)."""
 
     outstanding = 0
+    most_behind = 0
+    """As ``EmulatedDevice.most_behind``: a launch returns once its work is done."""
 
     def __init__(self) -> None:
         self._origin = time.perf_counter()

@@ -26,7 +26,8 @@ from torchtitan_ext.schedules import hint_of, parse_buffer_limit, placement_sche
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CONFIG = "train_configs/llama3_debug_cpu.toml"
 LOSS_LINE = re.compile(r"step:\s+(\d+)\s+(?:\x1b\[[0-9;]*m)?loss:\s+(-?[0-9.]+)")
-FULL_LOSS_LINE = re.compile(r"rrfp-test step (\d+) loss (\S+) grad_norm (\S+)")
+HEX = r"(-?0x[0-9a-f]\.[0-9a-f]+p[+-]\d+|0x0\.0p\+0)"
+FULL_LOSS_LINE = re.compile(rf"^rrfp-test step (\d+) loss {HEX} grad_norm {HEX}$", re.MULTILINE)
 
 
 def run_titan(nproc: int, *overrides: str, dump: str, module: str = "torchtitan_ext.train",
