@@ -287,6 +287,7 @@ def test_microbatches_of_different_shapes(hint, per_rank, layout, world_size):
     seed = 17 * world_size + per_rank + len(hint)
     ranks = run_local_world(world_size, workers.variable_shapes, hint, per_rank, layout, seed,
                             timeout=180)
+    assert any(result["out_of_order"] for result in ranks), ranks  # the order was put to the test
     for rank, result in enumerate(ranks):
         assert result["bitwise"], f"rank {rank}: differs from the fixed order on the same data"
         assert result["error"] < 1e-12, f"rank {rank}: {result['error']} from the float64 model"

@@ -1238,9 +1238,12 @@ def variable_shapes(rank: int, world_size: int, hint: str, per_rank: int, layout
     def run(policy: str, delayed: bool):
         wrap = (lambda s, b: random_device_time(delay_seed, s, M, 0.003)(b)) if delayed else None
         stages, blocks = build_stages(chain, rank, world_size, layout, wrap=wrap)
+        # Delayed: also the last microbatch's first activation late (a reordering).
+        send_delay = (random_send_delay(delay_seed * 31 + rank, 0.003, slow=(M - 1, 0.03))
+                      if delayed else None)
         schedule = ScheduleRRFP(stages, M, loss_fn=loss_fn, hint=hint, policy=policy,
                                 variable_shapes=True, device=EmulatedDevice(),
-                                buffer_limit="hint+1", stall_timeout=60)
+                                buffer_limit="hint+1", stall_timeout=60, send_delay=send_delay)
         optimizer = torch.optim.SGD([p for b in blocks for p in b.parameters()], lr=0.1)
         history = []
         for xs, ys in data:
