@@ -732,7 +732,7 @@ def ddp_buckets(rank: int, world_size: int) -> dict:
 
 def fsdp_collectives(rank: int, world_size: int) -> dict:
     """PP=2 x FSDP=2, Interleaved1F1B (two stages per rank), random delays that differ
-    between the replicas: the order of the data-parallel collectives and of the stages'
+    between the replicas (and one late message on replica 1): the order of the data-parallel collectives and of the stages'
     actions in the second step (the first step's shape inference runs forwards outside
     the schedule's order)."""
     from torch.distributed.device_mesh import init_device_mesh
@@ -762,8 +762,12 @@ def fsdp_collectives(rank: int, world_size: int) -> dict:
             log.append(("REDUCE_GRAD done", s))
         stage.perform_reduce_grad = logged
         stages.append(stage)
+    # On replica 1 the last microbatch's first activation comes late: it interleaves its
+    # actions unlike replica 0.
     schedule = ScheduleRRFP(stages, M, loss_fn=loss_fn, hint="Interleaved1F1B",
-                            buffer_limit="hint+1", stall_timeout=60)
+                            buffer_limit="hint+1", stall_timeout=60,
+                            send_delay=random_send_delay(10 + rank, 0.003,
+                                                         slow=(M - 1, 0.05) if dp == 1 else None))
     originals = {name: getattr(dist, name) for name in ("all_gather_single", "reduce_scatter_single",
                                                         "all_gather_into_tensor",
                                                         "reduce_scatter_tensor", "all_reduce")}
