@@ -62,8 +62,10 @@ def test_bitwise_equal_to_torch_schedule_with_and_without_delays(case, world_siz
         assert result["loss_err"] < 1e-12
         assert result["n_losses"] == (2 * world_size if result["has_last"] else 0)
     # The runs put "whatever the timing" to the test: some action ran out of the hint's order.
-    assert any(outcome["out_of_order"] for result in ranks for outcome in result["runs"].values()), (
-        {rank: {run: o["out_of_order"] for run, o in r["runs"].items()} for rank, r in enumerate(ranks)})
+    assert any(outcome["out_of_order"] for result in ranks
+               for outcome in result["runs"].values()), (
+        {rank: {run: o["out_of_order"] for run, o in r["runs"].items()}
+         for rank, r in enumerate(ranks)})
 
 
 @pytest.mark.parametrize("hint,reference,per_rank,layout", [
@@ -145,7 +147,8 @@ def test_measured_activation_bytes_stay_within_what_the_limit_allows(case):
                 rank_allowed = outcome["hint_rank_held"] + extra
             else:
                 allowed, rank_allowed = {s: int(limit) for s in held}, int(limit)
-            assert all(held[s] <= allowed[s] for s in held), f"{where}: held {held}, allowed {allowed}"
+            assert all(held[s] <= allowed[s] for s in held), (
+                f"{where}: held {held}, allowed {allowed}")
             assert rank_held <= rank_allowed, f"{where}: held {rank_held}, allowed {rank_allowed}"
 
 

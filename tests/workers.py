@@ -732,9 +732,9 @@ def ddp_buckets(rank: int, world_size: int) -> dict:
 
 def fsdp_collectives(rank: int, world_size: int) -> dict:
     """PP=2 x FSDP=2, Interleaved1F1B (two stages per rank), random delays that differ
-    between the replicas (and one late message on replica 1): the order of the data-parallel collectives and of the stages'
-    actions in the second step (the first step's shape inference runs forwards outside
-    the schedule's order)."""
+    between the replicas (and one late message on replica 1): the order of the
+    data-parallel collectives and of the stages' actions in the second step (the first
+    step's shape inference runs forwards outside the schedule's order)."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
@@ -753,7 +753,8 @@ def fsdp_collectives(rank: int, world_size: int) -> dict:
         module.set_force_sum_reduction_for_comms(True)
         module.register_forward_pre_hook(lambda m, args, s=s: log.append(("F", s)))
         blocks.append(block)
-        stage = PipelineStage(module, s, num_stages, torch.device("cpu"), group=mesh["pp"].get_group())
+        stage = PipelineStage(module, s, num_stages, torch.device("cpu"),
+                              group=mesh["pp"].get_group())
         reduce_grad = stage.perform_reduce_grad
 
         def logged(*args, s=s, reduce_grad=reduce_grad, **kwargs):
@@ -768,9 +769,9 @@ def fsdp_collectives(rank: int, world_size: int) -> dict:
                             buffer_limit="hint+1", stall_timeout=60,
                             send_delay=random_send_delay(10 + rank, 0.003,
                                                          slow=(M - 1, 0.05) if dp == 1 else None))
-    originals = {name: getattr(dist, name) for name in ("all_gather_single", "reduce_scatter_single",
-                                                        "all_gather_into_tensor",
-                                                        "reduce_scatter_tensor", "all_reduce")}
+    originals = {name: getattr(dist, name)
+                 for name in ("all_gather_single", "reduce_scatter_single",
+                              "all_gather_into_tensor", "reduce_scatter_tensor", "all_reduce")}
 
     def recording(name):
         def collective(*args, **kwargs):
@@ -853,7 +854,8 @@ def tensor_parallel(rank: int, world_size: int, coordination: str, hint: str, re
         stats = schedule.last_step_stats
         runs["plain" if seed is None else f"seed{seed}"] = {
             "bitwise": bitwise_equal(history, fixed), "realized": stats.realized_order,
-            "out_of_order": stats.out_of_hint_order, "rounds": stats.coordination_rounds, "deferrals": stats.coordination_deferrals,
+            "out_of_order": stats.out_of_hint_order, "rounds": stats.coordination_rounds,
+            "deferrals": stats.coordination_deferrals,
             "coordination_us": stats.coordination_time * 1e6,
         }
     return {"pp": pp, "tp": tp, "runs": runs, "ref_error": ref_error}
