@@ -67,6 +67,8 @@ class HostDevice:
     """Synchronous execution on the calling thread (CPU tensors)."""
 
     outstanding = 0
+    most_behind = 0
+    """As ``EmulatedDevice.most_behind``: a launch returns once its work is done."""
 
     def __init__(self) -> None:
         self._origin = time.perf_counter()
@@ -112,6 +114,10 @@ class EmulatedDevice:
         self._error: tuple[_Action, BaseException] | None = None
         self._skip = False
         self._thread: threading.Thread | None = None
+        self.most_behind = 0
+        """Most launched actions not yet reported complete that a launch of this step
+        found (``outstanding`` at the launch): the step loop keeps it below its
+        ``launch_depth``."""
 
     @property
     def outstanding(self) -> int:
@@ -122,6 +128,7 @@ class EmulatedDevice:
             raise RuntimeError(f"{self._outstanding} actions of an earlier step are still running")
         self._origin = origin
         self._wakeup = wakeup
+        self.most_behind = 0
 
     def launch(self, action: _Action, work: Callable[[], None]) -> None:
         if self.launch_cost:
@@ -130,6 +137,7 @@ class EmulatedDevice:
             self._thread = threading.Thread(target=self._run, name="rrfp-emulated-device",
                                             daemon=True)
             self._thread.start()
+        self.most_behind = max(self.most_behind, self._outstanding)
         self._outstanding += 1
         self._work.put((action, work, torch.is_grad_enabled()))
 
@@ -202,6 +210,8 @@ class CudaDevice:
         self._origin = time.perf_counter()
         self._anchor: float | None = None
         """Seconds from the step start when the origin event was seen complete."""
+        self.most_behind = 0
+        """As ``EmulatedDevice.most_behind``."""
 
     @property
     def outstanding(self) -> int:
@@ -210,6 +220,7 @@ class CudaDevice:
     def begin_step(self, origin: float, wakeup: Wakeup) -> None:
         wakeup.polled = True
         self._origin, self._anchor = origin, None
+        self.most_behind = 0
         self._origin_event = self._cuda.Event(enable_timing=True)
         self._origin_event.record(self._cuda.current_stream(self.device))
         self._look_at_origin()
@@ -219,6 +230,7 @@ class CudaDevice:
             self._anchor = time.perf_counter() - self._origin
 
     def launch(self, action: _Action, work: Callable[[], None]) -> None:
+        self.most_behind = max(self.most_behind, len(self._pending))
         self._look_at_origin()
         stream = self._cuda.current_stream(self.device)
         start = self._cuda.Event(enable_timing=True)

@@ -12,6 +12,7 @@ from rrfp.hints import (
     _Action, B, build_hint, Edge, F, HINT_NAMES, I, INPUT_GRAD_KINDS, W, WEIGHT_GRAD_KINDS)
 from rrfp.policy import POLICIES
 from rrfp.sim.engine import simulate
+from tests.workers import held_from_order
 
 FITTING = {"1F1B": (1, "loop"), "GPipe": (1, "loop"), "Interleaved1F1B": (2, "loop"),
            "LoopedBFS": (2, "loop"), "InterleavedZeroBubble": (2, "loop"),
@@ -121,7 +122,7 @@ def test_no_deadlock_and_memory_bound_under_random_timings(name):
     launch depths: the step completes, holds within its limits per stage and per rank, and
     keeps every stream in hint order (hundreds of random timings per hint)."""
     per_rank, layout = FITTING[name]
-    runs = 0
+    runs, deep = 0, [0]
     for num_ranks, M in ((2, 4), (4, 8)):
         hint = _hint(name, num_ranks, per_rank, M, layout)
         at_hint = resolve_buffer_limits("hint", hint)
@@ -147,17 +148,26 @@ def test_no_deadlock_and_memory_bound_under_random_timings(name):
                     def duration(action):
                         return durations.setdefault(action, rng.expovariate(1.0))
 
+                    launch_depth = rng.choice((1, 2, math.inf))
                     result = simulate(
                         hint, duration, latency=lambda e, m: rng.expovariate(2.0),
                         policy=policy, limits=limits, histories=histories,
-                        launch_depth=rng.choice((1, 2, math.inf)), launch_cost=rng.random() / 5,
+                        launch_depth=launch_depth, launch_cost=rng.random() / 5,
                         reorder_ahead=rng.random() < 0.3)
                     runs += 1
                     histories = result.histories
-                    for stage, peak in result.peak_in_flight.items():
-                        assert peak <= limits.per_stage[stage]
-                    for rank, peak in result.rank_peaks.items():
-                        assert peak <= limits.per_rank[rank]
+                    # Held counts recomputed from the realized order, not the arbiter's.
+                    for rank, realized in result.realized.items():
+                        stage_peaks, rank_peak = held_from_order(realized)
+                        for stage, peak in stage_peaks.items():
+                            assert peak <= limits.per_stage[stage]
+                            assert peak == result.peak_in_flight[stage]
+                        assert rank_peak <= limits.per_rank[rank]
+                        assert rank_peak == result.rank_peaks[rank]
+                        # A launch never finds launch_depth actions ahead of it.
+                        assert result.most_behind[rank] < launch_depth
+                        if launch_depth > 1:
+                            deep[0] += result.most_behind[rank] > 0
                     for rank, realized in result.realized.items():
                         for stage in hint.stages_on(rank):
                             for kinds in (frozenset({F}), INPUT_GRAD_KINDS, WEIGHT_GRAD_KINDS):
@@ -165,6 +175,7 @@ def test_no_deadlock_and_memory_bound_under_random_timings(name):
                                        if a.stage_index == stage and a.computation_type in kinds]
                                 assert ran == hint.stream(stage, kinds)
     assert runs >= 200
+    assert deep[0] > 0  # launches behind earlier ones happened where the depth allowed them
 
 
 def test_the_log_says_what_the_limit_allows_and_where_the_gains_are():

@@ -63,6 +63,8 @@ def test_pipeline_x_tensor_parallel_coordinates_the_tp_ranks(coordination, hint)
             assert outcome["rounds"] >= 18  # at least one settlement per action
             if coordination == "leader":
                 assert outcome["deferrals"] == 0
+    assert any(outcome["out_of_order"] for r in ranks for outcome in r["runs"].values()), (
+        "no action ran out of the hint's order: the coordination was not put to the test")
     by_rank = {(r["pp"], r["tp"]): r["runs"] for r in ranks}
     for pp in (0, 1):
         for run in by_rank[(pp, 0)]:
@@ -74,8 +76,10 @@ def test_pipeline_x_tensor_parallel_coordinates_the_tp_ranks(coordination, hint)
 ])
 def test_compiled_stages_match_the_uncompiled_fixed_schedule_without_recompiling(
         hint, reference, per_rank):
-    for result in run_local_world(2, workers.compiled_stages, hint, reference, per_rank, "loop",
-                                  timeout=300):
+    ranks = run_local_world(2, workers.compiled_stages, hint, reference, per_rank, "loop",
+                            timeout=300)
+    assert any(result["out_of_order"] for result in ranks), ranks  # the order was put to the test
+    for result in ranks:
         assert result["bitwise"]
         assert result["after_first"][0] > 0
         assert result["after_all"] == result["after_first"]  # no frame compiled after step 1
@@ -101,6 +105,47 @@ def test_ddp_gradients_are_reduced_in_buckets_of_at_most_the_cap():
     assert [g for b in buckets for g in b] == grads
 
 
+def test_ddp_reduces_in_buckets_no_larger_than_its_bucket_cap():
+    """The extra memory of DDP's reduction is one bucket: every tensor all_reduce sees is at
+    most DDP's bucket_bytes_cap (several buckets here), and the gradients are the
+    replicas' mean."""
+    for result in run_local_world(2, workers.ddp_buckets, timeout=60):
+        assert result["cap"] == workers.DDP_BUCKET_CAP_BYTES
+        assert len(result["reduced"]) >= 2, result
+        assert max(result["reduced"]) <= result["cap"] < result["gradient_bytes"], result
+        assert sum(result["reduced"]) == result["gradient_bytes"], result
+        assert result["error"] < 1e-12, result
+
+
+def test_fsdp_unshards_for_the_whole_step_and_reduce_scatters_at_reduce_grad_in_stage_order():
+    """The data-parallel collectives of a step, in order: the stages' all-gathers before
+    any forward, none during the step; reduce-scatters only inside REDUCE_GRAD, whose stage
+    order is the hint's on every replica; replicas that interleave their actions
+    differently."""
+    ranks = run_local_world(4, workers.fsdp_collectives, timeout=180)
+    gathers = ("all_gather_single", "all_gather_into_tensor")
+    scatters = ("reduce_scatter_single", "reduce_scatter_tensor")
+    for result in ranks:
+        log = result["log"]
+        first_forward = next(i for i, e in enumerate(log) if e[0] == "F")
+        assert [e for e in log[first_forward:] if e[0] in gathers] == [], log
+        assert sum(e[0] in gathers for e in log[:first_forward]) == 2, log  # one per stage
+        assert [e[1] for e in log if e[0] == "REDUCE_GRAD"] == result["reduce_order"]
+        inside = False
+        for event in log:
+            if event[0] == "REDUCE_GRAD":
+                inside, scattered = True, 0
+            elif event[0] == "REDUCE_GRAD done":
+                assert scattered >= 1, log
+                inside = False
+            elif event[0] in scatters:
+                assert inside, log
+                scattered += 1
+    by_replica = {(r["dp"], r["pp"]): r["realized"] for r in ranks}
+    assert any(by_replica[(0, pp)] != by_replica[(1, pp)] for pp in (0, 1)), (
+        "the replicas did not interleave differently: the order was not put to the test")
+
+
 @pytest.mark.parametrize("coordination", ["leader", "agree"])
 def test_tensor_parallel_ranks_raise_within_the_stall_timeout_when_a_peer_stops(coordination):
     ranks = run_local_world(4, workers.tensor_parallel_peer_stops, coordination, timeout=120)
@@ -117,6 +162,15 @@ def test_tensor_parallel_ranks_raise_within_the_stall_timeout_when_a_peer_stops(
 def test_dtensor_stages_without_a_coordination_group_are_refused_on_every_rank():
     for message in run_local_world(4, workers.tensor_parallel_without_coordination, timeout=60):
         assert "no coordination_group is given" in message and "DTensor" in message
+
+
+def test_variable_shapes_refuse_dtensor_activations():
+    """Received DTensors are rebuilt with the global shape fixed at shape inference, so
+    variable shapes cannot hold: every rank refuses at its first step, saying why."""
+    for rank, message in enumerate(run_local_world(4, workers.dtensor_variable_shapes,
+                                                   timeout=120)):
+        assert message.startswith("ValueError: variable_shapes: stage "), (rank, message)
+        assert "receives a DTensor activation or gradient" in message, (rank, message)
 
 
 def test_parameters_shared_by_a_ranks_stages_are_reported():

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
+import time
 import weakref
 
 import pytest
@@ -190,3 +191,36 @@ def test_an_in_place_change_to_a_saved_tensor_fails_backward_as_without_the_mete
     plain, metered = backward_after_in_place(None), backward_after_in_place(ActivationMeter())
     for message in (plain, metered):
         assert "modified by an inplace operation" in message
+
+
+def test_on_gloo_a_sent_tensor_is_let_go_once_its_send_completes():
+    """gloo's path: a thread waits for the sends in issue order; until a send's wait
+    returns its data stays alive, and then nothing keeps it."""
+    from rrfp.hints import Edge
+    from rrfp.transport import _SendCompletion
+
+    class Blocking:
+        def __init__(self):
+            self.done = threading.Event()
+
+        def wait(self):
+            self.done.wait(10)
+            return True
+
+    sends = _SendCompletion(polled=False)  # gloo's: a thread waits
+    works = [Blocking(), Blocking()]
+    for mb, work in enumerate(works):
+        sends.watch(Edge(0, 1), mb, [work], [torch.randn(ROWS, WIDTH)])
+    kept = [weakref.ref(t) for (_, _, _, data) in list(sends._pending) for t in data]
+    assert all(ref() is not None for ref in kept)
+    works[0].done.set()
+    deadline = time.monotonic() + 5
+    while kept[0]() is not None and time.monotonic() < deadline:
+        time.sleep(1e-3)
+    assert kept[0]() is None  # the first send completed: its data is gone
+    assert kept[1]() is not None  # the second is still pending: its data stays
+    works[1].done.set()
+    sends.finish(time.perf_counter() + 5, lambda edge, mb: f"{edge} {mb}")
+    assert kept[1]() is None
+    sends.close()
+    sends.thread.join(5)

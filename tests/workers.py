@@ -120,6 +120,20 @@ def random_device_time(seed: int, stage: int, n_microbatches: int, max_s: float)
     )
 
 
+def random_send_delay(seed: int, max_s: float, slow: tuple[int, float] | None = None):
+    """``send_delay`` for ScheduleRRFP: a fresh random delay per message; with
+    ``slow=(microbatch, seconds)``, that microbatch's activation from stage 0 to stage 1
+    takes that much longer."""
+    from rrfp.hints import Edge
+
+    rng = random.Random(seed)
+
+    def delay(edge, mb: int) -> float:
+        extra = slow[1] if slow is not None and (edge, mb) == (Edge(0, 1), slow[0]) else 0.0
+        return rng.uniform(0, max_s) + extra
+    return delay
+
+
 @dataclass(frozen=True)
 class FidelityCase:
     hint: object
@@ -132,6 +146,10 @@ class FidelityCase:
     delay_seeds: tuple[int, ...]
     steps: int = 3
     max_delay_s: float = 0.003
+    slow_message_s: float = 0.03
+    """In the first delayed run, the extra delay of the last microbatch's activation from
+    stage 0 to stage 1: later microbatches' inputs of other stages then come first (a
+    reordering even where the hint leaves no slack, as in LoopedBFS)."""
 
 
 def fidelity(rank: int, world_size: int, case: FidelityCase, tmpdir: str) -> dict:
@@ -165,8 +183,8 @@ def fidelity(rank: int, world_size: int, case: FidelityCase, tmpdir: str) -> dic
         else:
             device, launch_depth = EmulatedDevice(), (None, 1, 1)[i % 3]
             wrap = lambda s, b: random_device_time(seed, s, M, case.max_delay_s)(b)  # noqa: E731
-            send_rng = random.Random(seed * 7919 + rank)
-            send_delay = lambda edge, mb: send_rng.uniform(0, case.max_delay_s)  # noqa: E731
+            send_delay = random_send_delay(seed * 7919 + rank, case.max_delay_s,
+                                           slow=(M - 1, case.slow_message_s) if i == 1 else None)
         stages, blocks = build_stages(chain, rank, world_size, case.layout, wrap=wrap)
         schedule = ScheduleRRFP(stages, M, loss_fn=loss_fn, hint=hint, send_delay=send_delay,
                                 buffer_limit=buffer_limit, stall_timeout=60, device=device,
@@ -181,6 +199,7 @@ def fidelity(rank: int, world_size: int, case: FidelityCase, tmpdir: str) -> dic
             "limits": {s: stats.buffer_limits[s] for s in local},
             "device": stats.device,
             "launch_depth": stats.launch_depth,
+            "most_behind": device.most_behind if device is not None else None,
         }
 
     reference = reference_steps(chain, x, y, case.steps, local)
@@ -209,19 +228,31 @@ def outputs_and_eval(rank: int, world_size: int, hint: str, reference: str,
     chain = make_chain(world_size * stages_per_rank)
     x, y = make_batch(M)
     results = {}
+    out_of_order = {}
     for kind in ("fixed", "rrfp"):
-        stages, _ = build_stages(chain, rank, world_size, layout)
-        schedule = (torch_schedule(reference, stages, M) if kind == "fixed"
-                    else ScheduleRRFP(stages, M, loss_fn=loss_fn, hint=hint))
+        if kind == "fixed":
+            stages, _ = build_stages(chain, rank, world_size, layout)
+            schedule = torch_schedule(reference, stages, M)
+        else:  # random delays, the last microbatch's first activation late, memory slack
+            stages, _ = build_stages(chain, rank, world_size, layout,
+                                     wrap=lambda s, b: random_device_time(5, s, M, 0.003)(b))
+            schedule = ScheduleRRFP(stages, M, loss_fn=loss_fn, hint=hint, device=EmulatedDevice(),
+                                    launch_depth=1, stall_timeout=60, buffer_limit="hint+1",
+                                    send_delay=random_send_delay(rank, 0.003, slow=(M - 1, 0.03)))
         inputs = (x,) if any(s.is_first for s in stages) else ()
         train_losses: list = []
         train_out = schedule.step(*inputs, target=y, losses=train_losses)
+        if kind == "rrfp":
+            out_of_order["train"] = schedule.last_step_stats.out_of_hint_order
         eval_losses: list = []
         if kind == "fixed" and layout == "v":
             eval_out = None
         else:
             with torch.no_grad():
                 eval_out = schedule.eval(*inputs, target=y, losses=eval_losses)
+        if kind == "rrfp":
+            out_of_order["eval"] = schedule.last_step_stats.out_of_hint_order
+            schedule.close()
         results[kind] = (train_out, train_losses, eval_out, eval_losses)
 
     def same(a, b) -> bool:
@@ -240,6 +271,7 @@ def outputs_and_eval(rank: int, world_size: int, hint: str, reference: str,
                 out = block(out)
         eval_error = (rrfp[2] - out).abs().max().item()
     return {"same": all(same(fixed[i], rrfp[i]) for i in checked), "has_last": has_last,
+            "out_of_order": out_of_order,
             "n_eval_losses": len(rrfp[3]), "eval_error": eval_error,
             "output_shape": tuple(rrfp[2].shape) if has_last else None}
 
@@ -340,74 +372,161 @@ class Detached(torch.nn.Module):
 
 
 MEMORY_DIM, MEMORY_BATCH = 32, 8
+MEMORY_PER_MICROBATCH = MEMORY_BATCH * MEMORY_DIM * 8
+"""Bytes a memory block (``Detached`` Linear, float64) saves per microbatch: its input."""
+
+
+def held_from_order(actions) -> tuple[dict[int, int], int]:
+    """Peak microbatches held per stage and by all the stages together, recomputed from an
+    order of actions (``_Action`` s or their strings): +1 at F, -1 at the last backward
+    piece (B, or W when backward is split). Independent of the arbiter's counters."""
+    from torch.distributed.pipelining.schedules import _Action as Action
+
+    held: dict[int, int] = {}
+    peaks: dict[int, int] = {}
+    total = peak = 0
+    for action in actions:
+        if isinstance(action, str):
+            action = Action.from_str(action)
+        kind, stage = action.computation_type.value, action.stage_index
+        change = {"F": 1, "B": -1, "W": -1}.get(kind, 0)
+        if change == 0:
+            continue
+        held[stage] = held.get(stage, 0) + change
+        total += change
+        assert held[stage] >= 0, f"{action}: stage {stage} releases a microbatch it never held"
+        peaks[stage] = max(peaks.get(stage, 0), held[stage])
+        peak = max(peak, total)
+    assert total == 0 and all(h == 0 for h in held.values()), "microbatches still held at the end"
+    return peaks, peak
+
+
+class StageMeters:
+    """A byte meter per stage of one rank (``rrfp.memory.ActivationMeter``), and the
+    rank's peak: the most bytes its stages' meters hold together after any forward (when
+    saved bytes peak: they only grow during forwards)."""
+
+    def __init__(self) -> None:
+        from rrfp.memory import ActivationMeter
+
+        self.meters: dict[int, ActivationMeter] = {}
+        self._parameters: dict[int, list[torch.Tensor]] = {}
+        self.rank_peak = 0
+
+    def wrap(self, stage: int, block: torch.nn.Module) -> torch.nn.Module:
+        from rrfp.memory import ActivationMeter
+
+        meter = self.meters[stage] = ActivationMeter()
+        self._parameters[stage] = list(block.parameters())
+        meter.reset(self._parameters[stage])
+        owner = self
+
+        class Metered(torch.nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.inner = block
+
+            def forward(self, x):
+                with meter.saving():
+                    out = self.inner(x)
+                meter.sample()
+                owner.rank_peak = max(owner.rank_peak,
+                                      sum(m.live_bytes() for m in owner.meters.values()))
+                return out
+
+        return Metered()
+
+    def reset(self) -> None:
+        """Measure anew (at a step's start: what the first step's shape inference left
+        alive is not the step's)."""
+        for stage, meter in self.meters.items():
+            meter.reset(self._parameters[stage])
+        self.rank_peak = 0
+
+    def stage_peaks(self) -> dict[int, int]:
+        return {s: m.peak for s, m in self.meters.items()}
 
 
 def memory_world(rank: int, world_size: int, hint: str, reference: str, per_rank: int,
                  layout: str) -> dict:
-    """Measured peak activation bytes per rank: torch's fixed schedule (its stage modules
-    metered by ActivationMeter) vs ScheduleRRFP (which meters its stages itself) at "hint"
-    under two delay patterns, at "hint+2", and at an int limit where the hint allows one.
+    """Saved-activation bytes of ScheduleRRFP measured per stage and per rank, on blocks
+    that save a known number of bytes per microbatch (``MEMORY_PER_MICROBATCH``), at "hint"
+    under two delay patterns, at "hint+2", and at an int limit where the hint allows one;
+    the microbatches held, recomputed from the hint's order and from the realized one;
+    and bitwise equality with torch's fixed schedule.
+
+    Per stage and per rank the bytes come from a byte meter per stage (``StageMeters``,
+    ScheduleRRFP's own meter off) in the runs marked "stage", and from ScheduleRRFP's own
+    meter (per rank) in the others.
 
     Delay patterns (emulated asynchronous device): "slow_head": the last stage's backward
     takes 30 ms, everything else 1 ms, so upstream forwards would run ahead; "slow_tail":
     the first stage's forwards take 30 ms and the rest 1 ms, so ranks wait with backward
     pieces (and, under split backward, Ws) to fill in.
     """
-    from rrfp.memory import ActivationMeter, MeteredModule
-
     num_stages, M = world_size * per_rank, 4 * world_size
     torch.manual_seed(0)
-    chain = [Detached(torch.nn.Sequential(torch.nn.Linear(MEMORY_DIM, MEMORY_DIM),
-                                          torch.nn.Tanh())).double() for _ in range(num_stages)]
+    # A Linear saves only its input (the weight is a parameter), which its weight gradient
+    # needs: kept until the last backward piece, also under split backward (I/W). (A tanh's
+    # saved output would be freed at I on the last stage, where nothing else holds it.)
+    chain = [Detached(torch.nn.Linear(MEMORY_DIM, MEMORY_DIM)).double()
+             for _ in range(num_stages)]
     g = torch.Generator().manual_seed(1)
     x = torch.randn(M * MEMORY_BATCH, MEMORY_DIM, generator=g, dtype=torch.float64)
     y = torch.randn(M * MEMORY_BATCH, MEMORY_DIM, generator=g, dtype=torch.float64)
     inputs = (x,) if 0 in local_stage_indices(rank, world_size, num_stages, layout) else ()
 
-    def steps(schedule, stages, blocks, n=2):
+    def steps(schedule, stages, blocks, n=2, meters=None):
         optimizer = torch.optim.SGD([p for b in blocks for p in b.parameters()], lr=0.1)
         grads = []
         for _ in range(n):
             optimizer.zero_grad(set_to_none=True)
+            if meters is not None:  # the bytes of the last step, as ScheduleRRFP's meter
+                meters.reset()
             schedule.step(*inputs, target=y, return_outputs=False)
             grads.append([p.grad.clone() for b in blocks for p in b.parameters()])
             optimizer.step()
         return grads
 
-    meter = ActivationMeter()
-    stages, blocks = build_stages(chain, rank, world_size, layout,
-                                  wrap=lambda s, b: MeteredModule(b, meter))
-    fixed = torch_schedule(reference, stages, M)
-    fixed_grads = steps(fixed, stages, blocks)
-    per_microbatch = 2 * MEMORY_BATCH * MEMORY_DIM * 8  # Linear's input and Tanh's output
-    results = {"fixed": meter.peak, "per_microbatch": per_microbatch}
+    stages, blocks = build_stages(chain, rank, world_size, layout)
+    fixed_grads = steps(torch_schedule(reference, stages, M), stages, blocks)
+    results: dict = {"per_microbatch": MEMORY_PER_MICROBATCH}
 
-    def delays(pattern: str):
+    def delays(pattern: str, meters: StageMeters | None):
         def wrap(s: int, block):
             slow_head = pattern == "slow_head" and s == num_stages - 1
             slow_tail = pattern == "slow_tail" and s == 0
-            return EmulatedDeviceTime(block, M, lambda mb: 0.03 if slow_tail else 0.001,
+            inner = meters.wrap(s, block) if meters is not None else block
+            return EmulatedDeviceTime(inner, M, lambda mb: 0.03 if slow_tail else 0.001,
                                       lambda mb: 0.03 if slow_head else 0.001)
         return wrap
 
-    runs = [("hint", "slow_head"), ("hint", "slow_tail"), ("hint+2", "slow_head")]
+    runs = [("hint", "slow_head", "stage"), ("hint", "slow_tail", "rank"),
+            ("hint+2", "slow_head", "stage")]
     if per_rank == 1 and hint not in ("LoopedBFS",):
-        runs.append((2, "slow_head"))
-    for limit, pattern in runs:
-        stages, blocks = build_stages(chain, rank, world_size, layout, wrap=delays(pattern))
+        runs.append((2, "slow_head", "rank"))
+    for limit, pattern, metered in runs:
+        meters = StageMeters() if metered == "stage" else None
+        stages, blocks = build_stages(chain, rank, world_size, layout, wrap=delays(pattern, meters))
         schedule = ScheduleRRFP(stages, M, loss_fn=loss_fn, hint=hint, buffer_limit=limit,
-                                device=EmulatedDevice(), stall_timeout=60)
+                                device=EmulatedDevice(), stall_timeout=60,
+                                meter_activations=meters is None)
         for stage in stages:
             stage.submod.reset()
-        grads = steps(schedule, stages, blocks)
+        grads = steps(schedule, stages, blocks, meters=meters)
         stats = schedule.last_step_stats
         schedule.close()
+        realized_peaks, realized_rank_peak = held_from_order(stats.realized_order)
+        hint_peaks, hint_rank_peak = held_from_order(stats.hint_order)
         results[f"{limit}/{pattern}"] = {
-            "bytes": stats.peak_activation_bytes, "held": stats.peak_rank_in_flight,
-            "rank_limit": stats.rank_buffer_limit, "hint_rank_peak": stats.hint_rank_peak,
+            "stage_bytes": meters.stage_peaks() if meters is not None else None,
+            "rank_bytes": meters.rank_peak if meters is not None else stats.peak_activation_bytes,
+            "held": realized_peaks, "rank_held": realized_rank_peak,
+            "hint_held": hint_peaks, "hint_rank_held": hint_rank_peak,
+            "arbiter_held": stats.peak_in_flight, "arbiter_rank_held": stats.peak_rank_in_flight,
+            "out_of_order": stats.out_of_hint_order,
             "bitwise": all(torch.equal(a, b) for ga, gb in zip(grads, fixed_grads)
                            for a, b in zip(ga, gb)),
-            "receive_buffer_bytes": stats.receive_buffer_bytes,
         }
     return results
 
@@ -432,6 +551,33 @@ def chunked_input_bytes(rank: int, world_size: int, limits: list) -> dict:
         schedule.close()
         results[limit] = (stats.peak_activation_bytes, stats.peak_rank_in_flight)
     return results
+
+
+def receive_buffers(rank: int, world_size: int, hint: str, per_rank: int, layout: str,
+                    limit) -> dict:
+    """Receive-buffer bytes of one training step at 4 and at 16 microbatches under one
+    limit, and the bound a ring per channel allows: per incoming channel, (limit + 1)
+    activations or ``limit`` gradients of its destination stage (one microbatch's message
+    is ``BATCH_PER_MICROBATCH x DIM`` float64 either way)."""
+    num_stages = world_size * per_rank
+    chain = make_chain(num_stages)
+    message = BATCH_PER_MICROBATCH * DIM * 8
+    result: dict = {}
+    for M in (4, 16):
+        x, y = make_batch(M)
+        stages, blocks = build_stages(chain, rank, world_size, layout)
+        schedule = ScheduleRRFP(stages, M, loss_fn=loss_fn, hint=hint, buffer_limit=limit,
+                                stall_timeout=60)
+        run_steps(schedule, stages, blocks, x, y, 1)
+        schedule.close()
+        limits = schedule.buffer_limits.per_stage
+        local = set(schedule.hint.stages_on(rank))
+        bound = sum((limits[e.dst] + 1 if e.is_forward else limits[e.dst]) * message
+                    for e in schedule.hint.remote_edges() if e.dst in local)
+        result[M] = {"bytes": schedule.last_step_stats.receive_buffer_bytes, "bound": bound,
+                     "per_microbatch": M * message * sum(
+                         1 for e in schedule.hint.remote_edges() if e.dst in local)}
+    return result
 
 
 class HookProbe(torch.nn.Module):
@@ -597,6 +743,116 @@ def data_parallel(rank: int, world_size: int, wrapper: str, hint: str, reference
     return {"dp": dp, "pp": pp, "runs": runs, "ref_error": ref_error}
 
 
+DDP_BUCKET_CAP_BYTES = 600
+"""Smaller than two of the DDP worker's weight gradients (512 B each), larger than one
+with its bias (576 B): several buckets, the largest 576 B."""
+
+
+def ddp_buckets(rank: int, world_size: int) -> dict:
+    """A one-stage pipeline per rank, its stage wrapped in DDP over both ranks (two Linear
+    layers, float64): the tensors ``all_reduce`` is given while ScheduleRRFP reduces the
+    gradients at REDUCE_GRAD, and the gradients against the same model on both ranks' data
+    without DDP or pipelining."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    pp_group = dist.new_group([rank])
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(DIM, DIM), torch.nn.Linear(DIM, DIM)).double()
+    reference = copy.deepcopy(model)
+    x_all, y_all = make_batch(2 * world_size)
+    x, y = x_all.chunk(world_size)[rank], y_all.chunk(world_size)[rank]
+    ddp = DistributedDataParallel(model, bucket_cap_mb=DDP_BUCKET_CAP_BYTES / 2**20)
+    stage = PipelineStage(ddp, 0, 1, torch.device("cpu"), group=pp_group)
+    schedule = ScheduleRRFP(stage, 2, loss_fn=loss_fn, hint="GPipe")
+    reduced: list[int] = []
+    all_reduce = dist.all_reduce
+
+    def recording(tensor, *args, **kwargs):
+        reduced.append(tensor.numel() * tensor.element_size())
+        return all_reduce(tensor, *args, **kwargs)
+
+    dist.all_reduce = recording
+    try:
+        schedule.step(x, target=y)
+    finally:
+        dist.all_reduce = all_reduce
+    schedule.close()
+    # Per replica the mean over its 2 microbatches, averaged over the replicas: the mean
+    # over all 4 microbatches of the whole batch.
+    loss = sum(loss_fn(reference(xm), ym) for xm, ym in zip(x_all.chunk(4), y_all.chunk(4))) / 4
+    loss.backward()
+    error = max((p.grad - r.grad).abs().max().item()
+                for p, r in zip(model.parameters(), reference.parameters()))
+    return {"reduced": reduced, "cap": ddp.bucket_bytes_cap, "error": error,
+            "gradient_bytes": sum(p.numel() * p.element_size() for p in model.parameters())}
+
+
+def fsdp_collectives(rank: int, world_size: int) -> dict:
+    """PP=2 x FSDP=2, Interleaved1F1B (two stages per rank), random delays that differ
+    between the replicas (and one late message on replica 1): the order of the
+    data-parallel collectives and of the stages' actions in the second step (the first
+    step's shape inference runs forwards outside the schedule's order)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "pp"))
+    dp, pp = mesh["dp"].get_local_rank(), mesh["pp"].get_local_rank()
+    num_stages, M = 4, 4
+    chain = make_chain(num_stages)
+    x, y = make_batch(M, seed=1 + dp)
+    local = local_stage_indices(pp, 2, num_stages, "loop")
+    log: list[tuple] = []
+    stages, blocks = [], []
+    for s in local:
+        block = copy.deepcopy(chain[s])
+        module = random_device_time(10 + dp, s, M, 0.003)(block)
+        fully_shard(module, mesh=mesh["dp"])
+        module.set_force_sum_reduction_for_comms(True)
+        module.register_forward_pre_hook(lambda m, args, s=s: log.append(("F", s)))
+        blocks.append(block)
+        stage = PipelineStage(module, s, num_stages, torch.device("cpu"),
+                              group=mesh["pp"].get_group())
+        reduce_grad = stage.perform_reduce_grad
+
+        def logged(*args, s=s, reduce_grad=reduce_grad, **kwargs):
+            log.append(("REDUCE_GRAD", s))
+            reduce_grad(*args, **kwargs)
+            log.append(("REDUCE_GRAD done", s))
+        stage.perform_reduce_grad = logged
+        stages.append(stage)
+    # On replica 1 the last microbatch's first activation comes late: it interleaves its
+    # actions unlike replica 0.
+    schedule = ScheduleRRFP(stages, M, loss_fn=loss_fn, hint="Interleaved1F1B",
+                            buffer_limit="hint+1", stall_timeout=60,
+                            send_delay=random_send_delay(10 + rank, 0.003,
+                                                         slow=(M - 1, 0.05) if dp == 1 else None))
+    originals = {name: getattr(dist, name)
+                 for name in ("all_gather_single", "reduce_scatter_single",
+                              "all_gather_into_tensor", "reduce_scatter_tensor", "all_reduce")}
+
+    def recording(name):
+        def collective(*args, **kwargs):
+            log.append((name,))
+            return originals[name](*args, **kwargs)
+        return collective
+
+    run_steps(schedule, stages, blocks, x, y, 1)
+    log.clear()
+    for name in originals:
+        setattr(dist, name, recording(name))
+    try:
+        run_steps(schedule, stages, blocks, x, y, 1)
+    finally:
+        for name, fn in originals.items():
+            setattr(dist, name, fn)
+    stats = schedule.last_step_stats
+    schedule.close()
+    return {"dp": dp, "pp": pp, "log": log, "out_of_order": stats.out_of_hint_order,
+            "realized": stats.realized_order,
+            "reduce_order": [a.stage_index for a in schedule.hint.orders[pp]
+                             if a is not None and a.computation_type.value == "REDUCE_GRAD"]}
+
+
 class MLPBlock(torch.nn.Module):
     """Linear up, tanh, linear down: the column-/row-parallel pair of a TP transformer."""
 
@@ -655,7 +911,8 @@ def tensor_parallel(rank: int, world_size: int, coordination: str, hint: str, re
         stats = schedule.last_step_stats
         runs["plain" if seed is None else f"seed{seed}"] = {
             "bitwise": bitwise_equal(history, fixed), "realized": stats.realized_order,
-            "rounds": stats.coordination_rounds, "deferrals": stats.coordination_deferrals,
+            "out_of_order": stats.out_of_hint_order, "rounds": stats.coordination_rounds,
+            "deferrals": stats.coordination_deferrals,
             "coordination_us": stats.coordination_time * 1e6,
         }
     return {"pp": pp, "tp": tp, "runs": runs, "ref_error": ref_error}
@@ -673,14 +930,21 @@ def compiled_stages(rank: int, world_size: int, hint: str, reference: str, per_r
     fixed = run_steps(torch_schedule(reference, stages, M), stages, blocks, x, y, steps)
     torch._dynamo.reset()
     counters = torch._dynamo.utils.counters
-    stages, blocks = build_stages(chain, rank, world_size, layout,
-                                  wrap=lambda s, b: torch.compile(b, backend="aot_eager"))
-    schedule = ScheduleRRFP(stages, M, loss_fn=loss_fn, hint=hint, buffer_limit="hint+1")
+    # Random delays outside the compiled module, and the last microbatch's first activation
+    # late, so that actions run out of the hint's order.
+    stages, blocks = build_stages(
+        chain, rank, world_size, layout,
+        wrap=lambda s, b: random_device_time(3, s, M, 0.003)(torch.compile(b, backend="aot_eager")))
+    schedule = ScheduleRRFP(stages, M, loss_fn=loss_fn, hint=hint, buffer_limit="hint+1",
+                            send_delay=random_send_delay(rank, 0.003, slow=(M - 1, 0.03)))
     compiled = run_steps(schedule, stages, blocks, x, y, 1)
     after_first = (sum(counters["frames"].values()), sum(counters["recompiles"].values()))
     compiled += run_steps(schedule, stages, blocks, x, y, steps - 1)
     after_all = (sum(counters["frames"].values()), sum(counters["recompiles"].values()))
+    out_of_order = schedule.last_step_stats.out_of_hint_order
+    schedule.close()
     return {"bitwise": bitwise_equal(compiled, fixed), "after_first": after_first,
+            "out_of_order": out_of_order,
             "after_all": after_all, "unique_graphs": counters["stats"]["unique_graphs"]}
 
 
@@ -977,6 +1241,37 @@ def tensor_parallel_without_coordination(rank: int, world_size: int) -> str:
     raise AssertionError("no ValueError")
 
 
+def dtensor_variable_shapes(rank: int, world_size: int) -> str:
+    """PP 2 x TP 2, the first stage's output a DTensor (``use_local_output=False``), so
+    that activations and their gradients travel as DTensors, with ``variable_shapes=True``:
+    what each rank's first step raises."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel, parallelize_module, RowwiseParallel)
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "tp"))
+    pp = mesh["pp"].get_local_rank()
+    torch.manual_seed(0)
+    chain = [MLPBlock().double() for _ in range(2)]
+    x, y = make_batch(2)
+    block = parallelize_module(copy.deepcopy(chain[pp]), mesh["tp"],
+                               {"up": ColwiseParallel(),
+                                "down": RowwiseParallel(use_local_output=pp == 1)})
+    stage = PipelineStage(block, pp, 2, torch.device("cpu"), group=mesh["pp"].get_group(),
+                          get_mesh=lambda names, layout: mesh[names])
+    schedule = ScheduleRRFP(stage, 2, loss_fn=loss_fn, hint="1F1B", stall_timeout=5,
+                            variable_shapes=True, coordination_group=mesh["tp"].get_group())
+    xs, ys = list(x.chunk(2)), list(y.chunk(2))
+    try:
+        schedule.step_microbatches([(t,) for t in xs] if pp == 0 else None,
+                                   ys if pp == 1 else None)
+    except Exception as e:
+        return f"{type(e).__name__}: {e}"
+    finally:
+        schedule.close()
+    return "no error"
+
+
 def shared_parameters(rank: int, world_size: int) -> list[str]:
     """V placement over 2 ranks: rank 0 holds stages 0 and 3; tie their weights."""
     import warnings
@@ -1018,9 +1313,12 @@ def variable_shapes(rank: int, world_size: int, hint: str, per_rank: int, layout
     def run(policy: str, delayed: bool):
         wrap = (lambda s, b: random_device_time(delay_seed, s, M, 0.003)(b)) if delayed else None
         stages, blocks = build_stages(chain, rank, world_size, layout, wrap=wrap)
+        # Delayed: also the last microbatch's first activation late (a reordering).
+        send_delay = (random_send_delay(delay_seed * 31 + rank, 0.003, slow=(M - 1, 0.03))
+                      if delayed else None)
         schedule = ScheduleRRFP(stages, M, loss_fn=loss_fn, hint=hint, policy=policy,
                                 variable_shapes=True, device=EmulatedDevice(),
-                                buffer_limit="hint+1", stall_timeout=60)
+                                buffer_limit="hint+1", stall_timeout=60, send_delay=send_delay)
         optimizer = torch.optim.SGD([p for b in blocks for p in b.parameters()], lr=0.1)
         history = []
         for xs, ys in data:
@@ -1062,8 +1360,35 @@ def variable_shapes(rank: int, world_size: int, hint: str, per_rank: int, layout
     return result
 
 
-def messages_per_step(rank: int, world_size: int, variable: bool) -> int:
-    """Tensors rank 0 sends in one 1F1B step of fixed-shape microbatches."""
+class CountingGroup:
+    """A channel's gloo group that records every send made on it: (bytes, dtype)."""
+
+    def __init__(self, group: dist.ProcessGroup, sends: list):
+        self._group, self._sends = group, sends
+
+    def send(self, tensors, peer: int, tag: int) -> dist.Work:
+        self._sends.extend((t.numel() * t.element_size(), t.dtype) for t in tensors)
+        return self._group.send(tensors, peer, tag)
+
+    def __getattr__(self, name):
+        return getattr(self._group, name)
+
+
+def messages_per_step(rank: int, world_size: int, variable: bool) -> dict:
+    """What this rank sends in the second of two 1F1B steps of fixed-shape microbatches:
+    counted on the channels' groups themselves (``CountingGroup``), and as the step's stats
+    report it."""
+    import functools
+
+    import rrfp.schedule
+    from rrfp.transport import create_channels, make_channel_group
+
+    sends: list = []
+
+    def counting(name, store, channel_rank, timeout):
+        return CountingGroup(make_channel_group(name, store, channel_rank, timeout), sends)
+
+    rrfp.schedule.create_channels = functools.partial(create_channels, group_factory=counting)
     M = 4
     chain = make_chain(world_size)
     x, y = make_batch(M)
@@ -1071,10 +1396,15 @@ def messages_per_step(rank: int, world_size: int, variable: bool) -> int:
     schedule = ScheduleRRFP(stages, M, loss_fn=loss_fn, hint="1F1B", variable_shapes=variable)
     xs, ys = list(x.chunk(M)), list(y.chunk(M))
     for _ in range(2):
+        sends.clear()  # the connection's token, then the first step's
         schedule.step_microbatches([(t,) for t in xs] if rank == 0 else None,
                                    ys if rank == world_size - 1 else None)
     schedule.close()
-    return schedule.last_step_stats.messages_sent
+    stats = schedule.last_step_stats
+    return {"counted": len(sends), "counted_bytes": sum(n for n, _ in sends),
+            "headers": sum(1 for n, dtype in sends if dtype == torch.int64),
+            "header_bytes": sorted({n for n, dtype in sends if dtype == torch.int64}),
+            "reported": stats.messages_sent, "reported_bytes": stats.bytes_sent}
 
 
 def variable_shape_that_breaks_the_model(rank: int, world_size: int) -> dict:

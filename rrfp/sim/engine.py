@@ -44,6 +44,9 @@ class SimResult:
     """Per rank: realized peak of microbatches its stages hold together (the maximum over
     time of their sum)."""
     out_of_order: dict[int, int]
+    most_behind: dict[int, int]
+    """Per rank: most launched actions not yet reported complete that a launch found (the
+    step loop keeps it below ``launch_depth``)."""
     histories: dict[int, History] = field(repr=False)
     """Per rank: what this step teaches the next (for the lookahead and critical policies)."""
 
@@ -195,6 +198,7 @@ class _SimDevice:
     def __init__(self, sim: _Simulation, rank: int):
         self._sim, self._rank = sim, rank
         self.outstanding = 0
+        self.most_behind = 0
         self.free_at = 0.0
         self._done: list[Completion] = []
 
@@ -204,6 +208,7 @@ class _SimDevice:
         sim.cpu_free[self._rank] = launched
         start = max(self.free_at, launched)
         self.free_at = sim.ends[action] = start + sim.duration(action)
+        self.most_behind = max(self.most_behind, self.outstanding)
         self.outstanding += 1
         sim.push(self.free_at, self._rank, _Completing(action, start, self.free_at, work))
 
@@ -267,6 +272,7 @@ def simulate(
         peak_in_flight=dict(sorted(peak.items())),
         rank_peaks={r: loop.arbiter.peak_held for r, loop in loops.items()},
         out_of_order={r: loop.arbiter.out_of_order for r, loop in loops.items()},
+        most_behind={r: sim.devices[r].most_behind for r in loops},
         histories=learned,
     )
 

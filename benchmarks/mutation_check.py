@@ -1,0 +1,255 @@
+"""Break one feature at a time and see which tests catch it.
+
+Each mutation is a one-place edit of rrfp/ (or torchtitan_ext/) that removes a feature the
+README claims. For each, the tree is copied to a temporary folder, the edit applied there,
+and the tests that should defend the feature are run against the copy (PYTHONPATH pointing
+at it). A mutation no test catches is a claim no test defends. Not part of the default
+pytest run (it runs pytest itself, once per mutation).
+
+    python -m benchmarks.mutation_check                   # all mutations
+    python -m benchmarks.mutation_check --only hint_as_hint+2 rings_at_microbatch_count
+    python -m benchmarks.mutation_check --baseline        # also run each selection unmutated
+    python -m benchmarks.mutation_check -o benchmarks/results/mutations.md
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+@dataclass(frozen=True)
+class Mutation:
+    name: str
+    feature: str
+    path: str
+    old: str
+    new: str
+    tests: tuple[str, ...]
+    """pytest node ids (or ``file::test`` with ``-k`` expressions after ``|``)."""
+
+
+MUTATIONS = [
+    Mutation(
+        "hint_as_hint+2", "buffer_limit='hint' holds no more than the hint, per stage and rank",
+        "rrfp/schedule.py",
+        "self.buffer_limits = resolve_buffer_limits(buffer_limit, self._hint,",
+        "self.buffer_limits = resolve_buffer_limits(\"hint+2\" if buffer_limit == \"hint\" "
+        "else buffer_limit, self._hint,",
+        ("tests/test_runtime.py::test_measured_activation_bytes_stay_within_what_the_limit_allows",)),
+    Mutation(
+        "rings_at_microbatch_count", "receive buffers grow with the limit, not the microbatches",
+        "rrfp/receives.py",
+        "size = limits[edge.dst] + 1 if edge.is_forward else limits[edge.dst]",
+        "size = len(order)",
+        ("tests/test_runtime.py::test_receive_buffers_grow_with_the_limit_not_the_microbatch_count",)),
+    Mutation(
+        "launch_depth_check_removed", "the rank decides when fewer than launch_depth actions "
+        "are incomplete", "rrfp/loop.py",
+        "free = not arbiter.finished and device.outstanding < self.launch_depth",
+        "free = not arbiter.finished",
+        ("tests/test_device.py",
+         "tests/test_arbiter.py::test_no_deadlock_and_memory_bound_under_random_timings",
+         "tests/test_runtime.py::test_bitwise_equal_to_torch_schedule_with_and_without_delays"
+         "|1F1B-vs-1F1B or BFW-vs-ZBV")),
+    Mutation(
+        "policy_is_fixed_order", "readiness-first reorders, and stays bitwise the fixed schedule",
+        "rrfp/schedule.py",
+        "policy = make_policy(self.policy, history=self._history, clock=clock)",
+        "policy = make_policy(\"fixed\", history=self._history, clock=clock)",
+        ("tests/test_runtime.py::test_bitwise_equal_to_torch_schedule_with_and_without_delays",
+         "tests/test_runtime.py::test_outputs_and_eval_match_torch",
+         "tests/test_composability.py::test_compiled_stages_match_the_uncompiled_fixed_schedule_"
+         "without_recompiling",
+         "tests/test_composability.py::test_pipeline_x_tensor_parallel_coordinates_the_tp_ranks"
+         "|leader and Interleaved1F1B",
+         "tests/test_runtime.py::test_microbatches_of_different_shapes")),
+    Mutation(
+        "arbiter_held_off_by_one", "the simulator keeps every rank within its memory limit "
+        "(the arbiter's rank count one low)", "rrfp/arbiter.py",
+        "        self.held = 0\n", "        self.held = -1\n",
+        ("tests/test_arbiter.py::test_no_deadlock_and_memory_bound_under_random_timings",)),
+    Mutation(
+        "arbiter_stage_held_off_by_one", "the simulator keeps every stage within its memory "
+        "limit (the arbiter's stage counts one low)", "rrfp/arbiter.py",
+        "self.in_flight = {s: 0 for s in local}", "self.in_flight = {s: -1 for s in local}",
+        ("tests/test_arbiter.py::test_no_deadlock_and_memory_bound_under_random_timings",)),
+    Mutation(
+        "sim_reports_held_off_by_one", "the simulator reports the peaks held",
+        "rrfp/sim/engine.py",
+        "rank_peaks={r: loop.arbiter.peak_held for r, loop in loops.items()},",
+        "rank_peaks={r: loop.arbiter.peak_held - 1 for r, loop in loops.items()},",
+        ("tests/test_arbiter.py::test_no_deadlock_and_memory_bound_under_random_timings",)),
+    Mutation(
+        "header_of_88_bytes", "a variable-shape header is 80 bytes for one tensor",
+        "rrfp/receives.py", "HEADER_DIMS = 8\n", "HEADER_DIMS = 9\n",
+        ("tests/test_runtime.py::test_fixed_shapes_send_no_header_and_variable_shapes_one_per_"
+         "activation",)),
+    Mutation(
+        "bytes_sent_counts_elements", "the stats count the bytes sent",
+        "rrfp/transport.py", "self._bytes_sent += sum(t.nbytes for t in tensors)",
+        "self._bytes_sent += sum(t.numel() for t in tensors)",
+        ("tests/test_runtime.py::test_fixed_shapes_send_no_header_and_variable_shapes_one_per_"
+         "activation",)),
+    Mutation(
+        "ddp_one_bucket", "DDP gradients are reduced in buckets of at most bucket_bytes_cap",
+        "rrfp/schedule.py",
+        "for bucket in gradient_buckets([p.grad for p in params], module.bucket_bytes_cap):",
+        "for bucket in [[p.grad for p in params]]:",
+        ("tests/test_composability.py::test_ddp_reduces_in_buckets_no_larger_than_its_bucket_cap",
+         "tests/test_composability.py::test_ddp_gradients_are_reduced_in_buckets_of_at_most_the_cap")),
+    Mutation(
+        "fsdp_reshards_after_forward", "FSDP modules stay unsharded for the whole step",
+        "rrfp/schedule.py", "module.set_reshard_after_forward(False, recurse=False)",
+        "module.set_reshard_after_forward(True, recurse=False)",
+        ("tests/test_composability.py::test_fsdp_unshards_for_the_whole_step_and_reduce_scatters_"
+         "at_reduce_grad_in_stage_order",)),
+    Mutation(
+        "fsdp_no_unshard_at_step_start", "FSDP modules are unsharded at step start, in stage "
+        "order", "rrfp/schedule.py",
+        "handles = [module.unshard(async_op=True) for module in fsdp_modules]",
+        "handles = []",
+        ("tests/test_composability.py::test_fsdp_unshards_for_the_whole_step_and_reduce_scatters_"
+         "at_reduce_grad_in_stage_order",)),
+    Mutation(
+        "gloo_send_kept", "a sent tensor is let go once its send completes (gloo and NCCL)",
+        "rrfp/transport.py", "        data = [t.detach() for t in tensors]\n",
+        "        data = [t.detach() for t in tensors]\n"
+        "        self.__dict__.setdefault(\"kept\", []).extend(data)\n",
+        ("tests/test_memory.py",)),
+    Mutation(
+        "dtensor_variable_shapes_accepted", "variable_shapes refuses DTensor activations",
+        "rrfp/schedule.py",
+        "if isinstance(getattr(info, \"tensor_meta\", None), _DTensorMeta):",
+        "if False:",
+        ("tests/test_composability.py::test_variable_shapes_refuse_dtensor_activations",)),
+    Mutation(
+        "torchtitan_grads_scaled_slightly", "RRFP in torchtitan logs the fixed schedule's "
+        "losses (a gradient off by one part in 10^7)", "rrfp/schedule.py",
+        "schedule._n_microbatches if schedule.scale_grads else 1)",
+        "schedule._n_microbatches if schedule.scale_grads else 1.0000001)",
+        ("tests/test_torchtitan.py::test_rrfp_trains_exactly_as_the_fixed_schedule"
+         "|pp-1f1b",)),
+]
+
+
+def _copy_tree(dest: str) -> None:
+    ignore = shutil.ignore_patterns(".git", "__pycache__", "*.pyc", "outputs", ".pytest_cache")
+    for name in os.listdir(ROOT):
+        if name in (".git", "outputs", ".pytest_cache"):
+            continue
+        src = os.path.join(ROOT, name)
+        if os.path.isdir(src):
+            shutil.copytree(src, os.path.join(dest, name), ignore=ignore, symlinks=True)
+        else:
+            shutil.copy2(src, os.path.join(dest, name))
+
+
+def _apply(tree: str, mutation: Mutation) -> None:
+    path = os.path.join(tree, mutation.path)
+    with open(path) as f:
+        text = f.read()
+    count = text.count(mutation.old)
+    if count != 1:
+        raise SystemExit(f"{mutation.name}: the text to mutate occurs {count} times in "
+                         f"{mutation.path} (expected once): update the mutation")
+    with open(path, "w") as f:
+        f.write(text.replace(mutation.old, mutation.new))
+
+
+def _pytest(tree: str, selection: tuple[str, ...], timeout: float) -> tuple[list[str], int, str, float]:
+    """Run each selection in ``tree``; (failed test ids, passed count, last lines, seconds)."""
+    failed: list[str] = []
+    passed = 0
+    tail = ""
+    start = time.perf_counter()
+    for item in selection:
+        node, _, expression = item.partition("|")
+        cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-rf",
+               "--timeout", "600", node]
+        if expression:
+            cmd += ["-k", expression]
+        env = {**os.environ, "PYTHONPATH": tree}
+        try:
+            proc = subprocess.run(cmd, cwd=tree, env=env, capture_output=True, text=True,
+                                  timeout=timeout)
+            out = proc.stdout + proc.stderr
+        except subprocess.TimeoutExpired as e:
+            out = (e.stdout or "") if isinstance(e.stdout, str) else ""
+            failed.append(f"{node} (timed out after {timeout:.0f} s)")
+            continue
+        failed += [line.split()[1] for line in out.splitlines() if line.startswith("FAILED ")]
+        failed += [f"{line.split()[1]} (error)" for line in out.splitlines()
+                   if line.startswith("ERROR ")]
+        summary = re.search(r"(\d+) passed", out)
+        passed += int(summary.group(1)) if summary else 0
+        tail = out.strip().splitlines()[-1] if out.strip() else ""
+    return failed, passed, tail, time.perf_counter() - start
+
+
+def _grouped(test_ids: list[str]) -> str:
+    """``file::test`` once per test function, with how many of its cases failed."""
+    counts: dict[str, int] = {}
+    for test_id in test_ids:
+        function = test_id.split("[")[0].replace("tests/", "")
+        counts[function] = counts.get(function, 0) + 1
+    return ", ".join(f"{f} ({n})" if n > 1 else f for f, n in counts.items())
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.mutation_check",
+                                     description=__doc__.split("\n\n")[0])
+    parser.add_argument("--only", nargs="+", metavar="NAME",
+                        help=f"mutations to run (default: all): {[m.name for m in MUTATIONS]}")
+    parser.add_argument("--baseline", action="store_true",
+                        help="first run each selection on the unmutated tree (it must pass)")
+    parser.add_argument("--timeout", type=float, default=1200,
+                        help="seconds per pytest run (default 1200)")
+    parser.add_argument("-o", "--output", help="also write the table (markdown) to this file")
+    args = parser.parse_args(argv)
+    chosen = [m for m in MUTATIONS if not args.only or m.name in args.only]
+    unknown = set(args.only or ()) - {m.name for m in MUTATIONS}
+    if unknown:
+        parser.error(f"unknown mutations {sorted(unknown)}")
+    rows = []
+    caught_all = True
+    for mutation in chosen:
+        with tempfile.TemporaryDirectory(prefix="rrfp-mutation-") as tree:
+            _copy_tree(tree)
+            if args.baseline:
+                failed, _, tail, _ = _pytest(tree, mutation.tests, args.timeout)
+                if failed:
+                    print(f"{mutation.name}: the unmutated selection fails: {failed} ({tail})")
+                    caught_all = False
+                    continue
+            _apply(tree, mutation)
+            failed, passed, tail, seconds = _pytest(tree, mutation.tests, args.timeout)
+        caught = bool(failed)
+        caught_all &= caught
+        row = (mutation.name, mutation.feature, "caught" if caught else "NOT CAUGHT",
+               len(failed), passed, _grouped(failed), seconds)
+        rows.append(row)
+        print(f"{row[0]}: {row[2]} ({row[3]} failed, {row[4]} passed, {seconds:.0f} s): {row[5]}",
+              flush=True)
+    lines = ["| mutation | feature | result | failed | passed | tests that failed (cases) |",
+             "|---|---|---|---|---|---|"]
+    lines += [f"| `{r[0]}` | {r[1]} | {r[2]} | {r[3]} | {r[4]} | {r[5]} |" for r in rows]
+    table = "\n".join(lines)
+    print(table)
+    if args.output:
+        with open(args.output, "w") as f:
+            f.write(table + "\n")
+    return 0 if caught_all else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
