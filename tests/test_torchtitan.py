@@ -404,7 +404,6 @@ def test_rrfp_trains_exactly_as_the_fixed_schedule(fixed, nproc, steps, parallel
         assert re.search(STATS_LINE.format(step=steps, label="dp0/", activations=METERED), out), out[-3000:]
     assert len(runs[fixed][LOSS]) == steps
     assert runs[fixed] == runs[f"RRFP-{fixed}"]
-    assert logged[fixed] == logged[f"RRFP-{fixed}"]
 
 
 @only_0_3
