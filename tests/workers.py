@@ -1054,22 +1054,29 @@ def failure_and_recovery(rank: int, world_size: int, failing_rank: int) -> dict:
 
     # A new schedule on the parameters as they were before the failed step (which ran no
     # optimizer step), on fresh stages.
-    full = list(chain)
-    for s, saved in zip(local_stage_indices(rank, world_size, world_size, "loop"), snapshot):
-        full[s] = saved
-    recovered_stages, recovered_blocks = build_stages(full, rank, world_size, "loop")
-    recovered = ScheduleRRFP(recovered_stages, M, loss_fn=loss_fn, hint="GPipe",
-                             stall_timeout=30, device=EmulatedDevice(), launch_depth=1)
-    got = run_steps(recovered, recovered_stages, recovered_blocks, x, y, 1)
-    recovered.close()
-    fixed_stages, fixed_blocks = build_stages(full, rank, world_size, "loop")
-    expected = run_steps(torch_schedule("GPipe", fixed_stages, M), fixed_stages, fixed_blocks,
-                         x, y, 1)
+    bitwise = recovers_as_gpipe(chain, snapshot, rank, world_size, M, x, y)
     return {"error": error, "elapsed": elapsed, "refused": refused,
             "threads_after_failure": threads_after_failure, "threads_at_end": rrfp_threads(),
             "cached_after_failure": cached_after_failure,
             "bound_after_failure": bound_after_failure,
-            "bitwise": bitwise_equal(got, expected)}
+            "bitwise": bitwise}
+
+
+def recovers_as_gpipe(chain, snapshot, rank: int, world_size: int, M: int, x, y) -> bool:
+    """Whether a new ScheduleRRFP, on fresh stages with the parameters ``snapshot`` holds
+    (this rank's blocks), steps bitwise as torch's GPipe."""
+    full = list(chain)
+    for s, saved in zip(local_stage_indices(rank, world_size, world_size, "loop"), snapshot):
+        full[s] = saved
+    stages, blocks = build_stages(full, rank, world_size, "loop")
+    recovered = ScheduleRRFP(stages, M, loss_fn=loss_fn, hint="GPipe", stall_timeout=300,
+                             device=EmulatedDevice(), launch_depth=1)
+    got = run_steps(recovered, stages, blocks, x, y, 1)
+    recovered.close()
+    fixed_stages, fixed_blocks = build_stages(full, rank, world_size, "loop")
+    expected = run_steps(torch_schedule("GPipe", fixed_stages, M), fixed_stages, fixed_blocks,
+                         x, y, 1)
+    return bitwise_equal(got, expected)
 
 
 def split_backward_failure(rank: int, world_size: int) -> dict:
@@ -1759,17 +1766,7 @@ def failure_reaches_every_rank(rank: int, world_size: int, kind: str, how: str) 
     if plant and kind == "gloo":
         Channel.send = real_send
     _channels_of(kind)
-    full = list(chain)
-    for s, saved in zip(local_stage_indices(rank, world_size, world_size, "loop"), snapshot):
-        full[s] = saved
-    recovered_stages, recovered_blocks = build_stages(full, rank, world_size, "loop")
-    recovered = ScheduleRRFP(recovered_stages, M, loss_fn=loss_fn, hint="GPipe",
-                             stall_timeout=300, device=EmulatedDevice(), launch_depth=1)
-    got = run_steps(recovered, recovered_stages, recovered_blocks, x, y, 1)
-    recovered.close()
-    fixed_stages, fixed_blocks = build_stages(full, rank, world_size, "loop")
-    expected = run_steps(torch_schedule("GPipe", fixed_stages, M), fixed_stages, fixed_blocks,
-                         x, y, 1)
+    bitwise = recovers_as_gpipe(chain, snapshot, rank, world_size, M, x, y)
     return {"error": error, "failed_rank": failed_rank, "raised_at": raised_at,
             "failed_at": FAILED_AT[0] if FAILED_AT else None,
-            "bitwise": bitwise_equal(got, expected), "threads_at_end": rrfp_threads()}
+            "bitwise": bitwise, "threads_at_end": rrfp_threads()}
