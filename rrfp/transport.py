@@ -502,7 +502,8 @@ class _SendCompletion:
                     self._cond.wait()
                 if not self._pending:
                     return
-                edge, microbatch, works, _ = self._pending[0]
+                # Not the data: this frame outlives the send while the thread waits.
+                edge, microbatch, works = self._pending[0][:3]
             try:
                 for work in works:
                     work.wait()
