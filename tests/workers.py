@@ -1392,8 +1392,9 @@ def messages_per_step(rank: int, world_size: int, variable: bool) -> dict:
 
     sends: list = []
 
-    def counting(name, store, channel_rank, timeout):
-        return CountingGroup(make_channel_group(name, store, channel_rank, timeout), sends)
+    def counting(name, store, channel_rank, timeout, **naming):
+        return CountingGroup(make_channel_group(name, store, channel_rank, timeout, **naming),
+                             sends)
 
     rrfp.schedule.create_channels = functools.partial(create_channels, group_factory=counting)
     M = 4
