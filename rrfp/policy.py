@@ -11,35 +11,23 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Protocol, TYPE_CHECKING
+from typing import TYPE_CHECKING
 
+from rrfp.arbiter import ArbiterView, MemoryLimits, Node, OwnOrder, Policy
 from rrfp.graph import step_graph
+from rrfp.settings import POLICIES
 
 if TYPE_CHECKING:
-    from rrfp.arbiter import Arbiter, MemoryLimits, Node
     from rrfp.hints import _Action, Edge, Hint
 
-POLICIES = ("hint", "fixed", "BF", "BFW", "window", "lookahead", "arrival", "critical")
-
-
-class Policy(Protocol):
-    name: str
-
-    def choose(self, ready: Sequence[Node], arbiter: Arbiter) -> Node | None:
-        """Pick one of ``ready`` (sorted by hint position), or None to wait."""
-        ...
-
-    def lead(self, arbiter: Arbiter) -> int:
-        """Hint position of the action this policy would run next were every action
-        ready: the only one the step loop launches ahead of a busy device."""
-        ...
+__all__ = ["POLICIES", "Policy", "default_policy", "make_policy", "History"]
 
 
 class HintLed:
     """Mixin of the policies that launch ahead of a busy device only the hint's next
     action (for BF/BFW too, whose rules pick among ready actions only)."""
 
-    def lead(self, arbiter: Arbiter) -> int:
+    def lead(self, arbiter: ArbiterView) -> int:
         return arbiter.first_undone
 
 
@@ -48,17 +36,12 @@ class HintOrder(HintLed):
 
     name = "hint"
 
-    def choose(self, ready: Sequence[Node], arbiter: Arbiter) -> Node | None:
+    def choose(self, ready: Sequence[Node], arbiter: ArbiterView) -> Node | None:
         return ready[0]
 
 
-class FixedOrder(HintLed):
+class FixedOrder(OwnOrder):
     """The fixed schedule itself: only the first not-yet-run action of the hint."""
-
-    name = "fixed"
-
-    def choose(self, ready: Sequence[Node], arbiter: Arbiter) -> Node | None:
-        return ready[0] if ready[0].index == arbiter.first_undone else None
 
 
 class ArrivalOrder(HintLed):
@@ -74,7 +57,7 @@ class ArrivalOrder(HintLed):
 
     name = "arrival"
 
-    def choose(self, ready: Sequence[Node], arbiter: Arbiter) -> Node | None:
+    def choose(self, ready: Sequence[Node], arbiter: ArbiterView) -> Node | None:
         def became_ready(node: Node) -> tuple[float, int]:
             if node.message is None:
                 return (-1.0, node.index)
@@ -94,7 +77,7 @@ class BackwardFirst(HintLed):
     def __init__(self, name: str = "BF"):
         self.name = name
 
-    def choose(self, ready: Sequence[Node], arbiter: Arbiter) -> Node | None:
+    def choose(self, ready: Sequence[Node], arbiter: ArbiterView) -> Node | None:
         backwards = [n for n in ready if n.kind == "BI"]
         forwards = [n for n in ready if n.kind == "F"]
         # The round's position follows what actually ran (not what was proposed), so
@@ -160,7 +143,7 @@ class ForwardWindow(HintLed):
 
     name = "window"
 
-    def choose(self, ready: Sequence[Node], arbiter: Arbiter) -> Node | None:
+    def choose(self, ready: Sequence[Node], arbiter: ArbiterView) -> Node | None:
         if arbiter.below_hint_memory:
             return ready[0]
         pending_backward = arbiter.next_pending_backward()
@@ -185,7 +168,7 @@ class Lookahead(HintLed):
         self.history = history
         self.clock = clock
 
-    def choose(self, ready: Sequence[Node], arbiter: Arbiter) -> Node | None:
+    def choose(self, ready: Sequence[Node], arbiter: ArbiterView) -> Node | None:
         head = arbiter.nodes[arbiter.first_undone]
         if ready[0] is head or arbiter.below_hint_memory:
             return ready[0]
@@ -206,7 +189,7 @@ class Lookahead(HintLed):
             return None
         return self.history.durations.get((node.stage, node.action.computation_type.value))
 
-    def expected_arrival(self, message: tuple[Edge, int], arbiter: Arbiter) -> float | None:
+    def expected_arrival(self, message: tuple[Edge, int], arbiter: ArbiterView) -> float | None:
         """When ``message``, not yet here, is expected (None: unknown)."""
         history = self.history
         if history is None:
@@ -227,7 +210,7 @@ class Lookahead(HintLed):
         return expected
 
 
-def _awaited_message(head: Node, arbiter: Arbiter) -> tuple[Edge, int] | None:
+def _awaited_message(head: Node, arbiter: ArbiterView) -> tuple[Edge, int] | None:
     """The message the hint's next action waits for (None: none it waits for)."""
     message = head.message
     if message is None or arbiter.has_arrived(message):
@@ -265,17 +248,17 @@ class CriticalPath:
         self.history = history
         self._priority: list[float] = []
 
-    def choose(self, ready: Sequence[Node], arbiter: Arbiter) -> Node | None:
+    def choose(self, ready: Sequence[Node], arbiter: ArbiterView) -> Node | None:
         return min(ready, key=self._ranking(arbiter))
 
-    def lead(self, arbiter: Arbiter) -> int:
+    def lead(self, arbiter: ArbiterView) -> int:
         # Streams run in order, so the action it would run next is a stream head; with the
         # same ranking as ``choose`` (inputs not yet here count as arriving last), it is
         # what ``choose`` picks whenever it is ready.
         heads = arbiter.stream_heads()
         return min(heads, key=self._ranking(arbiter)).index if heads else len(arbiter.nodes)
 
-    def _ranking(self, arbiter: Arbiter) -> Callable[[Node], tuple[float, float, int]]:
+    def _ranking(self, arbiter: ArbiterView) -> Callable[[Node], tuple[float, float, int]]:
         priority = self._priorities(arbiter)
         arrivals = arbiter.arrival_times
 
@@ -284,7 +267,7 @@ class CriticalPath:
             return (-priority[node.index], arrived, node.index)
         return key
 
-    def _priorities(self, arbiter: Arbiter) -> list[float]:
+    def _priorities(self, arbiter: ArbiterView) -> list[float]:
         if not self._priority and arbiter.nodes:
             costs = _measured_costs(self.history, arbiter.hint.stages_on(arbiter.rank))
             if costs is None:

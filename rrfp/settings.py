@@ -11,7 +11,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import NamedTuple
 
-from rrfp.policy import POLICIES
+POLICIES = ("hint", "fixed", "BF", "BFW", "window", "lookahead", "arrival", "critical")
+"""The arbitration policies (``rrfp.policy`` implements them)."""
 
 BUFFER_LIMIT_HELP = (
     "microbatches of activations held (from a microbatch's forward until its last backward "
