@@ -462,7 +462,7 @@ class Arbiter:
 
 def resolve_buffer_limits(spec: str | int, hint: Hint, *,
                           fixed_order: bool = False) -> MemoryLimits:
-    """Memory limits from ``"hint"``, ``"hint+k"``, ``"Nx hint"`` or an int (any spelling
+    """Memory limits from ``"hint"``, ``"hint+k"``, ``"Nx hint"``, ``"busiest"`` or an int (any spelling
     ``rrfp.settings.parse_buffer_limit`` takes), in microbatches of activations held (from
     a microbatch's F until its last backward piece, B or W):
 
@@ -471,6 +471,11 @@ def resolve_buffer_limits(spec: str | int, hint: Hint, *,
       holds more, on any stage or rank, than the fixed schedule holds at some moment.
     * ``"hint+k"``: ``k`` more per stage and ``k`` more per rank; ``"Nx hint"``: N times
       the hint's peaks.
+    * ``"busiest"``: per stage and per rank, what the fixed schedule's busiest rank holds
+      at once (the largest per-rank peak). No rank then holds more than the fixed
+      schedule's busiest rank, the one that sizes the job's memory, so the job's peak is
+      unchanged; the other ranks' headroom becomes slack (in microbatches, so where stages
+      differ in activation bytes a rank's bytes may exceed the busiest rank's).
     * an int ``n``: ``n`` per stage and ``n`` per rank.
 
     Deadlock-freedom. (1) At limits no lower than the hint's own peaks, the hint's next
@@ -497,8 +502,11 @@ def resolve_buffer_limits(spec: str | int, hint: Hint, *,
     thousands of random timings, every hint, every policy and a range of limits.
     """
     limit = parse_buffer_limit(spec)
-    limits = MemoryLimits({s: limit.of(peak) for s, peak in hint.peak_in_flight().items()},
-                          {r: limit.of(peak) for r, peak in hint.rank_peaks().items()})
+    rank_peaks = hint.rank_peaks()
+    busiest = max(rank_peaks.values())
+    limits = MemoryLimits(
+        {s: limit.of(peak, busiest) for s, peak in hint.peak_in_flight().items()},
+        {r: limit.of(peak, busiest) for r, peak in rank_peaks.items()})
     check_limits(limits, hint, spec, fixed_order=fixed_order)
     return limits
 

@@ -330,17 +330,24 @@ def default_policy(hint: Hint, limits: MemoryLimits) -> str:
 
     Measured in the simulator (benchmarks/results): at the hint's own memory the
     lookahead guard loses at most ~1% where plain readiness-first loses up to ~5% (1F1B,
-    compute jitter). With memory slack, one stage per rank: the critical-path order
-    captured 86%/79%/75% of the best known gain at hint+2 (1F1B, 8 ranks, 5 seeds;
-    jitter, multimodal, heavy-tailed latency) where the arrival order captured
-    61%/66%/67%; several stages per rank: the hint's order, as the others then lost up to
-    4 points (Interleaved1F1B). The BF/BFW rules keep their own policy.
+    compute jitter). With memory slack on every rank, one stage per rank: the
+    critical-path order captured 86%/79%/75% of the best known gain at hint+2 (1F1B, 8
+    ranks, 5 seeds; jitter, multimodal, heavy-tailed latency) where the arrival order
+    captured 61%/66%/67%; several stages per rank: the hint's order, as the others then
+    lost up to 4 points (Interleaved1F1B). Where some rank has no slack (its limit is its
+    own peak, e.g. an int equal to the busiest rank's peak, or ``"busiest"``), every rank
+    runs lookahead, as at the hint's memory: the critical order then lost up to 4% (1F1B
+    8 x 32, limit 8, jitter: 0.983x mean, 0.961x min), and so did running lookahead only
+    on the ranks without slack (the same 0.983x: the loss comes from the ranks with slack
+    holding back the backwards a rank without slack waits for;
+    benchmarks/results/limits.md). The BF/BFW rules keep their own policy.
     """
     if hint.policy != "hint":
         return hint.policy
-    if (dict(limits.per_stage), dict(limits.per_rank)) == (hint.peak_in_flight(),
-                                                          hint.rank_peaks()):
-        return "lookahead"  # the hint's own memory
+    peaks, rank_peaks = hint.peak_in_flight(), hint.rank_peaks()
+    below_hint = limits.first_stage_below(peaks) is not None
+    if not below_hint and any(limits.per_rank[r] <= peak for r, peak in rank_peaks.items()):
+        return "lookahead"  # the hint's own memory, or a rank without slack
     return "critical" if hint.num_stages == hint.num_ranks else "hint"
 
 
