@@ -325,6 +325,10 @@ def _critical_tails(hint: Hint, limits: MemoryLimits | None,
     return hit[2]
 
 
+MIN_SLACK = 2
+"""Microbatches beyond its own peak every rank needs before the default leaves lookahead."""
+
+
 def default_policy(hint: Hint, limits: MemoryLimits) -> str:
     """The policy ScheduleRRFP uses for ``hint`` within ``limits`` when none is given.
 
@@ -346,8 +350,9 @@ def default_policy(hint: Hint, limits: MemoryLimits) -> str:
         return hint.policy
     peaks, rank_peaks = hint.peak_in_flight(), hint.rank_peaks()
     below_hint = limits.first_stage_below(peaks) is not None
-    if not below_hint and any(limits.per_rank[r] <= peak for r, peak in rank_peaks.items()):
-        return "lookahead"  # the hint's own memory, or a rank without slack
+    if not below_hint and any(limits.per_rank[r] < peak + MIN_SLACK
+                              for r, peak in rank_peaks.items()):
+        return "lookahead"  # the hint's own memory, or a rank with too little slack
     return "critical" if hint.num_stages == hint.num_ranks else "hint"
 
 
