@@ -326,7 +326,8 @@ def _critical_tails(hint: Hint, limits: MemoryLimits | None,
 
 
 MIN_SLACK = 2
-"""Microbatches beyond its own peak every rank needs before the default leaves lookahead."""
+"""Microbatches beyond its own peak every rank needs (a rank whose own peak is 1: one)
+before the default leaves lookahead."""
 
 
 def default_policy(hint: Hint, limits: MemoryLimits) -> str:
@@ -338,19 +339,21 @@ def default_policy(hint: Hint, limits: MemoryLimits) -> str:
     critical-path order captured 86%/79%/75% of the best known gain at hint+2 (1F1B, 8
     ranks, 5 seeds; jitter, multimodal, heavy-tailed latency) where the arrival order
     captured 61%/66%/67%; several stages per rank: the hint's order, as the others then
-    lost up to 4 points (Interleaved1F1B). Where some rank has no slack (its limit is its
-    own peak, e.g. an int equal to the busiest rank's peak, or ``"busiest"``), every rank
-    runs lookahead, as at the hint's memory: the critical order then lost up to 4% (1F1B
-    8 x 32, limit 8, jitter: 0.983x mean, 0.961x min), and so did running lookahead only
-    on the ranks without slack (the same 0.983x: the loss comes from the ranks with slack
-    holding back the backwards a rank without slack waits for;
-    benchmarks/results/limits.md). The BF/BFW rules keep their own policy.
+    lost up to 4 points (Interleaved1F1B). Where some rank has less than ``MIN_SLACK``
+    microbatches of slack (or, if its own peak is 1, none), every rank runs lookahead, as
+    at the hint's memory: e.g. at an int equal to the busiest rank's peak, or
+    ``"busiest"``, the critical order lost up to 4% (1F1B 8 x 32, limit 8, jitter: 0.983x
+    mean, 0.961x min, 5 seeds), and so did running lookahead only on the ranks without
+    slack (the same 0.983x: the loss comes from ranks with slack holding back the
+    backwards that a rank without slack waits for); at ``"hint+1"`` critical fell to
+    0.993x (jitter, 1 of 10 seeds). The sweep: benchmarks/results/limits.md. The BF/BFW
+    rules keep their own policy.
     """
     if hint.policy != "hint":
         return hint.policy
     peaks, rank_peaks = hint.peak_in_flight(), hint.rank_peaks()
     below_hint = limits.first_stage_below(peaks) is not None
-    if not below_hint and any(limits.per_rank[r] < peak + MIN_SLACK
+    if not below_hint and any(limits.per_rank[r] < peak + min(MIN_SLACK, peak)
                               for r, peak in rank_peaks.items()):
         return "lookahead"  # the hint's own memory, or a rank with too little slack
     return "critical" if hint.num_stages == hint.num_ranks else "hint"

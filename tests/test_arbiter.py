@@ -72,6 +72,7 @@ def test_ready_lower_ranked_action_runs_when_the_next_one_is_not_ready():
 @pytest.mark.parametrize("spec,expected", [
     ("hint", ({0: 2, 1: 1}, {0: 2, 1: 1})), ("hint+2", ({0: 4, 1: 3}, {0: 4, 1: 3})),
     ("HINT + 1", ({0: 3, 1: 2}, {0: 3, 1: 2})), (3, ({0: 3, 1: 3}, {0: 3, 1: 3})),
+    ("busiest", ({0: 2, 1: 2}, {0: 2, 1: 2})), (" Busiest", ({0: 2, 1: 2}, {0: 2, 1: 2})),
 ])
 def test_buffer_limit_specs(spec, expected):
     assert resolve_buffer_limits(spec, _hint()) == MemoryLimits(*expected)
@@ -211,3 +212,28 @@ def test_policies_depend_on_the_arbiter_never_the_other_way():
     order = {m: i for i, m in enumerate(("settings", "hints", "arbiter", "graph", "policy"))}
     for module, uses in graph.items():
         assert all(order[u] < order[module] for u in uses), (module, uses)
+
+
+def test_busiest_gives_every_rank_the_busiest_ranks_peak_and_no_more():
+    # Interleaved1F1B on 4 ranks: the ranks' own peaks differ; "busiest" lifts every rank
+    # to the largest, so no rank holds more than the fixed schedule's busiest one.
+    hint = _hint("Interleaved1F1B", 4, 2, 8)
+    peaks = hint.rank_peaks()
+    assert len(set(peaks.values())) > 1
+    limits = resolve_buffer_limits("busiest", hint)
+    assert set(limits.per_rank.values()) == {max(peaks.values())}
+    assert set(limits.per_stage.values()) == {max(peaks.values())}
+
+
+@pytest.mark.parametrize("name,per_rank,limit,expected", [
+    ("1F1B", 1, "hint", "lookahead"), ("1F1B", 1, "busiest", "lookahead"),
+    ("1F1B", 1, 8, "lookahead"), ("1F1B", 1, "hint+1", "lookahead"),
+    ("1F1B", 1, "hint+2", "critical"), ("1F1B", 1, "2x hint", "critical"),
+    ("1F1B", 1, 32, "critical"), ("Interleaved1F1B", 2, "hint+1", "lookahead"),
+    ("Interleaved1F1B", 2, "hint+2", "hint"), ("BF", 2, "hint+2", "BF"),
+])
+def test_default_policy_leaves_lookahead_only_with_slack_on_every_rank(
+        name, per_rank, limit, expected):
+    from rrfp.policy import default_policy
+    hint = _hint(name, 8, per_rank, 32)
+    assert default_policy(hint, resolve_buffer_limits(limit, hint)) == expected

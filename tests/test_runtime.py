@@ -133,12 +133,28 @@ def test_measured_activation_bytes_stay_within_what_the_limit_allows(case):
             assert outcome["bitwise"], f"rank {rank}, {run}: not bitwise the fixed schedule's"
             assert outcome["held"] <= outcome["rank_limit"]
             limit = run.split("/")[0]
-            allowed = {"hint": fixed, "hint+2": fixed + 2 * per_mb}.get(limit)
+            allowed = {"hint": fixed, "hint+2": fixed + 2 * per_mb,
+                       "busiest": max(r["fixed"] for r in ranks)}.get(limit)
             if allowed is None:
                 allowed = int(limit) * per_mb
             assert outcome["bytes"] <= allowed, (
                 f"rank {rank}, {run}: {outcome['bytes']} B measured, {allowed} B allowed "
                 f"(torch's fixed schedule: {fixed} B)")
+
+
+def test_busiest_keeps_the_job_peak_of_the_fixed_schedule_on_four_ranks():
+    """buffer_limit="busiest": the busiest rank's activation bytes (measured by the meter,
+    emulated device) stay within the fixed 1F1B's busiest rank, while a rank that holds less
+    under 1F1B may hold more than it did there."""
+    ranks = run_local_world(4, workers.memory_world, "1F1B", "1F1B", 1, "loop", timeout=240)
+    busiest_fixed = max(r["fixed"] for r in ranks)
+    runs = [r["busiest/slow_head"] for r in ranks]
+    assert all(run["bitwise"] for run in runs)
+    assert all(run["rank_limit"] == 4 for run in runs)  # rank 0's 1F1B peak, on every rank
+    assert max(run["bytes"] for run in runs) <= busiest_fixed, (runs, busiest_fixed)
+    # The last rank holds one microbatch under 1F1B; with the slow last stage, the ranks
+    # before it run ahead into the headroom "busiest" gives them.
+    assert any(run["held"] > run["hint_rank_peak"] for run in runs), runs
 
 
 def test_microbatches_split_off_one_batch_count_their_own_bytes_while_held():

@@ -71,7 +71,42 @@ def test_workloads_are_seeded_and_shaped():
             assert a != make_timing(workload, 4, 6, 8)
         assert a.num_stages == 4 and a.n_microbatches == 6
     with pytest.raises(ValueError, match="unknown workload"):
-        make_timing("bursty", 4, 6, 0)
+        make_timing("no-such-workload", 4, 6, 0)
+
+
+def test_widened_workloads_have_the_shape_they_name():
+    import statistics
+    from rrfp.sim.workloads import make_timing
+
+    S, M = 8, 64
+    encoder = make_timing("encoder", S, M, 0)
+    means = [statistics.mean(row) for row in encoder.forward]
+    assert 2.0 <= means[0] / statistics.mean(means[1:]) <= 3.0  # an encoder stage 2-3x
+    # Correlated: a microbatch slow on one stage is slow on every stage.
+    corr = make_timing("correlated", S, M, 0)
+    assert statistics.correlation(corr.forward[0], corr.forward[S - 1]) > 0.8
+    jitter = make_timing("jitter", S, M, 0)
+    assert abs(statistics.correlation(jitter.forward[0], jitter.forward[S - 1])) < 0.5
+    # A persistent straggler: one stage slower on every microbatch, the others not.
+    slow = make_timing("slowrank", S, M, 0)
+    slowest = max(range(S), key=lambda s: statistics.mean(slow.forward[s]))
+    for half in (slice(0, M // 2), slice(M // 2, M)):
+        others = [statistics.mean(slow.forward[s][half]) for s in range(S) if s != slowest]
+        assert statistics.mean(slow.forward[slowest][half]) > 1.2 * max(others)
+    # Bursty: slow transfers come in runs on a link (the next transfer is more likely slow
+    # after a slow one than overall), the mean latency stays about latency_mean.
+    after_slow, slow_count, total = 0, 0, 0
+    for seed in range(5):
+        rows = make_timing("bursty", S, M, seed).activation_latency
+        flat = [x for row in rows for x in row]
+        cut = 3 * statistics.median(flat)
+        for row in rows:
+            for a, b in zip(row, row[1:]):
+                total += 1
+                if a > cut:
+                    slow_count += 1
+                    after_slow += b > cut
+    assert slow_count and after_slow / slow_count > 3 * slow_count / total
 
 
 def test_replay_file_round_trip_and_trace_conversion(tmp_path):

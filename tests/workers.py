@@ -346,7 +346,8 @@ def memory_world(rank: int, world_size: int, hint: str, reference: str, per_rank
                  layout: str) -> dict:
     """Measured peak activation bytes per rank: torch's fixed schedule (its stage modules
     metered by ActivationMeter) vs ScheduleRRFP (which meters its stages itself) at "hint"
-    under two delay patterns, at "hint+2", and at an int limit where the hint allows one.
+    under two delay patterns, at "hint+2", at an int limit where the hint allows one, and
+    at "busiest" with one stage per rank.
 
     Delay patterns (emulated asynchronous device): "slow_head": the last stage's backward
     takes 30 ms, everything else 1 ms, so upstream forwards would run ahead; "slow_tail":
@@ -393,6 +394,8 @@ def memory_world(rank: int, world_size: int, hint: str, reference: str, per_rank
     runs = [("hint", "slow_head"), ("hint", "slow_tail"), ("hint+2", "slow_head")]
     if per_rank == 1 and hint not in ("LoopedBFS",):
         runs.append((2, "slow_head"))
+    if per_rank == 1:
+        runs.append(("busiest", "slow_head"))
     for limit, pattern in runs:
         stages, blocks = build_stages(chain, rank, world_size, layout, wrap=delays(pattern))
         schedule = ScheduleRRFP(stages, M, loss_fn=loss_fn, hint=hint, buffer_limit=limit,
@@ -1150,6 +1153,7 @@ def made_up_stats(rank: int, **fields) -> StepStats:
     values = dict(pp_rank=rank, global_rank=rank, hint="1F1B", policy="hint",
                   device="HostDevice", launch_depth=1, buffer_limits=None,
                   rank_buffer_limit=None, hint_peak_in_flight={}, hint_rank_peak=1,
+                  hint_busiest_rank_peak=1,
                   peak_in_flight={}, peak_rank_in_flight=1, peak_activation_bytes=0,
                   receive_buffer_bytes=0, messages_sent=0, bytes_sent=0,
                   backpressure_entries={}, out_of_hint_order=0, hint_order=[],
