@@ -30,7 +30,7 @@ def policy_help(names: Sequence[str]) -> str:
     return ("how to pick among ready actions, case-insensitive: " + ", ".join(names)
             + "; none given: ScheduleRRFP's default (the rule of a BF/BFW hint; else "
             "lookahead at the hint's memory or where some rank has no slack; with slack on "
-            "every rank critical for one stage per rank, hint for several)")
+            "every rank critical for one stage per rank, lookahead for several)")
 
 
 class BufferLimit(NamedTuple):

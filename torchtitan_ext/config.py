@@ -24,7 +24,7 @@ class RRFP:
     ``arrival``, ``window``, ``BF``, ``BFW``, ``fixed``; empty = ScheduleRRFP's default (the
     rule for BF/BFW; else ``lookahead`` at the hint's memory or where some rank has less than
     2 microbatches of slack; with slack on every rank ``critical`` for one stage per rank,
-    ``hint`` for several)."""
+    ``lookahead`` for several)."""
 
     coordination: str = "leader"
     """With tensor parallelism, how a TP group settles on each action: ``leader`` (its first
