@@ -78,7 +78,8 @@ def main(argv=None) -> None:
     command = "python -m benchmarks.limits_bench" + "".join(
         f" {a}" for a in (argv if argv is not None else sys.argv[1:]))
     default_min = min(min(v) for (h, lim, w, p), v in by_cell.items() if p is None)
-    worst = min(((min(v), h, lim, w) for (h, lim, w, p), v in by_cell.items() if p is None))
+    worst = min(((min(v), h, str(lim), w) for (h, lim, w, p), v in by_cell.items()
+                 if p is None), key=lambda row: row[0])
     lines = [
         "# The default policy at every limit, on every workload family (simulated)",
         "",

@@ -591,7 +591,7 @@ def data_parallel(rank: int, world_size: int, wrapper: str, hint: str, reference
     for seed in (None, *delay_seeds):
         stages, blocks = build(seed)
         schedule = ScheduleRRFP(stages, M, loss_fn=loss_fn, hint=hint, buffer_limit="hint+1",
-                                stall_timeout=60)
+                                policy="hint", stall_timeout=60)
         history = local_grads(run_steps(schedule, stages, blocks, x, y, steps))
         runs["plain" if seed is None else f"seed{seed}"] = {
             "bitwise": bitwise_equal(history, fixed),
@@ -652,7 +652,7 @@ def tensor_parallel(rank: int, world_size: int, coordination: str, hint: str, re
         send_rng = random.Random((seed or 0) * 7919 + rank)
         schedule = ScheduleRRFP(
             stages, M, loss_fn=loss_fn, hint=hint, buffer_limit="hint+1", stall_timeout=60,
-            coordination_group=mesh["tp"].get_group(), coordination=coordination,
+            policy="hint", coordination_group=mesh["tp"].get_group(), coordination=coordination,
             send_delay=None if seed is None else (lambda e, m: send_rng.uniform(0, 0.003)))
         history = local_grads(run_steps(schedule, stages, blocks, x, y, steps))
         stats = schedule.last_step_stats
@@ -678,7 +678,8 @@ def compiled_stages(rank: int, world_size: int, hint: str, reference: str, per_r
     counters = torch._dynamo.utils.counters
     stages, blocks = build_stages(chain, rank, world_size, layout,
                                   wrap=lambda s, b: torch.compile(b, backend="aot_eager"))
-    schedule = ScheduleRRFP(stages, M, loss_fn=loss_fn, hint=hint, buffer_limit="hint+1")
+    schedule = ScheduleRRFP(stages, M, loss_fn=loss_fn, hint=hint, buffer_limit="hint+1",
+                            policy="hint")
     compiled = run_steps(schedule, stages, blocks, x, y, 1)
     after_first = (sum(counters["frames"].values()), sum(counters["recompiles"].values()))
     compiled += run_steps(schedule, stages, blocks, x, y, steps - 1)
@@ -1208,7 +1209,7 @@ def pre_split(rank: int, world_size: int, hint: str, stages_per_rank: int) -> di
         stages, blocks = build_stages(chain, rank, world_size, "loop", wrap=wrap)
         send_rng = random.Random(17 + rank)
         schedule = ScheduleRRFP(stages, M, loss_fn=loss_fn, hint=hint, buffer_limit="hint+1",
-                                device=EmulatedDevice(), stall_timeout=60,
+                                policy="hint", device=EmulatedDevice(), stall_timeout=60,
                                 send_delay=lambda edge, mb: send_rng.uniform(0, 0.003))
         history, outputs = train(schedule, stages, blocks, call)
         results[name] = {
@@ -1272,7 +1273,7 @@ def gradient_accumulation(rank: int, world_size: int) -> dict:
         result["torch"] = accumulate(fixed, stage, block)
     stage, block = build(3)
     rrfp = ScheduleRRFP(stage, M, loss_fn=loss_fn, hint="1F1B", buffer_limit="hint+1",
-                        device=EmulatedDevice(), stall_timeout=60)
+                        policy="hint", device=EmulatedDevice(), stall_timeout=60)
     result["rrfp"] = accumulate(rrfp, stage, block)
     result["out_of_order"] = rrfp.last_step_stats.out_of_hint_order
     rrfp.close()
