@@ -155,7 +155,8 @@ def main(argv=None) -> None:
                         help="the first of them; other seeds, workloads or limits than the "
                              "defaults get a page of their own, named after them")
     parser.add_argument("--workloads", nargs="+", choices=WORKLOADS, default=list(WORKLOADS))
-    parser.add_argument("--limits", nargs="+", choices=LIMITS, default=list(LIMITS))
+    parser.add_argument("--limits", nargs="+", choices=(*LIMITS, "busiest"), default=list(LIMITS),
+                        help="busiest: every rank may hold what fixed 1F1B's busiest rank holds")
     parser.add_argument("--time-limit", type=float, default=45.0,
                         help="CP-SAT seconds per step")
     parser.add_argument("--reuse", action="store_true",

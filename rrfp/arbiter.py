@@ -14,8 +14,9 @@ interleaving of streams is decided at run time, by a policy (``rrfp.policy``).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 from rrfp.hints import (
     _Action,
@@ -28,7 +29,6 @@ from rrfp.hints import (
     W,
     WEIGHT_GRAD_KINDS,
 )
-from rrfp.policy import FixedOrder, make_policy, Policy
 from rrfp.settings import parse_buffer_limit
 
 Kind = str  # "F", "BI" (B or I), "W", "R" (REDUCE_GRAD)
@@ -110,12 +110,58 @@ class MemoryLimits:
                      if self.per_stage[s] < peak), None)
 
 
+class ArbiterView(Protocol):
+    """What a policy may read of the arbiter (``Arbiter`` is one): read-only, so that
+    policies depend on the arbiter and never the other way (hints <- arbiter <- policy)."""
+
+    @property
+    def hint(self) -> Hint: ...
+    @property
+    def rank(self) -> int: ...
+    @property
+    def nodes(self) -> Sequence[Node]:
+        """The rank's hint order, one node per action."""
+        ...
+    @property
+    def first_undone(self) -> int:
+        """Hint position of the first action not yet launched (the fixed order's next)."""
+        ...
+    @property
+    def memory_limits(self) -> MemoryLimits | None: ...
+    @property
+    def below_hint_memory(self) -> bool: ...
+    @property
+    def last_kind(self) -> Kind | None: ...
+    @property
+    def arrival_times(self) -> Mapping[tuple[Edge, int], float]: ...
+    def has_arrived(self, message: tuple[Edge, int]) -> bool: ...
+    def next_pending_backward(self) -> int: ...
+    def stream_head(self, stage: int, stream: str) -> Node | None: ...
+    def stream_heads(self) -> list[Node]: ...
+
+
+class Policy(Protocol):
+    """How a rank picks among ready actions (``rrfp.policy`` holds the policies)."""
+
+    name: str
+
+    def choose(self, ready: Sequence[Node], arbiter: ArbiterView) -> Node | None:
+        """Pick one of ``ready`` (sorted by hint position), or None to wait."""
+        ...
+
+    def lead(self, arbiter: ArbiterView) -> int:
+        """Hint position of the action this policy would run next were every action
+        ready: the only one the step loop launches ahead of a busy device."""
+        ...
+
+
 class Arbiter:
     """Ready-set bookkeeping and choice for one rank during one step.
 
     ``limits``: microbatches of activations the rank may hold, per stage and in all (see
     ``resolve_buffer_limits`` for why any accepted limit is deadlock-free); ``None`` for no
-    cap (forward-only steps).
+    cap (forward-only steps). ``policy``: how to pick among ready actions
+    (``rrfp.policy.make_policy``).
     """
 
     def __init__(
@@ -123,8 +169,8 @@ class Arbiter:
         hint: Hint,
         rank: int,
         *,
+        policy: Policy,
         limits: MemoryLimits | None = None,
-        policy: Policy | None = None,
     ):
         self.hint = hint
         self.rank = rank
@@ -137,7 +183,7 @@ class Arbiter:
         # so "the hint's next action is always allowed" no longer guarantees progress.
         self.below_hint_memory = self.limits is not None and any(
             self.limits[s] < peaks[s] for s in self.limits)
-        self.policy = policy if policy is not None else make_policy(hint.policy)
+        self.policy = policy
         actions = hint.orders[rank]
         position = {(a.stage_index, a.computation_type, a.microbatch_index): i
                     for i, a in enumerate(actions)}
@@ -416,7 +462,7 @@ class Arbiter:
 
 def resolve_buffer_limits(spec: str | int, hint: Hint, *,
                           fixed_order: bool = False) -> MemoryLimits:
-    """Memory limits from ``"hint"``, ``"hint+k"``, ``"Nx hint"`` or an int (any spelling
+    """Memory limits from ``"hint"``, ``"hint+k"``, ``"Nx hint"``, ``"busiest"`` or an int (any spelling
     ``rrfp.settings.parse_buffer_limit`` takes), in microbatches of activations held (from
     a microbatch's F until its last backward piece, B or W):
 
@@ -425,6 +471,11 @@ def resolve_buffer_limits(spec: str | int, hint: Hint, *,
       holds more, on any stage or rank, than the fixed schedule holds at some moment.
     * ``"hint+k"``: ``k`` more per stage and ``k`` more per rank; ``"Nx hint"``: N times
       the hint's peaks.
+    * ``"busiest"``: per stage and per rank, what the fixed schedule's busiest rank holds
+      at once (the largest per-rank peak). No rank then holds more than the fixed
+      schedule's busiest rank, the one that sizes the job's memory, so the job's peak is
+      unchanged; the other ranks' headroom becomes slack (in microbatches, so where stages
+      differ in activation bytes a rank's bytes may exceed the busiest rank's).
     * an int ``n``: ``n`` per stage and ``n`` per rank.
 
     Deadlock-freedom. (1) At limits no lower than the hint's own peaks, the hint's next
@@ -451,8 +502,11 @@ def resolve_buffer_limits(spec: str | int, hint: Hint, *,
     thousands of random timings, every hint, every policy and a range of limits.
     """
     limit = parse_buffer_limit(spec)
-    limits = MemoryLimits({s: limit.of(peak) for s, peak in hint.peak_in_flight().items()},
-                          {r: limit.of(peak) for r, peak in hint.rank_peaks().items()})
+    rank_peaks = hint.rank_peaks()
+    busiest = max(rank_peaks.values())
+    limits = MemoryLimits(
+        {s: limit.of(peak, busiest) for s, peak in hint.peak_in_flight().items()},
+        {r: limit.of(peak, busiest) for r, peak in rank_peaks.items()})
     check_limits(limits, hint, spec, fixed_order=fixed_order)
     return limits
 
@@ -491,13 +545,26 @@ def check_limits(limits: MemoryLimits, hint: Hint, spec: object, *,
             )
 
 
-def check_deadlock_free(hint: Hint, policy_factory: Callable[[], Policy] = FixedOrder) -> None:
-    """Run every rank's arbiter with instant compute and communication.
+class OwnOrder:
+    """The hint's own order: only its first action not yet run (policy ``"fixed"``)."""
+
+    name = "fixed"
+
+    def choose(self, ready: Sequence[Node], arbiter: ArbiterView) -> Node | None:
+        return ready[0] if ready[0].index == arbiter.first_undone else None
+
+    def lead(self, arbiter: ArbiterView) -> int:
+        return arbiter.first_undone
+
+
+def check_deadlock_free(hint: Hint) -> None:
+    """Run every rank's arbiter in the hint's own order with instant compute and
+    communication.
 
     Raises ``ValueError`` naming what each rank waits for if the hint cannot complete
     (e.g. a hand-written CSV whose ranks wait on each other).
     """
-    arbiters = {r: Arbiter(hint, r, policy=policy_factory()) for r in range(hint.num_ranks)}
+    arbiters = {r: Arbiter(hint, r, policy=OwnOrder()) for r in range(hint.num_ranks)}
     progress = True
     while progress:
         progress = False

@@ -13,13 +13,10 @@ from __future__ import annotations
 from collections import defaultdict, deque
 from collections.abc import Callable, Container
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
+from rrfp.arbiter import MemoryLimits
 from rrfp.hints import (
     _Action, B, Edge, F, Hint, I, INPUT_GRAD_KINDS, W, WEIGHT_GRAD_KINDS)
-
-if TYPE_CHECKING:  # the arbiter's policies build on this module
-    from rrfp.arbiter import MemoryLimits
 
 Latency = Callable[[Edge, int], float]
 COMPUTE = (F, B, I, W)

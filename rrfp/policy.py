@@ -11,35 +11,23 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Protocol, TYPE_CHECKING
+from typing import TYPE_CHECKING
 
+from rrfp.arbiter import ArbiterView, MemoryLimits, Node, OwnOrder, Policy
 from rrfp.graph import step_graph
+from rrfp.settings import POLICIES
 
 if TYPE_CHECKING:
-    from rrfp.arbiter import Arbiter, MemoryLimits, Node
     from rrfp.hints import _Action, Edge, Hint
 
-POLICIES = ("hint", "fixed", "BF", "BFW", "window", "lookahead", "arrival", "critical")
-
-
-class Policy(Protocol):
-    name: str
-
-    def choose(self, ready: Sequence[Node], arbiter: Arbiter) -> Node | None:
-        """Pick one of ``ready`` (sorted by hint position), or None to wait."""
-        ...
-
-    def lead(self, arbiter: Arbiter) -> int:
-        """Hint position of the action this policy would run next were every action
-        ready: the only one the step loop launches ahead of a busy device."""
-        ...
+__all__ = ["POLICIES", "Policy", "default_policy", "make_policy", "History"]
 
 
 class HintLed:
     """Mixin of the policies that launch ahead of a busy device only the hint's next
     action (for BF/BFW too, whose rules pick among ready actions only)."""
 
-    def lead(self, arbiter: Arbiter) -> int:
+    def lead(self, arbiter: ArbiterView) -> int:
         return arbiter.first_undone
 
 
@@ -48,17 +36,12 @@ class HintOrder(HintLed):
 
     name = "hint"
 
-    def choose(self, ready: Sequence[Node], arbiter: Arbiter) -> Node | None:
+    def choose(self, ready: Sequence[Node], arbiter: ArbiterView) -> Node | None:
         return ready[0]
 
 
-class FixedOrder(HintLed):
+class FixedOrder(OwnOrder):
     """The fixed schedule itself: only the first not-yet-run action of the hint."""
-
-    name = "fixed"
-
-    def choose(self, ready: Sequence[Node], arbiter: Arbiter) -> Node | None:
-        return ready[0] if ready[0].index == arbiter.first_undone else None
 
 
 class ArrivalOrder(HintLed):
@@ -74,7 +57,7 @@ class ArrivalOrder(HintLed):
 
     name = "arrival"
 
-    def choose(self, ready: Sequence[Node], arbiter: Arbiter) -> Node | None:
+    def choose(self, ready: Sequence[Node], arbiter: ArbiterView) -> Node | None:
         def became_ready(node: Node) -> tuple[float, int]:
             if node.message is None:
                 return (-1.0, node.index)
@@ -94,7 +77,7 @@ class BackwardFirst(HintLed):
     def __init__(self, name: str = "BF"):
         self.name = name
 
-    def choose(self, ready: Sequence[Node], arbiter: Arbiter) -> Node | None:
+    def choose(self, ready: Sequence[Node], arbiter: ArbiterView) -> Node | None:
         backwards = [n for n in ready if n.kind == "BI"]
         forwards = [n for n in ready if n.kind == "F"]
         # The round's position follows what actually ran (not what was proposed), so
@@ -160,7 +143,7 @@ class ForwardWindow(HintLed):
 
     name = "window"
 
-    def choose(self, ready: Sequence[Node], arbiter: Arbiter) -> Node | None:
+    def choose(self, ready: Sequence[Node], arbiter: ArbiterView) -> Node | None:
         if arbiter.below_hint_memory:
             return ready[0]
         pending_backward = arbiter.next_pending_backward()
@@ -185,7 +168,7 @@ class Lookahead(HintLed):
         self.history = history
         self.clock = clock
 
-    def choose(self, ready: Sequence[Node], arbiter: Arbiter) -> Node | None:
+    def choose(self, ready: Sequence[Node], arbiter: ArbiterView) -> Node | None:
         head = arbiter.nodes[arbiter.first_undone]
         if ready[0] is head or arbiter.below_hint_memory:
             return ready[0]
@@ -206,7 +189,7 @@ class Lookahead(HintLed):
             return None
         return self.history.durations.get((node.stage, node.action.computation_type.value))
 
-    def expected_arrival(self, message: tuple[Edge, int], arbiter: Arbiter) -> float | None:
+    def expected_arrival(self, message: tuple[Edge, int], arbiter: ArbiterView) -> float | None:
         """When ``message``, not yet here, is expected (None: unknown)."""
         history = self.history
         if history is None:
@@ -219,15 +202,20 @@ class Lookahead(HintLed):
         edge, mb = message
         position = arbiter.hint.message_position(edge, mb)
         if position > 0:
-            before = arbiter.arrival_times.get(
-                (edge, arbiter.hint.message_order(edge)[position - 1]))
+            previous = (edge, arbiter.hint.message_order(edge)[position - 1])
+            before = arbiter.arrival_times.get(previous)
             gap = history.gaps.get(message)
             if before is not None and gap is not None:
                 expected = min(expected, before + gap)
-        return expected
+        # As far ahead of the earlier steps as any message came this step, so early may
+        # this one come.
+        arrivals = history.arrivals
+        lead = max((arrivals[m] - at for m, at in arbiter.arrival_times.items()
+                    if m in arrivals), default=0.0)
+        return expected - max(lead, 0.0)
 
 
-def _awaited_message(head: Node, arbiter: Arbiter) -> tuple[Edge, int] | None:
+def _awaited_message(head: Node, arbiter: ArbiterView) -> tuple[Edge, int] | None:
     """The message the hint's next action waits for (None: none it waits for)."""
     message = head.message
     if message is None or arbiter.has_arrived(message):
@@ -265,17 +253,17 @@ class CriticalPath:
         self.history = history
         self._priority: list[float] = []
 
-    def choose(self, ready: Sequence[Node], arbiter: Arbiter) -> Node | None:
+    def choose(self, ready: Sequence[Node], arbiter: ArbiterView) -> Node | None:
         return min(ready, key=self._ranking(arbiter))
 
-    def lead(self, arbiter: Arbiter) -> int:
+    def lead(self, arbiter: ArbiterView) -> int:
         # Streams run in order, so the action it would run next is a stream head; with the
         # same ranking as ``choose`` (inputs not yet here count as arriving last), it is
         # what ``choose`` picks whenever it is ready.
         heads = arbiter.stream_heads()
         return min(heads, key=self._ranking(arbiter)).index if heads else len(arbiter.nodes)
 
-    def _ranking(self, arbiter: Arbiter) -> Callable[[Node], tuple[float, float, int]]:
+    def _ranking(self, arbiter: ArbiterView) -> Callable[[Node], tuple[float, float, int]]:
         priority = self._priorities(arbiter)
         arrivals = arbiter.arrival_times
 
@@ -284,7 +272,7 @@ class CriticalPath:
             return (-priority[node.index], arrived, node.index)
         return key
 
-    def _priorities(self, arbiter: Arbiter) -> list[float]:
+    def _priorities(self, arbiter: ArbiterView) -> list[float]:
         if not self._priority and arbiter.nodes:
             costs = _measured_costs(self.history, arbiter.hint.stages_on(arbiter.rank))
             if costs is None:
@@ -342,23 +330,44 @@ def _critical_tails(hint: Hint, limits: MemoryLimits | None,
     return hit[2]
 
 
+MIN_SLACK = 2
+"""Microbatches beyond its own peak every rank needs (a rank whose own peak is 1: one)
+before the default leaves lookahead."""
+
+
 def default_policy(hint: Hint, limits: MemoryLimits) -> str:
     """The policy ScheduleRRFP uses for ``hint`` within ``limits`` when none is given.
 
     Measured in the simulator (benchmarks/results): at the hint's own memory the
     lookahead guard loses at most ~1% where plain readiness-first loses up to ~5% (1F1B,
-    compute jitter). With memory slack, one stage per rank: the critical-path order
-    captured 86%/79%/75% of the best known gain at hint+2 (1F1B, 8 ranks, 5 seeds;
-    jitter, multimodal, heavy-tailed latency) where the arrival order captured
-    61%/66%/67%; several stages per rank: the hint's order, as the others then lost up to
-    4 points (Interleaved1F1B). The BF/BFW rules keep their own policy.
+    compute jitter). With memory slack on every rank, one stage per rank: the
+    critical-path order captured 86%/79%/75% of the best known gain at hint+2 (1F1B, 8
+    ranks, 5 seeds; jitter, multimodal, heavy-tailed latency) where the arrival order
+    captured 61%/66%/67%. Several stages per rank: lookahead, the only policy that did not
+    fall below 0.995x of the fixed schedule there (Interleaved1F1B 8 x 32, hint+2,
+    correlated costs, 10 seeds: lookahead 1.000x min, the hint's order 0.994x, critical
+    0.985x, window 0.995x, arrival 0.986x), at the price of most of the gain the hint's
+    order takes elsewhere (benchmarks/results/limits.md has both). Where some rank has less than ``MIN_SLACK``
+    microbatches of slack (or, if its own peak is 1, none), every rank runs lookahead, as
+    at the hint's memory: e.g. at an int equal to the busiest rank's peak, or
+    ``"busiest"``, the critical order lost up to 4% (1F1B 8 x 32, limit 8, jitter: 0.983x
+    mean, 0.961x min, 5 seeds), and so did running lookahead only on the ranks without
+    slack (the same 0.983x: the loss comes from ranks with slack holding back the
+    backwards that a rank without slack waits for); at ``"hint+1"`` critical fell to
+    0.993x (jitter, 1 of 10 seeds). The sweep: benchmarks/results/limits.md. The BF/BFW
+    rules keep their own policy.
     """
     if hint.policy != "hint":
         return hint.policy
-    if (dict(limits.per_stage), dict(limits.per_rank)) == (hint.peak_in_flight(),
-                                                          hint.rank_peaks()):
-        return "lookahead"  # the hint's own memory
-    return "critical" if hint.num_stages == hint.num_ranks else "hint"
+    peaks, rank_peaks = hint.peak_in_flight(), hint.rank_peaks()
+    below_hint = limits.first_stage_below(peaks) is not None
+    if not below_hint and any(limits.per_rank[r] < peak + min(MIN_SLACK, peak)
+                              for r, peak in rank_peaks.items()):
+        return "lookahead"  # the hint's own memory, or a rank with too little slack
+    # Several stages per rank: plain readiness-first gained more with slack (Interleaved1F1B
+    # hint+2, spikes: 1.062x mean) but fell to 0.994x (correlated, 1 of 10 seeds), critical
+    # to 0.985x, window 0.995x, arrival 0.986x; lookahead stayed at 1.000x.
+    return "critical" if hint.num_stages == hint.num_ranks else "lookahead"
 
 
 def make_policy(name: str, *, history: History | None = None,

@@ -623,22 +623,28 @@ class ScheduleRRFP(PipelineScheduleMulti):
 def limit_summary(spec: str | int, limits: MemoryLimits, hint: Hint, rank: int) -> str:
     """One sentence for the log: what ``buffer_limit=spec`` allows on ``rank`` and where
     the measured gains are (README, "Defaults and what they cost"): at the hint's memory
-    RRFP mostly follows the hint, so speed needs memory slack."""
+    RRFP mostly follows the hint, so speed needs memory slack; then one on the job's peak
+    (the busiest rank's), in microbatches held."""
     allowed, held = limits.per_rank[rank], hint.rank_peaks()[rank]
+    busiest, most = max(hint.rank_peaks().values()), max(limits.per_rank.values())
+    job = (f" No rank may hold more than the fixed schedule's busiest rank ({busiest} "
+           "microbatches), so the job's peak is unchanged." if most <= busiest else
+           f" The busiest rank may hold {most} microbatches, {most - busiest} more than the "
+           "fixed schedule's busiest rank ('busiest' keeps the job's peak).")
     where = ("measured 1.03-1.17x over the fixed order at 'hint+2' with 1F1B on 4-8 ranks; "
              "README, Defaults and what they cost")
     if allowed == held:
         return (f"buffer_limit={spec!r} allows no activation memory beyond the fixed "
                 f"schedule's ({held} microbatches on this rank), so RRFP mostly follows the "
                 f"hint (measured 1.000-1.004x); speed needs memory slack, e.g. "
-                f"buffer_limit='hint+2' ({where})")
+                f"buffer_limit='hint+2' ({where}).{job}")
     if allowed > held:
         return (f"buffer_limit={spec!r} allows {allowed} microbatches of activations on this "
                 f"rank, {allowed - held} more than the fixed schedule holds, to run ready "
-                f"work out of hint order ({where})")
+                f"work out of hint order ({where}).{job}")
     return (f"buffer_limit={spec!r} allows {allowed} microbatches of activations on this "
             f"rank, fewer than the {held} the fixed schedule holds: less memory, and "
-            f"usually slower than the fixed schedule")
+            f"usually slower than the fixed schedule.{job}")
 
 
 def _all_reduce_gradients(module: DistributedDataParallel) -> None:
@@ -817,6 +823,7 @@ def _step_stats(schedule: ScheduleRRFP, loop: StepLoop, executor: _StageExecutor
         rank_buffer_limit=arbiter.rank_limit,
         hint_peak_in_flight={s: hint_peaks[s] for s in local},
         hint_rank_peak=arbiter.hint.rank_peaks()[schedule.rank],
+        hint_busiest_rank_peak=max(arbiter.hint.rank_peaks().values()),
         peak_in_flight=dict(arbiter.peak_in_flight),
         peak_rank_in_flight=arbiter.peak_held,
         peak_activation_bytes=None if schedule._meter is None else schedule._meter.peak,

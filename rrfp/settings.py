@@ -11,13 +11,16 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import NamedTuple
 
-from rrfp.policy import POLICIES
+POLICIES = ("hint", "fixed", "BF", "BFW", "window", "lookahead", "arrival", "critical")
+"""The arbitration policies (``rrfp.policy`` implements them)."""
 
 BUFFER_LIMIT_HELP = (
     "microbatches of activations held (from a microbatch's forward until its last backward "
     "piece), per stage and per rank (a rank's stages together): 'hint' (the fixed schedule's "
     "own peaks, per stage and per rank), 'hint+k' (k more), 'Nx hint' (N times them, e.g. "
-    "'2x hint') or an integer n (n on each stage and each rank)")
+    "'2x hint'), 'busiest' (every stage and rank may hold what the fixed schedule's busiest "
+    "rank holds: that rank's peak, which sizes the job's memory, is unchanged) or an integer "
+    "n (n on each stage and each rank)")
 LAUNCH_DEPTH_HELP = (
     "launched-but-incomplete actions the device may hold before the rank decides again: an "
     "integer >= 1, or 0 or 'none' for no bound")
@@ -26,29 +29,35 @@ LAUNCH_DEPTH_HELP = (
 def policy_help(names: Sequence[str]) -> str:
     return ("how to pick among ready actions, case-insensitive: " + ", ".join(names)
             + "; none given: ScheduleRRFP's default (the rule of a BF/BFW hint; else "
-            "lookahead at the hint's memory; with slack critical for one stage per rank, "
-            "hint for several)")
+            "lookahead at the hint's memory or where some rank has no slack; with slack on "
+            "every rank critical for one stage per rank, lookahead for several)")
 
 
 class BufferLimit(NamedTuple):
     """A parsed ``buffer_limit``: ``value`` microbatches, or (``value`` None) ``factor``
-    times the hint's own peak plus ``extra``."""
+    times the hint's own peak plus ``extra``, or (``busiest``) the hint's busiest rank's
+    peak."""
 
     value: int | None
     factor: int = 1
     extra: int = 0
+    busiest: bool = False
 
-    def of(self, peak: int) -> int:
-        """The limit where the hint's own peak is ``peak``."""
+    def of(self, peak: int, busiest_peak: int) -> int:
+        """The limit where the hint's own peak is ``peak`` and its busiest rank's (the most
+        any rank's stages hold together at once) is ``busiest_peak``."""
+        if self.busiest:
+            return busiest_peak
         return self.value if self.value is not None else self.factor * peak + self.extra
 
 
 def parse_buffer_limit(spec: object) -> BufferLimit:
-    """``"hint"``, ``"hint+k"``, ``"Nx hint"``, an int n >= 1, or n written as a string
-    (case and spaces do not matter). ``ValueError`` saying what to write otherwise."""
+    """``"hint"``, ``"hint+k"``, ``"Nx hint"``, ``"busiest"``, an int n >= 1, or n written
+    as a string (case and spaces do not matter). ``ValueError`` saying what to write
+    otherwise."""
     if isinstance(spec, bool) or not isinstance(spec, (int, str)):
-        raise ValueError(f"buffer_limit must be 'hint', 'hint+k', 'Nx hint' or an int >= 1, "
-                         f"got {spec!r}")
+        raise ValueError(f"buffer_limit must be 'hint', 'hint+k', 'Nx hint', 'busiest' or an "
+                         f"int >= 1, got {spec!r}")
     text = spec if isinstance(spec, int) else spec.replace(" ", "").lower()
     if isinstance(text, int) or text.isdigit():
         value = int(text)
@@ -59,13 +68,16 @@ def parse_buffer_limit(spec: object) -> BufferLimit:
         return BufferLimit(value)
     if text == "hint":
         return BufferLimit(None)
+    if text == "busiest":
+        return BufferLimit(None, busiest=True)
     if text.startswith("hint+") and text[5:].isdigit():
         return BufferLimit(None, extra=int(text[5:]))
     if text.endswith("xhint") and text[:-5].isdigit() and int(text[:-5]) >= 1:
         return BufferLimit(None, factor=int(text[:-5]))
     raise ValueError(
         f"buffer_limit={spec!r} is not understood: use 'hint' (the fixed schedule's own peaks "
-        "per stage and per rank), 'hint+k' with k >= 0, 'Nx hint' with N >= 1, or an int >= 1")
+        "per stage and per rank), 'hint+k' with k >= 0, 'Nx hint' with N >= 1, 'busiest' (what "
+        "the fixed schedule's busiest rank holds, on every stage and rank), or an int >= 1")
 
 
 def parse_policy(name: str | None, names: Sequence[str] = POLICIES) -> str | None:

@@ -43,6 +43,11 @@ class StepStats:
     """The fixed schedule's own peak of microbatches held, per local stage."""
     hint_rank_peak: int
     """The fixed schedule's peak of microbatches held by the rank's stages together."""
+    hint_busiest_rank_peak: int
+    """The fixed schedule's busiest rank's peak (the largest ``hint_rank_peak`` of any
+    rank): the one that sizes the job's memory. While ``peak_rank_in_flight`` stays at or
+    below it on every rank (it does under ``buffer_limit="busiest"``), the job's peak, in
+    microbatches held, is the fixed schedule's."""
     peak_in_flight: dict[int, int]
     """Realized peak of microbatches held, per local stage."""
     peak_rank_in_flight: int
@@ -121,7 +126,8 @@ class StepStats:
             f"{self.idle_fraction:.1%}, out-of-hint-order {self.out_of_hint_order}/"
             f"{self.dispatched}, peak held {self.peak_in_flight} per stage, "
             f"{self.peak_rank_in_flight} on the rank (hint {self.hint_peak_in_flight}, "
-            f"{self.hint_rank_peak}), peak activations {activations}, "
+            f"{self.hint_rank_peak}; busiest rank {self.hint_busiest_rank_peak}), peak "
+            f"activations {activations}, "
             f"receive buffers {self.receive_buffer_bytes} B, backpressure entries "
             f"{self.backpressure_entries}, "
             f"dispatch overhead {self.overhead_per_action * 1e6:.0f} us/action, launch depth "

@@ -10,7 +10,7 @@ import pytest
 from rrfp.arbiter import Arbiter, check_deadlock_free, MemoryLimits, resolve_buffer_limits
 from rrfp.hints import (
     _Action, B, build_hint, Edge, F, HINT_NAMES, I, INPUT_GRAD_KINDS, W, WEIGHT_GRAD_KINDS)
-from rrfp.policy import POLICIES
+from rrfp.policy import make_policy, POLICIES
 from rrfp.sim.engine import simulate
 from tests.workers import held_from_order
 
@@ -25,7 +25,7 @@ def _hint(name="1F1B", num_ranks=2, per_rank=1, M=4, layout="loop"):
 
 
 def test_a_forward_waits_for_its_activation_and_then_runs():
-    arbiter = Arbiter(_hint(), rank=1)
+    arbiter = Arbiter(_hint(), rank=1, policy=make_policy("hint"))
     assert arbiter.choose() is None
     (wait,) = [w for w in arbiter.waits() if w.action == _Action(1, F, 0)]
     assert wait.peer_rank == 0 and "input activation from stage 0" in wait.reason
@@ -35,7 +35,8 @@ def test_a_forward_waits_for_its_activation_and_then_runs():
 
 def test_streams_keep_hint_order_even_when_later_inputs_arrive_first():
     hint = _hint()
-    arbiter = Arbiter(hint, rank=0, limits=resolve_buffer_limits("hint", hint))
+    arbiter = Arbiter(hint, rank=0, limits=resolve_buffer_limits("hint", hint),
+                      policy=make_policy("hint"))
     for _ in range(2):
         arbiter.record_launch(arbiter.choose())  # 0F0, 0F1
     arbiter.deliver(Edge(1, 0), 1)  # gradient of microbatch 1 before that of 0
@@ -46,7 +47,8 @@ def test_streams_keep_hint_order_even_when_later_inputs_arrive_first():
 
 def test_backpressure_holds_forwards_until_a_backward_runs():
     hint = _hint()
-    arbiter = Arbiter(hint, rank=0, limits=MemoryLimits({0: 1, 1: 1}, {0: 1, 1: 1}))
+    arbiter = Arbiter(hint, rank=0, limits=MemoryLimits({0: 1, 1: 1}, {0: 1, 1: 1}),
+                      policy=make_policy("hint"))
     arbiter.record_launch(arbiter.choose())  # 0F0
     assert arbiter.choose() is None
     assert any("backpressure" in w.reason for w in arbiter.waits())
@@ -60,7 +62,7 @@ def test_backpressure_holds_forwards_until_a_backward_runs():
 
 def test_ready_lower_ranked_action_runs_when_the_next_one_is_not_ready():
     # Rank 1 of GPipe: F0..F3 then B0..B3. B0 is ready as soon as F0 ran (last stage).
-    arbiter = Arbiter(_hint("GPipe"), rank=1)
+    arbiter = Arbiter(_hint("GPipe"), rank=1, policy=make_policy("hint"))
     arbiter.deliver(Edge(0, 1), 0)
     arbiter.record_launch(arbiter.choose())  # 1F0
     assert arbiter.choose() == _Action(1, B, 0)
@@ -71,6 +73,7 @@ def test_ready_lower_ranked_action_runs_when_the_next_one_is_not_ready():
 @pytest.mark.parametrize("spec,expected", [
     ("hint", ({0: 2, 1: 1}, {0: 2, 1: 1})), ("hint+2", ({0: 4, 1: 3}, {0: 4, 1: 3})),
     ("HINT + 1", ({0: 3, 1: 2}, {0: 3, 1: 2})), (3, ({0: 3, 1: 3}, {0: 3, 1: 3})),
+    ("busiest", ({0: 2, 1: 2}, {0: 2, 1: 2})), (" Busiest", ({0: 2, 1: 2}, {0: 2, 1: 2})),
 ])
 def test_buffer_limit_specs(spec, expected):
     assert resolve_buffer_limits(spec, _hint()) == MemoryLimits(*expected)
@@ -85,7 +88,7 @@ def test_limits_count_until_the_last_backward_piece_and_per_rank():
     # The per-rank peak is the most held at once, below the sum of the stages' peaks.
     assert hint.rank_peaks()[0] <= sum(hint.peak_in_flight()[s] for s in (0, 3))
     # A split backward holds its microbatch until W, not until I: run rank 0's fixed order.
-    arbiter = Arbiter(hint, rank=0, limits=limits)
+    arbiter = Arbiter(hint, rank=0, limits=limits, policy=make_policy("fixed"))
     for node in list(arbiter.nodes):
         if node.message is not None:
             arbiter.deliver(*node.message)
@@ -191,3 +194,57 @@ def test_the_log_says_what_the_limit_allows_and_where_the_gains_are():
         summary = limit_summary(spec, resolve_buffer_limits(spec, hint), hint, rank=0)
         assert says in summary, summary
         assert ("1.03-1.17x" in summary) == (spec != 2), summary
+
+
+def test_policies_depend_on_the_arbiter_never_the_other_way():
+    """hints <- arbiter <- policy: no module reaches back up the chain, not even for types
+    (an import under TYPE_CHECKING counts), so the arbiter and its policies form no cycle."""
+    import ast
+    import pathlib
+
+    root = pathlib.Path(__file__).resolve().parents[1] / "rrfp"
+    modules = ("settings", "hints", "arbiter", "graph", "policy")
+
+    def imports(name: str) -> set[str]:
+        tree = ast.parse((root / f"{name}.py").read_text())
+        found = set()
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("rrfp."):
+                found.add(node.module.split(".")[1])
+            elif isinstance(node, ast.Import):
+                found.update(a.name.split(".")[1] for a in node.names
+                             if a.name.startswith("rrfp."))
+        return found & set(modules)
+
+    graph = {m: imports(m) for m in modules}
+    assert "policy" not in graph["arbiter"] and "graph" not in graph["arbiter"]
+    assert graph["settings"] == set()
+    # No cycle: every module imports only modules earlier in one order.
+    order = {m: i for i, m in enumerate(("settings", "hints", "arbiter", "graph", "policy"))}
+    for module, uses in graph.items():
+        assert all(order[u] < order[module] for u in uses), (module, uses)
+
+
+def test_busiest_gives_every_rank_the_busiest_ranks_peak_and_no_more():
+    # Interleaved1F1B on 4 ranks: the ranks' own peaks differ; "busiest" lifts every rank
+    # to the largest, so no rank holds more than the fixed schedule's busiest one.
+    hint = _hint("Interleaved1F1B", 4, 2, 8)
+    peaks = hint.rank_peaks()
+    assert len(set(peaks.values())) > 1
+    limits = resolve_buffer_limits("busiest", hint)
+    assert set(limits.per_rank.values()) == {max(peaks.values())}
+    assert set(limits.per_stage.values()) == {max(peaks.values())}
+
+
+@pytest.mark.parametrize("name,per_rank,limit,expected", [
+    ("1F1B", 1, "hint", "lookahead"), ("1F1B", 1, "busiest", "lookahead"),
+    ("1F1B", 1, 8, "lookahead"), ("1F1B", 1, "hint+1", "lookahead"),
+    ("1F1B", 1, "hint+2", "critical"), ("1F1B", 1, "2x hint", "critical"),
+    ("1F1B", 1, 32, "critical"), ("Interleaved1F1B", 2, "hint+1", "lookahead"),
+    ("Interleaved1F1B", 2, "hint+2", "lookahead"), ("BF", 2, "hint+2", "BF"),
+])
+def test_default_policy_leaves_lookahead_only_with_slack_on_every_rank(
+        name, per_rank, limit, expected):
+    from rrfp.policy import default_policy
+    hint = _hint(name, 8, per_rank, 32)
+    assert default_policy(hint, resolve_buffer_limits(limit, hint)) == expected

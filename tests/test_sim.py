@@ -71,7 +71,42 @@ def test_workloads_are_seeded_and_shaped():
             assert a != make_timing(workload, 4, 6, 8)
         assert a.num_stages == 4 and a.n_microbatches == 6
     with pytest.raises(ValueError, match="unknown workload"):
-        make_timing("bursty", 4, 6, 0)
+        make_timing("no-such-workload", 4, 6, 0)
+
+
+def test_widened_workloads_have_the_shape_they_name():
+    import statistics
+    from rrfp.sim.workloads import make_timing
+
+    S, M = 8, 64
+    encoder = make_timing("encoder", S, M, 0)
+    means = [statistics.mean(row) for row in encoder.forward]
+    assert 2.0 <= means[0] / statistics.mean(means[1:]) <= 3.0  # an encoder stage 2-3x
+    # Correlated: a microbatch slow on one stage is slow on every stage.
+    corr = make_timing("correlated", S, M, 0)
+    assert statistics.correlation(corr.forward[0], corr.forward[S - 1]) > 0.8
+    jitter = make_timing("jitter", S, M, 0)
+    assert abs(statistics.correlation(jitter.forward[0], jitter.forward[S - 1])) < 0.5
+    # A persistent straggler: one stage slower on every microbatch, the others not.
+    slow = make_timing("slowrank", S, M, 0)
+    slowest = max(range(S), key=lambda s: statistics.mean(slow.forward[s]))
+    for half in (slice(0, M // 2), slice(M // 2, M)):
+        others = [statistics.mean(slow.forward[s][half]) for s in range(S) if s != slowest]
+        assert statistics.mean(slow.forward[slowest][half]) > 1.2 * max(others)
+    # Bursty: slow transfers come in runs on a link (the next transfer is more likely slow
+    # after a slow one than overall), the mean latency stays about latency_mean.
+    after_slow, slow_count, total = 0, 0, 0
+    for seed in range(5):
+        rows = make_timing("bursty", S, M, seed).activation_latency
+        flat = [x for row in rows for x in row]
+        cut = 3 * statistics.median(flat)
+        for row in rows:
+            for a, b in zip(row, row[1:]):
+                total += 1
+                if a > cut:
+                    slow_count += 1
+                    after_slow += b > cut
+    assert slow_count and after_slow / slow_count > 3 * slow_count / total
 
 
 def test_replay_file_round_trip_and_trace_conversion(tmp_path):
@@ -332,20 +367,22 @@ def test_default_policy_at_default_limit_matches_the_fixed_schedule_on_uniform_t
 
 
 def test_with_slack_one_stage_per_rank_runs_the_most_critical_ready_action():
-    """The default with memory slack: the critical-path order for one stage per rank, the
-    hint's order for several; each must beat the other candidates where it is the default
-    (mean over seeds, 8 ranks, 32 microbatches, compute jitter, hint+2)."""
+    """The default with memory slack: the critical-path order for one stage per rank, which
+    must beat the other candidates on the mean (8 ranks, 32 microbatches, compute jitter,
+    hint+2); lookahead for several, where the hint's order fell below 0.995x of the fixed
+    schedule (Interleaved1F1B, correlated costs, seed 4) and lookahead must not."""
     from rrfp.sim.study import compare
 
-    for name, per_rank, layout, default in (("1F1B", 1, "loop", "critical"),
-                                            ("Interleaved1F1B", 2, "loop", "hint")):
-        hint = build_hint(name, num_ranks=8, num_stages=8 * per_rank, n_microbatches=32,
-                          layout=layout)
-        assert compare(hint, "jitter", 0, limit="hint+2").policy == default
-        mean = {policy: sum(compare(hint, "jitter", seed, limit="hint+2", policy=policy).speedup
-                            for seed in range(3)) / 3
-                for policy in ("critical", "hint", "arrival")}
-        assert mean[default] == max(mean.values()), mean
+    hint = build_hint("1F1B", num_ranks=8, num_stages=8, n_microbatches=32)
+    assert compare(hint, "jitter", 0, limit="hint+2").policy == "critical"
+    mean = {policy: sum(compare(hint, "jitter", seed, limit="hint+2", policy=policy).speedup
+                        for seed in range(3)) / 3
+            for policy in ("critical", "hint", "arrival")}
+    assert mean["critical"] == max(mean.values()), mean
+    hint = build_hint("Interleaved1F1B", num_ranks=8, num_stages=16, n_microbatches=32)
+    assert compare(hint, "correlated", 4, limit="hint+2", policy="hint").speedup < 0.995
+    default = compare(hint, "correlated", 4, limit="hint+2")
+    assert default.policy == "lookahead" and default.speedup >= 0.995
 
 
 @pytest.mark.parametrize("name", ["1F1B", "GPipe", "Interleaved1F1B", "ZBVZeroBubble"])
@@ -496,3 +533,16 @@ def test_critical_priorities_follow_measured_costs_and_keep_them_while_they_stay
     assert rank_by_costs()["B"] == 2.25
     history.durations[(1, "B")] = 0.040
     assert rank_by_costs()["B"] == 4.0
+
+
+def test_the_default_does_not_lose_where_a_rank_has_no_slack():
+    """1F1B 8 x 32 under compute jitter at "busiest" (rank 0 at its own peak, the others
+    with slack) and at "hint+1": the critical order ran 0.961x (seed 2) and 0.993x (seed 2)
+    of the fixed schedule there; the default (lookahead) must stay at or above 0.995x."""
+    from rrfp.sim.study import compare
+
+    hint = build_hint("1F1B", num_ranks=8, num_stages=8, n_microbatches=32)
+    for limit in ("busiest", "hint+1"):
+        assert compare(hint, "jitter", 2, limit=limit, policy="critical").speedup < 0.995
+        result = compare(hint, "jitter", 2, limit=limit)
+        assert result.policy == "lookahead" and result.speedup >= 0.995, (limit, result.speedup)

@@ -311,7 +311,7 @@ def test_each_setting_means_the_same_from_python_toml_and_the_simulator(tmp_path
     limits = [built[0][i][1] for i in range(len(SPELLINGS))]
     assert limits == [{0: 6, 1: 6}, {0: 6, 1: 6}, {0: 10, 1: 6}, {0: 6, 1: 4}, {0: 5, 1: 3}]
     assert [built[0][i][2:] for i in range(len(SPELLINGS))] == [
-        ("critical", math.inf), ("hint", 3), ("hint", math.inf), ("window", math.inf),
+        ("critical", math.inf), ("hint", 3), ("lookahead", math.inf), ("window", math.inf),
         ("fixed", 2)]
 
 

@@ -451,7 +451,8 @@ def memory_world(rank: int, world_size: int, hint: str, reference: str, per_rank
                  layout: str) -> dict:
     """Saved-activation bytes of ScheduleRRFP measured per stage and per rank, on blocks
     that save a known number of bytes per microbatch (``MEMORY_PER_MICROBATCH``), at "hint"
-    under two delay patterns, at "hint+2", and at an int limit where the hint allows one;
+    under two delay patterns, at "hint+2", at an int limit where the hint allows one, and
+    at "busiest" with one stage per rank;
     the microbatches held, recomputed from the hint's order and from the realized one;
     and bitwise equality with torch's fixed schedule.
 
@@ -505,6 +506,8 @@ def memory_world(rank: int, world_size: int, hint: str, reference: str, per_rank
             ("hint+2", "slow_head", "stage")]
     if per_rank == 1 and hint not in ("LoopedBFS",):
         runs.append((2, "slow_head", "rank"))
+    if per_rank == 1:
+        runs.append(("busiest", "slow_head", "rank"))
     for limit, pattern, metered in runs:
         meters = StageMeters() if metered == "stage" else None
         stages, blocks = build_stages(chain, rank, world_size, layout, wrap=delays(pattern, meters))
@@ -525,6 +528,7 @@ def memory_world(rank: int, world_size: int, hint: str, reference: str, per_rank
             "hint_held": hint_peaks, "hint_rank_held": hint_rank_peak,
             "arbiter_held": stats.peak_in_flight, "arbiter_rank_held": stats.peak_rank_in_flight,
             "out_of_order": stats.out_of_hint_order,
+            "rank_limit": stats.rank_buffer_limit, "hint_rank_peak": stats.hint_rank_peak,
             "bitwise": all(torch.equal(a, b) for ga, gb in zip(grads, fixed_grads)
                            for a, b in zip(ga, gb)),
         }
@@ -734,7 +738,7 @@ def data_parallel(rank: int, world_size: int, wrapper: str, hint: str, reference
     for seed in (None, *delay_seeds):
         stages, blocks = build(seed)
         schedule = ScheduleRRFP(stages, M, loss_fn=loss_fn, hint=hint, buffer_limit="hint+1",
-                                stall_timeout=60)
+                                policy="hint", stall_timeout=60)
         history = local_grads(run_steps(schedule, stages, blocks, x, y, steps))
         runs["plain" if seed is None else f"seed{seed}"] = {
             "bitwise": bitwise_equal(history, fixed),
@@ -905,7 +909,7 @@ def tensor_parallel(rank: int, world_size: int, coordination: str, hint: str, re
         send_rng = random.Random((seed or 0) * 7919 + rank)
         schedule = ScheduleRRFP(
             stages, M, loss_fn=loss_fn, hint=hint, buffer_limit="hint+1", stall_timeout=60,
-            coordination_group=mesh["tp"].get_group(), coordination=coordination,
+            policy="hint", coordination_group=mesh["tp"].get_group(), coordination=coordination,
             send_delay=None if seed is None else (lambda e, m: send_rng.uniform(0, 0.003)))
         history = local_grads(run_steps(schedule, stages, blocks, x, y, steps))
         stats = schedule.last_step_stats
@@ -936,7 +940,7 @@ def compiled_stages(rank: int, world_size: int, hint: str, reference: str, per_r
         chain, rank, world_size, layout,
         wrap=lambda s, b: random_device_time(3, s, M, 0.003)(torch.compile(b, backend="aot_eager")))
     schedule = ScheduleRRFP(stages, M, loss_fn=loss_fn, hint=hint, buffer_limit="hint+1",
-                            send_delay=random_send_delay(rank, 0.003, slow=(M - 1, 0.03)))
+                            policy="hint", send_delay=random_send_delay(rank, 0.003, slow=(M - 1, 0.03)))
     compiled = run_steps(schedule, stages, blocks, x, y, 1)
     after_first = (sum(counters["frames"].values()), sum(counters["recompiles"].values()))
     compiled += run_steps(schedule, stages, blocks, x, y, steps - 1)
@@ -1494,6 +1498,7 @@ def made_up_stats(rank: int, **fields) -> StepStats:
     values = dict(pp_rank=rank, global_rank=rank, hint="1F1B", policy="hint",
                   device="HostDevice", launch_depth=1, buffer_limits=None,
                   rank_buffer_limit=None, hint_peak_in_flight={}, hint_rank_peak=1,
+                  hint_busiest_rank_peak=1,
                   peak_in_flight={}, peak_rank_in_flight=1, peak_activation_bytes=0,
                   receive_buffer_bytes=0, messages_sent=0, bytes_sent=0,
                   backpressure_entries={}, out_of_hint_order=0, hint_order=[],
@@ -1548,7 +1553,7 @@ def pre_split(rank: int, world_size: int, hint: str, stages_per_rank: int) -> di
         stages, blocks = build_stages(chain, rank, world_size, "loop", wrap=wrap)
         send_rng = random.Random(17 + rank)
         schedule = ScheduleRRFP(stages, M, loss_fn=loss_fn, hint=hint, buffer_limit="hint+1",
-                                device=EmulatedDevice(), stall_timeout=60,
+                                policy="hint", device=EmulatedDevice(), stall_timeout=60,
                                 send_delay=lambda edge, mb: send_rng.uniform(0, 0.003))
         history, outputs = train(schedule, stages, blocks, call)
         results[name] = {
@@ -1612,7 +1617,7 @@ def gradient_accumulation(rank: int, world_size: int) -> dict:
         result["torch"] = accumulate(fixed, stage, block)
     stage, block = build(3)
     rrfp = ScheduleRRFP(stage, M, loss_fn=loss_fn, hint="1F1B", buffer_limit="hint+1",
-                        device=EmulatedDevice(), stall_timeout=60)
+                        policy="hint", device=EmulatedDevice(), stall_timeout=60)
     result["rrfp"] = accumulate(rrfp, stage, block)
     result["out_of_order"] = rrfp.last_step_stats.out_of_hint_order
     rrfp.close()

@@ -14,14 +14,19 @@ class RRFP:
 
     buffer_limit: int | str = "hint"
     """Microbatches of activations held, per stage and per rank: ``"hint"``, ``"hint+k"``,
-    ``"Nx hint"`` or an integer (``4`` or ``"4"`` in TOML, ``--rrfp.buffer_limit 4`` on the
-    command line). Parsed as ScheduleRRFP parses it: ``rrfp.settings.BUFFER_LIMIT_HELP``."""
+    ``"Nx hint"``, ``"busiest"`` or an integer (``4`` or ``"4"`` in TOML,
+    ``--rrfp.buffer_limit 4`` on the command line). Parsed as ScheduleRRFP parses it:
+    ``rrfp.settings.BUFFER_LIMIT_HELP``. The default stays ``"hint"``: ``"busiest"`` counts
+    microbatches, not bytes, so where stages differ in activation bytes (embedding, output
+    head) it could raise a rank's bytes above the busiest rank's, and it gained 1.003x-1.009x
+    (simulated, 1F1B 8 x 32; README, "Defaults and what they cost")."""
 
     policy: str = ""
     """Arbitration policy, case-insensitive: ``hint``, ``lookahead``, ``critical``,
     ``arrival``, ``window``, ``BF``, ``BFW``, ``fixed``; empty = ScheduleRRFP's default (the
-    rule for BF/BFW; else ``lookahead`` at the hint's memory; with slack ``critical`` for one
-    stage per rank, ``hint`` for several)."""
+    rule for BF/BFW; else ``lookahead`` at the hint's memory or where some rank has less than
+    2 microbatches of slack; with slack on every rank ``critical`` for one stage per rank,
+    ``lookahead`` for several)."""
 
     coordination: str = "leader"
     """With tensor parallelism, how a TP group settles on each action: ``leader`` (its first

@@ -227,14 +227,15 @@ def simulate(
     duration: Duration,
     *,
     latency: Latency | None = None,
-    policy: str = "hint",
+    policy: str | Mapping[int, str] = "hint",
     limits: MemoryLimits | None = None,
     histories: Mapping[int, History] | None = None,
     launch_depth: float = DEFAULT_LAUNCH_DEPTH,
     launch_cost: float = 0.0,
     reorder_ahead: bool = False,
 ) -> SimResult:
-    """Simulate one step of ``hint`` under ``policy`` ("fixed" is the fixed schedule).
+    """Simulate one step of ``hint`` under ``policy`` ("fixed" is the fixed schedule), one
+    name for every rank or a name per rank (as ``rrfp.policy.default_policy`` picks them).
 
     ``histories``: per rank, what earlier steps showed (``SimResult.histories`` of the
     previous step), for the ``"lookahead"`` and ``"critical"`` policies. ``policy`` may
@@ -245,13 +246,14 @@ def simulate(
     ``duration``; ``reorder_ahead``: see ``StepLoop``.
     """
     sim = _Simulation(hint, duration, latency, launch_cost)
+    names = policy if not isinstance(policy, str) else dict.fromkeys(range(hint.num_ranks), policy)
     previous = histories or {}
     # The caller's histories stay as they were: this step learns into copies.
     learned = {r: copy.deepcopy(previous[r]) if r in previous else History()
                for r in range(hint.num_ranks)}
     loops = {
         r: StepLoop(
-            Arbiter(hint, r, limits=limits, policy=_policy(policy, sim, r, learned[r])),
+            Arbiter(hint, r, limits=limits, policy=_policy(names[r], sim, r, learned[r])),
             sim.devices[r], sim, sim.arrivals(r), sim.clock(r), launch_depth=launch_depth,
             reorder_ahead=reorder_ahead)
         for r in range(hint.num_ranks)

@@ -11,7 +11,7 @@ from rrfp.hints import _Action, Edge
 from rrfp.policy import Lookahead
 
 if TYPE_CHECKING:
-    from rrfp.arbiter import Arbiter, Node
+    from rrfp.arbiter import ArbiterView, Node
 
 Transit = Callable[[tuple[Edge, int], float], float]
 """When a message sent at the given time arrives."""
@@ -39,7 +39,7 @@ class ClairvoyantFit(Lookahead):
     def duration(self, node: Node) -> float | None:
         return self._duration(node.action)
 
-    def expected_arrival(self, message: tuple[Edge, int], arbiter: Arbiter) -> float | None:
+    def expected_arrival(self, message: tuple[Edge, int], arbiter: ArbiterView) -> float | None:
         return self._arrival(message)
 
 

@@ -15,7 +15,12 @@ from dataclasses import asdict, dataclass, field
 
 from rrfp.hints import _Action, B, Edge, F, I, REDUCE_GRAD, W
 
-WORKLOADS = ("uniform", "jitter", "multimodal", "straggler", "latency", "spikes")
+WORKLOADS = ("uniform", "jitter", "multimodal", "straggler", "latency", "spikes", "encoder",
+             "correlated", "slowrank", "bursty")
+"""``encoder``: one stage (the first: an encoder) costs 2-3x the others; ``correlated``: a
+microbatch's cost is alike on every stage (a long sequence is slow everywhere);
+``slowrank``: one stage is slower on every action (a persistent straggler rank);
+``bursty``: transfers slow down in bursts spanning consecutive microbatches of a link."""
 
 
 @dataclass(frozen=True)
@@ -103,6 +108,18 @@ class WorkloadParams:
     spike_min_slowdown: float = _knob(5.0, "a slow transfer takes at least this many times "
                                             "longer (spikes)")
     spike_max_slowdown: float = _knob(20.0, "... and at most this many times longer (spikes)")
+    encoder_slowdown: float = _knob(
+        2.5, "how many times longer the encoder stage's actions take than the others' (encoder)")
+    correlated_sigma: float = _knob(
+        0.4, "lognormal sigma of a microbatch's cost factor, shared by every stage (correlated)")
+    slow_rank_slowdown: float = _knob(
+        1.3, "how many times longer every action of the slow stage takes (slowrank)")
+    burst_probability: float = _knob(
+        0.08, "chance that a link's transfer starts a burst of slow transfers (bursty)")
+    burst_length: float = _knob(4.0, "mean microbatches a burst lasts (bursty)")
+    burst_slowdown: float = _knob(
+        8.0, "how many times longer a transfer in a burst takes (bursty; the mean latency "
+             "stays latency_mean)")
 
 
 def make_timing(workload: str, num_stages: int, n_microbatches: int, seed: int,
@@ -148,11 +165,42 @@ def make_timing(workload: str, num_stages: int, n_microbatches: int, seed: int,
             return base * slow * noise(0.3)
 
         latency = table(spiky)
+    elif workload == "encoder":
+        # Stage 0 holds the encoder; each stage's actions carry a little noise of their own.
+        cost = table(lambda s, m: (params.encoder_slowdown if s == 0 else 1.0) * noise(0.1))
+    elif workload == "correlated":
+        length = [noise(params.correlated_sigma) for _ in range(M)]
+        cost = table(lambda s, m: length[m] * noise(0.1))
+    elif workload == "slowrank":
+        slow_stage = rng.randrange(S)
+        cost = table(lambda s, m: (params.slow_rank_slowdown if s == slow_stage else 1.0)
+                     * noise(0.1))
+    elif workload == "bursty":
+        p, length, slow = params.burst_probability, params.burst_length, params.burst_slowdown
+        # Share of transfers in a burst: bursts start at rate p and last `length` on average.
+        share = p * length / (1 + p * length)
+        base = params.latency_mean / (1 - share + share * slow)
+
+        def bursts() -> list[list[float]]:
+            rows = []
+            for _ in range(S):
+                row, left = [], 0
+                for _ in range(M):
+                    if left == 0 and rng.random() < p:
+                        left = 1 + int(rng.expovariate(1 / max(length - 1, 1e-9)))
+                    row.append(base * (slow if left > 0 else 1.0) * noise(0.3))
+                    left = max(left - 1, 0)
+                rows.append(row)
+            return rows
+
+        latency = bursts()
     gradient_latency = latency
     if workload == "latency":
         gradient_latency = table(lambda s, m: params.latency_mean * noise(params.latency_sigma))
     elif workload == "spikes":
         gradient_latency = table(spiky)
+    elif workload == "bursty":
+        gradient_latency = bursts()
     # I and W of a microbatch scale like its forward (same tokens, same images), with
     # their own noise under jitter.
     scale = (lambda: noise(params.jitter_sigma)) if workload == "jitter" else (lambda: 1.0)
