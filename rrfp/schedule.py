@@ -622,7 +622,7 @@ class ScheduleRRFP(PipelineScheduleMulti):
 
 def limit_summary(spec: str | int, limits: MemoryLimits, hint: Hint, rank: int) -> str:
     """One sentence for the log: what ``buffer_limit=spec`` allows on ``rank`` and where
-    the measured gains are (README, "Defaults and what they cost"): at the hint's memory
+    the measured gains are (docs/defaults.md): at the hint's memory
     RRFP mostly follows the hint, so speed needs memory slack; then one on the job's peak
     (the busiest rank's), in microbatches held."""
     allowed, held = limits.per_rank[rank], hint.rank_peaks()[rank]
@@ -632,7 +632,7 @@ def limit_summary(spec: str | int, limits: MemoryLimits, hint: Hint, rank: int) 
            f" The busiest rank may hold {most} microbatches, {most - busiest} more than the "
            "fixed schedule's busiest rank ('busiest' keeps the job's peak).")
     where = ("measured 1.03-1.17x over the fixed order at 'hint+2' with 1F1B on 4-8 ranks; "
-             "README, Defaults and what they cost")
+             "docs/defaults.md")
     if allowed == held:
         return (f"buffer_limit={spec!r} allows no activation memory beyond the fixed "
                 f"schedule's ({held} microbatches on this rank), so RRFP mostly follows the "

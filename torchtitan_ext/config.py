@@ -19,7 +19,7 @@ class RRFP:
     ``rrfp.settings.BUFFER_LIMIT_HELP``. The default stays ``"hint"``: ``"busiest"`` counts
     microbatches, not bytes, so where stages differ in activation bytes (embedding, output
     head) it could raise a rank's bytes above the busiest rank's, and it gained 1.003x-1.009x
-    (simulated, 1F1B 8 x 32; README, "Defaults and what they cost")."""
+    (simulated, 1F1B 8 x 32; docs/defaults.md)."""
 
     policy: str = ""
     """Arbitration policy, case-insensitive: ``hint``, ``lookahead``, ``critical``,
