@@ -238,6 +238,7 @@ def outputs_and_eval(rank: int, world_size: int, hint: str, reference: str,
                                      wrap=lambda s, b: random_device_time(5, s, M, 0.003)(b))
             schedule = ScheduleRRFP(stages, M, loss_fn=loss_fn, hint=hint, device=EmulatedDevice(),
                                     launch_depth=1, stall_timeout=60, buffer_limit="hint+1",
+                                    policy="hint",  # the default at hint+1 follows the hint here
                                     send_delay=random_send_delay(rank, 0.003, slow=(M - 1, 0.03)))
         inputs = (x,) if any(s.is_first for s in stages) else ()
         train_losses: list = []
