@@ -17,6 +17,7 @@ from rrfp.arbiter import Arbiter, resolve_buffer_limits
 from rrfp.device import CudaDevice, EmulatedDevice, HostDevice, Wakeup
 from rrfp.hints import _Action, build_hint, F
 from rrfp.loop import StepLoop
+from rrfp.policy import make_policy
 
 NO_CUDA = "CudaDevice needs a CUDA device; torch.cuda.is_available() is False on this machine"
 
@@ -211,7 +212,8 @@ def test_the_step_loop_launches_only_while_fewer_than_launch_depth_actions_are_i
 
     origin = time.perf_counter()
     device.begin_step(origin, wakeup)
-    loop = StepLoop(Arbiter(hint, 0, limits=resolve_buffer_limits("hint", hint)), device,
+    loop = StepLoop(Arbiter(hint, 0, limits=resolve_buffer_limits("hint", hint),
+                            policy=make_policy("hint")), device,
                     Executor(), arrivals=lambda: [], clock=lambda: time.perf_counter() - origin,
                     launch_depth=launch_depth, stall_timeout=30)
     for timeout in loop.run():
