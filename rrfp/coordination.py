@@ -24,11 +24,12 @@ from __future__ import annotations
 
 import datetime
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Protocol
 
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import DTensor
 
 from rrfp.arbiter import Arbiter
 from rrfp.hints import _Action
@@ -162,6 +163,25 @@ class LeaderDecides:
             _wait(work, self.stall_timeout, "broadcasting this leader's decisions to "
                   f"global ranks {dist.get_process_group_ranks(self.group)}")
         self._pending.clear()
+
+
+def uncovered_sharded_parameter(named_parameters: Iterable[tuple[str, torch.Tensor]],
+                                covered: set[int]) -> tuple[str, list[int]] | None:
+    """The first parameter sharded over ranks that ``covered`` does not include, with
+    those ranks (its mesh's), or None.
+
+    Call with FSDP modules unsharded: a parameter that is then still a DTensor on a mesh of
+    several ranks is sharded over a group whose collectives run inside the stage's
+    compute: tensor parallel (a TP mesh), expert parallel (the EP mesh of the experts'
+    weights, whose tokens travel by all-to-all), or both (an EP x TP mesh).
+    """
+    for name, p in named_parameters:
+        if not isinstance(p, DTensor) or p.device_mesh.size() == 1:
+            continue
+        ranks = sorted(set(p.device_mesh.mesh.flatten().tolist()))
+        if not set(ranks) <= covered:
+            return name, ranks
+    return None
 
 
 def make_coordinator(kind: str, group: dist.ProcessGroup, stall_timeout: float) -> Coordinator:

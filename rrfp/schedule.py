@@ -19,7 +19,6 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch.distributed.fsdp import FSDPModule
-from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel
 from torch.distributed.pipelining.schedules import (
     _check_torch_compile_compatibility,
@@ -45,7 +44,7 @@ from rrfp.hints import (
     REDUCE_GRAD,
     W,
 )
-from rrfp.coordination import COORDINATIONS, make_coordinator
+from rrfp.coordination import COORDINATIONS, make_coordinator, uncovered_sharded_parameter
 from rrfp.device import CudaDevice, EmulatedDevice, HostDevice, Wakeup
 from rrfp.loop import Arrival, DEFAULT_LAUNCH_DEPTH, PipelineStallError, StepLoop
 from rrfp.memory import ActivationMeter
@@ -287,13 +286,17 @@ class ScheduleRRFP(PipelineScheduleMulti):
                 "connects fresh ones"
             )
         arg_mbs, kwarg_mbs = self._check_inputs(arg_mbs, kwarg_mbs, target_mbs, losses)
+        if not self._collectives_checked:
+            # Unsharded, a parameter still a DTensor is sharded over an intra-stage group.
+            # torch's shape inference reshards FSDP modules again.
+            self._prepare_data_parallel()
+            self._check_intra_stage_collectives()
         self._initialize_stages(
             arg_mbs[0], kwarg_mbs[0], target_mbs[0] if target_mbs is not None else None,
             loss_kwargs,
         )
         fsdp_modules = self._prepare_data_parallel()
         if not self._collectives_checked:
-            self._check_intra_stage_collectives()
             self._check_variable_shapes()
             self._collectives_checked = True
         if self._meter is not None:
@@ -453,30 +456,43 @@ class ScheduleRRFP(PipelineScheduleMulti):
         return wrappers
 
     def _check_intra_stage_collectives(self) -> None:
-        """Refuse parameters sharded over a group that no coordination group covers.
+        """Refuse parameters sharded over a group that no coordination group covers, on
+        every rank of the pipeline.
 
-        Checked once, with FSDP modules unsharded: parameters that are still DTensors are
-        sharded over a group whose collectives run inside the stage's compute (tensor or
-        expert parallel). Its ranks must run the same action sequence, which only a
-        ``coordination_group`` over them ensures; without it they would interleave
-        actions differently and issue mismatched collectives (a hang or wrong results).
+        Called at the first step with FSDP modules unsharded and before torch's shape
+        inference, whose forward would run the stages' first intra-stage collectives (an
+        expert-parallel all-to-all). A parameter still a DTensor there is sharded over
+        a group whose collectives run inside the stage's compute (tensor or expert
+        parallel); its ranks must run the same action sequence, which only a
+        ``coordination_group`` over them ensures; without one they would interleave
+        actions differently and issue mismatched collectives (a hang, or gloo's
+        "collective mismatch" abort). The verdicts are exchanged over the pipeline, so a
+        rank whose own stages shard nothing (a dense stage next to MoE ones) refuses
+        too, rather than waiting in shape inference for a peer that stopped.
         """
         covered = set(dist.get_process_group_ranks(self._coordination_group)
                       if self._coordination_group is not None else [dist.get_rank()])
-        for stage in self._stages:
-            for name, p in stage.submod.named_parameters():
-                if not isinstance(p, DTensor) or p.device_mesh.size() == 1:
-                    continue
-                ranks = sorted(set(p.device_mesh.mesh.flatten().tolist()))
-                if not set(ranks) <= covered:
-                    raise ValueError(
-                        f"parameter {name!r} of stage {stage.stage_index} is a DTensor sharded "
-                        f"over global ranks {ranks} (tensor or expert parallel), whose "
-                        "collectives run inside the stage's compute, but "
-                        + ("no coordination_group is given" if self._coordination_group is None
-                           else f"the coordination_group covers only {sorted(covered)}")
-                        + ": pass coordination_group=dist.new_group(<those ranks>, "
-                        "backend='gloo') so that they run the same actions")
+        uncovered = uncovered_sharded_parameter(
+            ((f"stage {stage.stage_index}'s {name!r}", p) for stage in self._stages
+             for name, p in stage.submod.named_parameters()), covered)
+        verdict = "" if uncovered is None else (
+            f"parameter {uncovered[0]} is a DTensor sharded over global ranks "
+            f"{uncovered[1]} (tensor or expert parallel), whose collectives run inside the "
+            "stage's compute, but "
+            + ("no coordination_group is given" if self._coordination_group is None
+               else f"the coordination_group covers only {sorted(covered)}")
+            + ": pass coordination_group=dist.new_group(<those ranks>, backend='gloo') "
+            "(one group spanning every such mesh of the stages) so that they run the "
+            "same actions")
+        verdicts = self._transport.gather_over_pipeline(
+            "intra-stage-collectives", verdict, self.stall_timeout)
+        me = dist.get_rank()
+        if verdict:
+            raise ValueError(verdict)
+        refusing = sorted(rank for rank, said in verdicts.items() if said and rank != me)
+        if refusing:
+            raise ValueError(f"global rank {refusing[0]} of this pipeline refuses its stages, "
+                             f"so this rank cannot run either: {verdicts[refusing[0]]}")
 
     def _check_variable_shapes(self) -> None:
         """Variable shapes: received DTensor activations are rebuilt with the global shape

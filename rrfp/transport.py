@@ -755,6 +755,28 @@ class Transport:
     def publish_failure(self, message: str) -> None:
         self.failures.publish(message)
 
+    def gather_over_pipeline(self, key: str, value: str, timeout: float) -> dict[int, str]:
+        """Every rank of the pipeline says ``value`` under ``key``; returns what each said,
+        by global rank. Goes through the generation's store (backend-agnostic, and apart
+        from the channels, whose first use would be a stage's data); waits at most
+        ``timeout`` seconds for the others, then raises ``PipelineStallError`` naming them.
+        Each schedule may use a key once."""
+        store = getattr(self.channels, "store", None)
+        ranks = getattr(self.channels, "global_ranks", ())
+        me = dist.get_rank()
+        if store is None or len(ranks) < 2:
+            return {me: value}
+        store.set(f"{key}/{me}", value)
+        keys = [f"{key}/{rank}" for rank in ranks]
+        try:
+            store.wait(keys, datetime.timedelta(seconds=timeout))
+        except RuntimeError as e:
+            missing = [rank for rank, k in zip(ranks, keys) if not store.check([k])]
+            raise PipelineStallError(
+                f"global ranks {missing} of the pipeline did not say {key!r} within "
+                f"stall_timeout ({timeout:g} s): {e}") from e
+        return {rank: said.decode() for rank, said in zip(ranks, store.multi_get(keys))}
+
     def finish_sends(self, timeout: float) -> None:
         """Complete every send of the step; TimeoutError if a gloo send does not."""
         deadline = time.perf_counter() + timeout

@@ -1,0 +1,197 @@
+"""Rank functions for tests/test_expert_parallel.py: PP 2 x EP 2 with torchtitan's MoE.
+
+Every stage is a residual MoE block built from torchtitan's own MoE module (for-loop
+experts), its experts sharded over the EP group as torchtitan's expert parallelism does
+(``Shard(0)`` DTensors on the EP mesh; tokens dispatched and combined with
+``all_to_all_single_autograd`` and uneven splits). Each EP rank gets its own data, so the
+splits differ between ranks and microbatches.
+
+torchtitan's MoE needs two fixes to run on CPU, applied here per test process by
+``use_cpu_moe_paths`` (torchtitan_ext's CPU support carries the product's own):
+CPU ``torch.histc`` has no integer kernel (the router counts tokens per expert on
+int64 expert ids), and the token permutation after the dispatch must take its CPU
+path (``generate_permute_indices(..., use_cpu=True)``) instead of a Triton kernel.
+"""
+
+from __future__ import annotations
+
+import copy
+import functools
+import random
+
+import torch
+import torch.distributed as dist
+from torch.distributed.pipelining import PipelineStage
+
+from rrfp import ScheduleRRFP
+from tests.workers import (bitwise_equal, loss_fn, random_device_time, run_steps,
+                           torch_schedule)
+
+DIM, TOKENS, BATCH_PER_MICROBATCH = 8, 4, 2
+EXPERTS, TOP_K = 4, 2
+
+
+def use_cpu_moe_paths() -> None:
+    """Let torchtitan 0.2.2's MoE run on CPU in this process (see the module docstring).
+
+    ``torch.histc`` is wrapped only for integer inputs, which CPU refuses outright: they
+    are counted as floats and returned as int64, as CUDA's kernel returns them; every
+    other call is torch's own. The permutation fix rebinds the one name
+    ``torchtitan.models.moe.utils._permute`` looks up.
+    """
+    import torchtitan.models.moe.utils as moe_utils
+
+    if not getattr(torch.histc, "_counts_integers_on_cpu", False):
+        histc = torch.histc
+
+        @functools.wraps(histc)
+        def counting_histc(input, *args, **kwargs):
+            if input.is_floating_point() or input.device.type != "cpu":
+                return histc(input, *args, **kwargs)
+            return histc(input.float(), *args, **kwargs).to(torch.int64)
+
+        counting_histc._counts_integers_on_cpu = True
+        torch.histc = counting_histc
+    permute = moe_utils.generate_permute_indices
+    if not isinstance(permute, functools.partial):
+        moe_utils.generate_permute_indices = functools.partial(permute, use_cpu=True)
+
+
+class MoEBlock(torch.nn.Module):
+    """``x + moe(x)`` on ``(batch, tokens, dim)``: a transformer block's MoE half."""
+
+    def __init__(self, moe: torch.nn.Module):
+        super().__init__()
+        self.moe = moe
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.moe(x)
+
+
+def make_moe_block(seed: int) -> MoEBlock:
+    """torchtitan's MoE: 4 for-loop experts, top-2 softmax routing, one shared expert."""
+    from torchtitan.models.moe.moe import MoE, MoEArgs
+
+    torch.manual_seed(seed)
+    args = MoEArgs(num_experts=EXPERTS, num_shared_experts=1, top_k=TOP_K,
+                   score_func="softmax", use_grouped_mm=False, load_balance_coeff=None)
+    moe = MoE(args, dim=DIM, hidden_dim=2 * DIM)
+    with torch.no_grad():
+        moe.init_weights(0.5, torch.device("cpu"))
+    return MoEBlock(moe)
+
+
+def shard_experts(block: MoEBlock, ep_mesh) -> MoEBlock:
+    """torchtitan's ``ExpertParallel`` on the block's routed experts over ``ep_mesh``."""
+    from torch.distributed.tensor.parallel import parallelize_module
+    from torchtitan.distributed.expert_parallel import ExpertParallel
+
+    parallelize_module(block.moe.experts, ep_mesh, ExpertParallel())
+    return block
+
+
+def make_batch(ep: int, n_microbatches: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each EP rank its own tokens (so its own routing) and targets."""
+    g = torch.Generator().manual_seed(100 + ep)
+    n = n_microbatches * BATCH_PER_MICROBATCH
+    return torch.randn(n, TOKENS, DIM, generator=g), torch.randn(n, TOKENS, DIM, generator=g)
+
+
+def _mesh():
+    from torch.distributed.device_mesh import init_device_mesh
+
+    use_cpu_moe_paths()
+    return init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "ep"))
+
+
+def _local_grads(history):
+    return [([g.to_local() if hasattr(g, "to_local") else g for g in grads], losses)
+            for grads, losses in history]
+
+
+def expert_parallel(rank: int, world_size: int, coordination: str, hint: str,
+                    delay_seeds: tuple[int, ...]) -> dict:
+    """RRFP vs torch's fixed ``hint`` on the same MoE stages and data, in one run: the
+    fixed schedule first, then RRFP without delays and with random delays per rank
+    (stage compute and messages), which reorder actions."""
+    mesh = _mesh()
+    pp, ep = mesh["pp"].get_local_rank(), mesh["ep"].get_local_rank()
+    per_rank = 2 if hint == "Interleaved1F1B" else 1
+    num_stages, M, steps = 2 * per_rank, 4, 2
+    chain = [make_moe_block(seed=s) for s in range(num_stages)]
+    local = [pp + 2 * k for k in range(per_rank)]
+    x, y = make_batch(ep, M)
+
+    def build(seed: int | None):
+        blocks, stages = [], []
+        for s in local:
+            block = shard_experts(copy.deepcopy(chain[s]), mesh["ep"])
+            module = block if seed is None else random_device_time(seed * 10 + ep, s, M, 0.003)(block)
+            blocks.append(block)
+            stages.append(PipelineStage(module, s, num_stages, torch.device("cpu"),
+                                        group=mesh["pp"].get_group()))
+        return stages, blocks
+
+    stages, blocks = build(None)
+    fixed = _local_grads(run_steps(torch_schedule(hint, stages, M), stages, blocks, x, y, steps))
+    runs = {}
+    for seed in (None, *delay_seeds):
+        stages, blocks = build(seed)
+        send_rng = random.Random((seed or 0) * 7919 + rank)
+        schedule = ScheduleRRFP(
+            stages, M, loss_fn=loss_fn, hint=hint, buffer_limit="hint+1", stall_timeout=60,
+            policy="hint", coordination_group=mesh["ep"].get_group(), coordination=coordination,
+            send_delay=None if seed is None else (lambda e, m: send_rng.uniform(0, 0.003)))
+        history = _local_grads(run_steps(schedule, stages, blocks, x, y, steps))
+        stats = schedule.last_step_stats
+        runs["plain" if seed is None else f"seed{seed}"] = {
+            "bitwise": bitwise_equal(history, fixed), "realized": stats.realized_order,
+            "out_of_order": stats.out_of_hint_order, "rounds": stats.coordination_rounds,
+        }
+    return {"pp": pp, "ep": ep, "runs": runs,
+            "sharded": [n for b in blocks for n, p in b.named_parameters() if hasattr(p, "to_local")]}
+
+
+def uncoordinated_expert_parallel(rank: int, world_size: int, case: str) -> dict:
+    """PP 2 x EP 2 that RRFP must refuse at its first step, before any all-to-all:
+    ``"none"``: MoE stages, no coordination group; ``"pp_group"``: a coordination group
+    that does not cover the EP ranks (the PP group); ``"dense_last"``: MoE on pipeline
+    rank 0 only, the last stage a dense block that shards nothing, no coordination group
+    (pipeline rank 1's ranks must refuse as well, not wait for their peers)."""
+    mesh = _mesh()
+    pp, ep = mesh["pp"].get_local_rank(), mesh["ep"].get_local_rank()
+    dense = case == "dense_last" and pp == 1
+    block = (torch.nn.Sequential(torch.nn.Linear(DIM, DIM)) if dense
+             else shard_experts(make_moe_block(seed=pp), mesh["ep"]))
+    dispatches = []
+    if not dense:
+        block.moe.experts.register_forward_pre_hook(lambda *_: dispatches.append(1))
+    group = mesh["pp"].get_group() if case == "pp_group" else None
+    stage = PipelineStage(block, pp, 2, torch.device("cpu"), group=mesh["pp"].get_group())
+    schedule = ScheduleRRFP(stage, 2, loss_fn=loss_fn, hint="1F1B", stall_timeout=30,
+                            coordination_group=group)
+    x, y = make_batch(ep, 2)
+    try:
+        run_steps(schedule, [stage], [block], x, y, 1)
+    except ValueError as e:
+        return {"error": str(e), "dispatches": len(dispatches), "dense": dense}
+    raise AssertionError("no ValueError")
+
+
+def expert_tensor_parallel_detected(rank: int, world_size: int) -> dict:
+    """torchtitan's ``ExpertTensorParallel`` on a 2 x 2 (ep, etp) mesh: which ranks RRFP's
+    check says an EP x TP expert weight is sharded over, and whether a group of the EP
+    ranks alone, or of all four, covers it."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.parallel import parallelize_module
+    from torchtitan.distributed.expert_parallel import ExpertTensorParallel
+
+    from rrfp.coordination import uncovered_sharded_parameter
+
+    use_cpu_moe_paths()
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("ep", "etp"))
+    block = make_moe_block(seed=0)
+    parallelize_module(block.moe.experts, mesh, ExpertTensorParallel())
+    ep_ranks = set(dist.get_process_group_ranks(mesh["ep"].get_group()))
+    return {"ep_only": uncovered_sharded_parameter(block.named_parameters(), ep_ranks),
+            "all": uncovered_sharded_parameter(block.named_parameters(), set(range(4)))}
