@@ -12,7 +12,14 @@ device synchronization is involved:
   action until one is agreed (ranks whose policies rank alike actions differently, e.g. by
   their own arrival times or measured durations, would otherwise disagree for good).
 * ``LeaderDecides``: the group's first rank picks and broadcasts its choice; the others
-  run that action as soon as it is ready for them.
+  run that action as soon as it is ready for them. Followers post the receive of the
+  next decision ahead, so they wait only when the leader has not decided yet.
+
+Both talk over a private twin of the user's coordination group (``CoordinationGroup``),
+built from the store by its members alone: a leader's decisions go out ahead of the
+stage's own collectives, and a follower posts the receive of the next decision ahead, so
+sharing the group the stage's compute uses (the TP group itself, on CPU) would pair a
+decision with a tensor-parallel all-reduce.
 
 Both keep the hint's next action always acceptable (the fixed order is a common fallback),
 so they add no deadlock the fixed schedule does not have. Every collective is waited for at
@@ -37,6 +44,45 @@ from rrfp.loop import PipelineStallError
 
 COORDINATIONS = ("leader", "agree")
 _NONE = -1
+_generations: dict[tuple[int, ...], int] = {}
+
+
+class CoordinationGroup:
+    """A private gloo twin of a coordination group: the same ranks, a communicator of its
+    own, created by its members alone under ``rrfp/coordination/<ranks>/<generation>``
+    in the default store (every member builds as many schedules over the group as the
+    others, so the generations match)."""
+
+    def __init__(self, group: dist.ProcessGroup, timeout: float):
+        from rrfp.transport import make_channel_group
+
+        self.global_ranks = tuple(dist.get_process_group_ranks(group))
+        self.rank = self.global_ranks.index(dist.get_rank())
+        generation = _generations.get(self.global_ranks, 0)
+        _generations[self.global_ranks] = generation + 1
+        name = f"rrfp/coordination/{'-'.join(map(str, self.global_ranks))}/{generation}/"
+        store = dist.PrefixStore(name, dist.distributed_c10d._get_default_store())
+        self.group = make_channel_group("gloo", store, self.rank,
+                                        datetime.timedelta(seconds=timeout), group_name=name,
+                                        global_ranks=self.global_ranks,
+                                        size=len(self.global_ranks))
+
+    @property
+    def size(self) -> int:
+        return len(self.global_ranks)
+
+    def peers(self) -> list[int]:
+        return [r for r in self.global_ranks if r != dist.get_rank()]
+
+    def broadcast(self, tensor: torch.Tensor) -> dist.Work:
+        """From the group's first rank (asynchronous)."""
+        options = dist.BroadcastOptions()
+        options.rootRank = 0
+        return self.group.broadcast([tensor], options)
+
+    def all_gather(self, outputs: list[torch.Tensor], tensor: torch.Tensor) -> dist.Work:
+        """Asynchronous."""
+        return self.group.allgather([outputs], [tensor])
 
 
 class Coordinator(Protocol):
@@ -62,6 +108,11 @@ class Coordinator(Protocol):
         ...
 
 
+def _private(group: CoordinationGroup | dist.ProcessGroup, timeout: float) -> CoordinationGroup:
+    """``group`` itself if private already, else a new private twin of it."""
+    return group if isinstance(group, CoordinationGroup) else CoordinationGroup(group, timeout)
+
+
 def _wait(work: dist.Work, stall_timeout: float, what: str) -> None:
     try:
         work.wait(datetime.timedelta(seconds=stall_timeout))
@@ -77,11 +128,11 @@ class AgreeOnProposals:
     needs_choice = True
     waits_when_idle = False
 
-    def __init__(self, group: dist.ProcessGroup, stall_timeout: float,
+    def __init__(self, group: CoordinationGroup | dist.ProcessGroup, stall_timeout: float,
                  retry_interval: float = 0.002):
-        self.group = group
+        self.group = _private(group, stall_timeout)
         self.stall_timeout = stall_timeout
-        self.size = dist.get_world_size(group)
+        self.size = self.group.size
         self.retry_interval = retry_interval
         self.rounds = self.deferrals = 0
         self.seconds = 0.0
@@ -97,10 +148,9 @@ class AgreeOnProposals:
             head = arbiter.nodes[arbiter.first_undone].action
             choice = head if arbiter.may_run(head) else None
         self._mine.fill_(_NONE if choice is None else arbiter.position(choice))
-        work = dist.all_gather(self._all, self._mine, group=self.group, async_op=True)
-        peers = [r for r in dist.get_process_group_ranks(self.group) if r != dist.get_rank()]
+        work = self.group.all_gather(self._all, self._mine)
         _wait(work, self.stall_timeout, "all-gathering the proposals of this rank's "
-              f"coordination group with global rank {', '.join(map(str, peers))}")
+              f"coordination group with global rank {', '.join(map(str, self.group.peers()))}")
         self.rounds += 1
         proposals = {int(t) for t in self._all}
         if len(proposals) == 1 and _NONE not in proposals:
@@ -120,38 +170,58 @@ class AgreeOnProposals:
 
 
 class LeaderDecides:
-    """The group's first rank picks; the others follow its sequence."""
+    """The group's first rank picks; the others follow its sequence.
+
+    The leader broadcasts each decision as it makes it and goes on without waiting. A
+    follower posts the receive of the next decision as soon as it has taken the current
+    one, so the leader's next decision arrives while the follower runs the current
+    action: it waits only when the leader has not decided yet.
+    """
 
     name = "leader"
     waits_when_idle = True
 
-    def __init__(self, group: dist.ProcessGroup, stall_timeout: float):
-        self.group = group
+    def __init__(self, group: CoordinationGroup | dist.ProcessGroup, stall_timeout: float):
+        self.group = _private(group, stall_timeout)
         self.stall_timeout = stall_timeout
-        self.leader = dist.get_global_rank(group, 0)
-        self.is_leader = self.needs_choice = dist.get_rank() == self.leader
+        self.leader = self.group.global_ranks[0]
+        self.is_leader = self.needs_choice = self.group.rank == 0
         self.rounds = self.deferrals = 0
         self.seconds = 0.0
         self._pending: list[tuple[dist.Work, torch.Tensor]] = []
+        """Leader: its broadcasts not yet known to be complete."""
+        self._next: tuple[dist.Work, torch.Tensor] | None = None
+        """Follower: the receive of the leader's next decision, posted ahead."""
+        self._taken = 0
+        """Follower: decisions taken so far in the step."""
         self._decided: _Action | None = None
+
+    def _post_next(self) -> None:
+        decision = torch.zeros(1, dtype=torch.int64)
+        self._next = (self.group.broadcast(decision), decision)
+        self.rounds += 1
 
     def settle(self, choice, arbiter, wait_for_arrivals):
         start = time.perf_counter()
         if self.is_leader:
             if choice is not None:
                 decision = torch.tensor([arbiter.position(choice)], dtype=torch.int64)
-                work = dist.broadcast(decision, src=self.leader, group=self.group, async_op=True)
-                self._pending.append((work, decision))
+                self._pending.append((self.group.broadcast(decision), decision))
                 self.rounds += 1
             self.seconds += time.perf_counter() - start
             return choice
         if self._decided is None:
-            decision = torch.zeros(1, dtype=torch.int64)
-            work = dist.broadcast(decision, src=self.leader, group=self.group, async_op=True)
+            if self._next is None:
+                self._post_next()
+            work, decision = self._next
             _wait(work, self.stall_timeout,
                   f"the decision of coordination leader global rank {self.leader}")
-            self.rounds += 1
+            self._next = None
             self._decided = arbiter.nodes[int(decision)].action
+            self._taken += 1
+            # The leader broadcasts one decision per action of the step, no more.
+            if self._taken < len(arbiter.nodes):
+                self._post_next()
         self.seconds += time.perf_counter() - start
         if not arbiter.may_run(self._decided):
             return None  # the caller waits for arrivals and asks again
@@ -161,7 +231,7 @@ class LeaderDecides:
     def finish(self) -> None:
         for work, _ in self._pending:
             _wait(work, self.stall_timeout, "broadcasting this leader's decisions to "
-                  f"global ranks {dist.get_process_group_ranks(self.group)}")
+                  f"global ranks {self.group.peers()}")
         self._pending.clear()
 
 
@@ -184,7 +254,10 @@ def uncovered_sharded_parameter(named_parameters: Iterable[tuple[str, torch.Tens
     return None
 
 
-def make_coordinator(kind: str, group: dist.ProcessGroup, stall_timeout: float) -> Coordinator:
+def make_coordinator(kind: str, group: CoordinationGroup | dist.ProcessGroup,
+                     stall_timeout: float) -> Coordinator:
+    """A coordinator of ``kind`` over ``group`` (a ``dist.ProcessGroup`` gets a private
+    twin, which its members must all create, in the same order)."""
     if kind == "leader":
         return LeaderDecides(group, stall_timeout)
     if kind == "agree":

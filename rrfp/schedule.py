@@ -44,7 +44,8 @@ from rrfp.hints import (
     REDUCE_GRAD,
     W,
 )
-from rrfp.coordination import COORDINATIONS, make_coordinator, uncovered_sharded_parameter
+from rrfp.coordination import (COORDINATIONS, CoordinationGroup, make_coordinator,
+                               uncovered_sharded_parameter)
 from rrfp.device import CudaDevice, EmulatedDevice, HostDevice, Wakeup
 from rrfp.loop import Arrival, DEFAULT_LAUNCH_DEPTH, PipelineStallError, StepLoop
 from rrfp.memory import ActivationMeter
@@ -241,6 +242,10 @@ class ScheduleRRFP(PipelineScheduleMulti):
                                     receive_streams=ReceiveStreams(stage_device))
         self._finalize_gradients = True
         self._coordination_group = coordination_group
+        self._coordination_twin = (
+            CoordinationGroup(coordination_group, self.stall_timeout)
+            if coordination_group is not None and dist.get_world_size(coordination_group) > 1
+            else None)
         self._collectives_checked = False
         self.coordination = coordination
         self._failure: str | None = None
@@ -314,9 +319,9 @@ class ScheduleRRFP(PipelineScheduleMulti):
         arbiter = Arbiter(hint, self.rank, limits=limits, policy=policy)
         executor = _StageExecutor(self, clock, arg_mbs, kwarg_mbs, target_mbs, return_outputs,
                                   loss_kwargs)
-        group = self._coordination_group
-        coordinator = (make_coordinator(self.coordination, group, self.stall_timeout)
-                       if group is not None and dist.get_world_size(group) > 1 else None)
+        coordinator = (make_coordinator(self.coordination, self._coordination_twin,
+                                        self.stall_timeout)
+                       if self._coordination_twin is not None else None)
         loop = StepLoop(
             arbiter, self._device, executor,
             arrivals=lambda: [Arrival(r.edge, r.microbatch, r.seen - origin)

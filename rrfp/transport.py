@@ -124,8 +124,9 @@ def _recoverable_nccl_errors():
 
 def make_channel_group(name: str, store: dist.Store, rank: int,
                        timeout: datetime.timedelta, *, group_name: str = "",
-                       global_ranks: Sequence[int] = ()) -> dist.ProcessGroup:
-    """A 2-rank gloo or NCCL process group over ``store`` (all its keys are under it).
+                       global_ranks: Sequence[int] = (), size: int = 2) -> dist.ProcessGroup:
+    """A gloo or NCCL process group of ``size`` ranks (a channel's 2 by default) over
+    ``store`` (all its keys are under it), created by its members alone.
 
     Built as ``dist.new_group`` builds one, minus the world-wide registration: a backend
     inside a ``ProcessGroup``, whose calls go through the dispatcher, so tensor subclasses
@@ -133,7 +134,7 @@ def make_channel_group(name: str, store: dist.Store, rank: int,
     and unwrapped before they are sent. Named (``group_name``, and on NCCL the global
     ranks), so that Flight Recorder and NCCL's logs say which channel they mean.
     """
-    group = dist.ProcessGroup(store, rank, 2)
+    group = dist.ProcessGroup(store, rank, size)
     if name == "nccl":
         options = dist.ProcessGroupNCCL.Options()
         options._timeout = timeout
@@ -142,10 +143,10 @@ def make_channel_group(name: str, store: dist.Store, rank: int,
         options.global_ranks_in_group = list(global_ranks)
         backend_type, device = dist.ProcessGroup.BackendType.NCCL, torch.device("cuda")
         with _recoverable_nccl_errors():
-            backend = dist.ProcessGroupNCCL(store, rank, 2, options)
+            backend = dist.ProcessGroupNCCL(store, rank, size, options)
     elif name == "gloo":
         backend_type, device = dist.ProcessGroup.BackendType.GLOO, torch.device("cpu")
-        backend = dist.ProcessGroupGloo(store, rank, 2, timeout)
+        backend = dist.ProcessGroupGloo(store, rank, size, timeout)
     else:
         raise ValueError(f"no channel backend {name!r}: rrfp channels use gloo (CPU) or "
                          "nccl (CUDA)")
