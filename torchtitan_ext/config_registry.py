@@ -15,9 +15,15 @@ have the names and defaults of the ``[rrfp]`` TOML section (``torchtitan_ext.con
   (``rrfp.variable_shapes``);
 * ``rrfp_multimodal_cpu``: documents with 0-40 image patches each, encoded on the first
   stage (``torchtitan_ext.multimodal``), variable shapes;
+* ``rrfp_deepseek_v3_ep_cpu``: deepseek_v3 debugmodel (mixture of experts), 2 pipeline
+  ranks x 2 stages x expert parallel 2 on 4 processes (``train_configs/
+  deepseek_v3_ep_cpu.toml``);
 * ``rrfp_llama3_8b`` / ``rrfp_llama3_8b_zbv``: GPU starting points (PP 4 x TP 2 x FSDP,
   Interleaved1F1B hint; PP 4 x FSDP, ZBV hint). Not run by this project: they need the
-  Llama 3.1 8B tokenizer in ``./assets/hf/Llama-3.1-8B`` and the c4 dataset.
+  Llama 3.1 8B tokenizer in ``./assets/hf/Llama-3.1-8B`` and the c4 dataset;
+* ``rrfp_deepseek_v3_16b``: GPU starting point, DeepSeek-V3 16B, PP 4 x EP 8 x FSDP on 32
+  or more GPUs (``train_configs/deepseek_v3_16b_rrfp.toml``). Not run by this project: it
+  needs the DeepSeek-V3 tokenizer in ``./assets/hf/deepseek-moe-16b-base`` and c4.
 """
 
 from __future__ import annotations
@@ -36,6 +42,7 @@ from torchtitan.distributed.activation_checkpoint import SelectiveAC  # noqa: E4
 from torchtitan.hf_datasets.text_datasets import HuggingFaceTextDataLoader  # noqa: E402
 from torchtitan.models.common.attention import ScaledDotProductAttention  # noqa: E402
 from torchtitan.models.common.config_utils import decoder_vocab_size  # noqa: E402
+from torchtitan.models.deepseek_v3 import model_registry as deepseek_v3_registry  # noqa: E402
 from torchtitan.models.llama3 import model_registry  # noqa: E402
 
 from torchtitan_ext.assets import DATASET_NAME, TOKENIZER_DIR  # noqa: E402
@@ -45,7 +52,8 @@ from torchtitan_ext.multimodal import multimodal_registry  # noqa: E402
 from torchtitan_ext.trainer import RRFPMetricsProcessor, RRFPTrainer  # noqa: E402
 
 __all__ = ["rrfp_llama3_debug_cpu", "rrfp_documents_cpu", "rrfp_multimodal_cpu",
-           "rrfp_llama3_8b", "rrfp_llama3_8b_zbv"]
+           "rrfp_deepseek_v3_ep_cpu", "rrfp_llama3_8b", "rrfp_llama3_8b_zbv",
+           "rrfp_deepseek_v3_16b"]
 
 
 def causal_sdpa(model_spec):
@@ -117,6 +125,27 @@ def rrfp_multimodal_cpu() -> RRFPTrainer.Config:
                       seq_len=176)
     config.dataloader = DocumentDataLoader.Config(images=True)
     config.rrfp.variable_shapes = True
+    return config
+
+
+def rrfp_deepseek_v3_ep_cpu() -> RRFPTrainer.Config:
+    """deepseek_v3 debugmodel (8 experts, top 3), 2 pipeline ranks x 2 stages per rank x
+    expert parallel 2 on 4 processes, RRFP, on CPU; as ``train_configs/
+    deepseek_v3_ep_cpu.toml``.
+
+    The EP ranks are data-parallel ranks (FSDP 2 on the dense layers). On CPU:
+    ``partial_dtensor`` (the default ``spmd_types`` backend's list all-to-all, which gloo
+    refuses for uneven splits, is not used), causal SDPA attention, and deterministic
+    kernels (the MoE layers' CPU kernels are not deterministic otherwise: torch's fixed
+    schedule differs from run to run, and RRFP is bitwise equal to it only with them)."""
+    config = _cpu_job(causal_sdpa(deepseek_v3_registry("debugmodel")),
+                      "./outputs/deepseek_v3_ep_cpu", seq_len=64)
+    config.training.local_batch_size = 4
+    config.training.steps = 10
+    config.parallelism.data_parallel_shard_degree = 2
+    config.parallelism.expert_parallel_degree = 2
+    config.parallelism.spmd_backend = "partial_dtensor"
+    config.debug.deterministic = True
     return config
 
 
