@@ -88,10 +88,10 @@ def checkpoint_parameters(dump) -> dict[str, torch.Tensor]:
 
 
 def test_the_moe_job_trains_bitwise_as_the_fixed_schedule(tmp_path):
-    """PP 2 x EP 2 (FSDP 2 on the dense layers), 3 steps; RRFP with memory to reorder
+    """PP 2 x EP 2 (FSDP 2 on the dense layers), 2 steps; RRFP with memory to reorder
     (``hint+1``) and its EP groups coordinated: after training every parameter equals the
     fixed Interleaved1F1B's, bitwise (torchtitan's checkpoint of the last step)."""
-    steps = 3
+    steps = 2
     parameters = {}
     for schedule in ("Interleaved1F1B", "RRFP-Interleaved1F1B"):
         dump = tmp_path / schedule
