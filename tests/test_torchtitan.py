@@ -42,6 +42,7 @@ JOBS = {
     "documents": ("train_configs/documents_cpu.toml", "rrfp_documents_cpu"),
     "multimodal": ("train_configs/multimodal_cpu.toml", "rrfp_multimodal_cpu"),
     "moe": ("train_configs/deepseek_v3_ep_cpu.toml", "rrfp_deepseek_v3_ep_cpu"),
+    "moe_16b": ("train_configs/deepseek_v3_16b_rrfp.toml", "rrfp_deepseek_v3_16b"),  # GPUs, not run
 }
 """Job -> (its TOML file for torchtitan 0.2.2, its config function for 0.3)."""
 LOSS_LINE = re.compile(r"step:\s+(\d+)\s+(?:\x1b\[[0-9;]*m)?loss:\s+(-?[0-9.]+)")

@@ -12,7 +12,7 @@ import inspect
 import pytest
 import torch
 
-from tests.test_torchtitan import run_titan, TITAN_0_2, VERSION
+from tests.test_torchtitan import check, parse, run_titan, TITAN_0_2, VERSION
 from torchtitan_ext.cpu import _moe_cpu_path, _TorchWithIntegerHistc, histc, MOE_CPU_PATCHES
 from torchtitan_ext.schedules import connected_groups
 
@@ -107,3 +107,16 @@ def test_the_moe_job_trains_bitwise_as_the_fixed_schedule(tmp_path):
     assert sorted(fixed) == sorted(rrfp)
     differ = [name for name in fixed if not torch.equal(fixed[name], rrfp[name])]
     assert not differ, differ
+
+
+@pytest.mark.parametrize("job", ["moe", "moe_16b"])
+def test_the_moe_jobs_pass_validation_with_the_same_parallelism_in_both_versions(job):
+    """The CPU job and the GPU starting point (not run): their TOML (0.2.2) and config
+    function (0.3) give the same pipeline and expert parallelism, and RRFP accepts it."""
+    config = parse(job=job)
+    check(config)
+    parallelism = config.parallelism
+    expected = {"moe": (2, 2, 2, 4), "moe_16b": (2, 8, -1, 8)}[job]
+    assert (parallelism.pipeline_parallel_degree, parallelism.expert_parallel_degree,
+            parallelism.data_parallel_shard_degree, config.training.local_batch_size) == expected
+    assert parallelism.pipeline_parallel_schedule == "RRFP"

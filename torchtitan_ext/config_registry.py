@@ -184,3 +184,31 @@ def rrfp_llama3_8b_zbv() -> RRFPTrainer.Config:
     config.parallelism.pipeline_parallel_schedule = "RRFP-ZBVZeroBubble"
     config.parallelism.tensor_parallel_degree = 1
     return config
+
+
+def rrfp_deepseek_v3_16b() -> RRFPTrainer.Config:
+    """DeepSeek-V3 16B, RRFP (Interleaved1F1B hint) over 2 pipeline ranks x 2 stages, EP 8 x
+    FSDP 8 inside each stage, on 16 GPUs (as ``train_configs/deepseek_v3_16b_rrfp.toml``).
+    Not run by this project."""
+    model_spec = deepseek_v3_registry("16B")
+    return RRFPTrainer.Config(
+        model_spec=model_spec,
+        hf_assets_path="./assets/hf/deepseek-moe-16b-base",
+        dump_folder="./outputs/deepseek_v3_16b_rrfp",
+        loss=CrossEntropyLoss.Config(global_vocab_size=decoder_vocab_size(model_spec)),
+        optimizer=default_adamw(lr=2.2e-4),
+        lr_scheduler=LRSchedulersContainer.Config(warmup_steps=100, decay_ratio=0.8,
+                                                  decay_type="cosine", min_lr_factor=0.1),
+        training=TrainingConfig(local_batch_size=8, seq_len=4096, max_norm=1.0, steps=1000,
+                                disable_cuda_graphs=True),  # torchtitan: none with PP yet
+        dataloader=HuggingFaceTextDataLoader.Config(dataset="c4"),
+        metrics=RRFPMetricsProcessor.Config(log_freq=10, enable_tensorboard=True),
+        parallelism=ParallelismConfig(pipeline_parallel_degree=2,
+                                      pipeline_parallel_schedule="RRFP",
+                                      pipeline_parallel_microbatch_size=1,
+                                      data_parallel_shard_degree=-1,
+                                      expert_parallel_degree=8),
+        rrfp=RRFP(buffer_limit="hint", stall_timeout=600, log_stats=True),
+        activation_checkpoint=SelectiveAC.Config(),
+        checkpoint=CheckpointManager.Config(enable=True, folder="checkpoint", interval=500),
+    )
