@@ -41,6 +41,8 @@ JOBS = {
     "main": ("train_configs/llama3_debug_cpu.toml", "rrfp_llama3_debug_cpu"),
     "documents": ("train_configs/documents_cpu.toml", "rrfp_documents_cpu"),
     "multimodal": ("train_configs/multimodal_cpu.toml", "rrfp_multimodal_cpu"),
+    "moe": ("train_configs/deepseek_v3_ep_cpu.toml", "rrfp_deepseek_v3_ep_cpu"),
+    "moe_16b": ("train_configs/deepseek_v3_16b_rrfp.toml", "rrfp_deepseek_v3_16b"),  # GPUs, not run
 }
 """Job -> (its TOML file for torchtitan 0.2.2, its config function for 0.3)."""
 LOSS_LINE = re.compile(r"step:\s+(\d+)\s+(?:\x1b\[[0-9;]*m)?loss:\s+(-?[0-9.]+)")
@@ -153,9 +155,9 @@ def test_schedule_names():
      r"parallelism.context_parallel_degree = 1, or use torch's fixed schedule "
      r"pipeline_parallel_schedule = 'Interleaved1F1B'"),
     (["--parallelism.pipeline_parallel_schedule", "RRFP-ZBVZeroBubble",
-      "--parallelism.expert_parallel_degree", "2"],
-     r"cannot run with parallelism.expert_parallel_degree=2: .* set "
-     r"parallelism.expert_parallel_degree = 1, or use torch's fixed schedule "
+      "--parallelism.context_parallel_degree", "2"],
+     r"cannot run with parallelism.context_parallel_degree=2: .* set "
+     r"parallelism.context_parallel_degree = 1, or use torch's fixed schedule "
      r"pipeline_parallel_schedule = 'ZBVZeroBubble'"),
 ])
 def test_bad_rrfp_configs_are_rejected_with_what_to_change(overrides, message):
@@ -193,10 +195,11 @@ def test_fewer_microbatches_than_stages_warn_as_torchtitan_does(caplog):
 def test_good_configs_pass_validation():
     for schedule in ("RRFP", "RRFP-Interleaved1F1B", "RRFP-ZBVZeroBubble", "RRFP-BFW"):
         check(parse("--parallelism.pipeline_parallel_schedule", schedule))
-    # Context and expert parallelism stay available to torch's fixed schedules.
+    # Expert parallelism is coordinated (tests/test_torchtitan_moe.py); context
+    # parallelism stays available to torch's fixed schedules.
+    check(parse("--parallelism.expert_parallel_degree", "2", job="moe"))
     check(parse("--parallelism.pipeline_parallel_schedule", "Interleaved1F1B",
-                "--parallelism.context_parallel_degree", "2",
-                "--parallelism.expert_parallel_degree", "2"))
+                "--parallelism.context_parallel_degree", "2"))
 
 
 def test_the_rrfp_settings_have_the_same_names_and_defaults_in_both_versions():

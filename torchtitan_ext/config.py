@@ -29,7 +29,8 @@ class RRFP:
     ``lookahead`` for several)."""
 
     coordination: str = "leader"
-    """With tensor parallelism, how a TP group settles on each action: ``leader`` (its first
+    """With tensor or expert parallelism, how the coordination group (its TP and EP ranks)
+    settles on each action: ``leader`` (its first
     rank decides and broadcasts) or ``agree`` (all-gather proposals, defer on
     disagreement). ``leader`` was faster in benchmarks/results/coordination.md."""
 

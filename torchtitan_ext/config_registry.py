@@ -15,9 +15,15 @@ have the names and defaults of the ``[rrfp]`` TOML section (``torchtitan_ext.con
   (``rrfp.variable_shapes``);
 * ``rrfp_multimodal_cpu``: documents with 0-40 image patches each, encoded on the first
   stage (``torchtitan_ext.multimodal``), variable shapes;
+* ``rrfp_deepseek_v3_ep_cpu``: deepseek_v3 debugmodel (mixture of experts), 2 pipeline
+  ranks x 2 stages x expert parallel 2 on 4 processes (``train_configs/
+  deepseek_v3_ep_cpu.toml``);
 * ``rrfp_llama3_8b`` / ``rrfp_llama3_8b_zbv``: GPU starting points (PP 4 x TP 2 x FSDP,
   Interleaved1F1B hint; PP 4 x FSDP, ZBV hint). Not run by this project: they need the
-  Llama 3.1 8B tokenizer in ``./assets/hf/Llama-3.1-8B`` and the c4 dataset.
+  Llama 3.1 8B tokenizer in ``./assets/hf/Llama-3.1-8B`` and the c4 dataset;
+* ``rrfp_deepseek_v3_16b``: GPU starting point, DeepSeek-V3 16B, PP 4 x EP 8 x FSDP on 32
+  or more GPUs (``train_configs/deepseek_v3_16b_rrfp.toml``). Not run by this project: it
+  needs the DeepSeek-V3 tokenizer in ``./assets/hf/deepseek-moe-16b-base`` and c4.
 """
 
 from __future__ import annotations
@@ -36,6 +42,7 @@ from torchtitan.distributed.activation_checkpoint import SelectiveAC  # noqa: E4
 from torchtitan.hf_datasets.text_datasets import HuggingFaceTextDataLoader  # noqa: E402
 from torchtitan.models.common.attention import ScaledDotProductAttention  # noqa: E402
 from torchtitan.models.common.config_utils import decoder_vocab_size  # noqa: E402
+from torchtitan.models.deepseek_v3 import model_registry as deepseek_v3_registry  # noqa: E402
 from torchtitan.models.llama3 import model_registry  # noqa: E402
 
 from torchtitan_ext.assets import DATASET_NAME, TOKENIZER_DIR  # noqa: E402
@@ -45,7 +52,8 @@ from torchtitan_ext.multimodal import multimodal_registry  # noqa: E402
 from torchtitan_ext.trainer import RRFPMetricsProcessor, RRFPTrainer  # noqa: E402
 
 __all__ = ["rrfp_llama3_debug_cpu", "rrfp_documents_cpu", "rrfp_multimodal_cpu",
-           "rrfp_llama3_8b", "rrfp_llama3_8b_zbv"]
+           "rrfp_deepseek_v3_ep_cpu", "rrfp_llama3_8b", "rrfp_llama3_8b_zbv",
+           "rrfp_deepseek_v3_16b"]
 
 
 def causal_sdpa(model_spec):
@@ -120,6 +128,27 @@ def rrfp_multimodal_cpu() -> RRFPTrainer.Config:
     return config
 
 
+def rrfp_deepseek_v3_ep_cpu() -> RRFPTrainer.Config:
+    """deepseek_v3 debugmodel (8 experts, top 3), 2 pipeline ranks x 2 stages per rank x
+    expert parallel 2 on 4 processes, RRFP, on CPU; as ``train_configs/
+    deepseek_v3_ep_cpu.toml``.
+
+    The EP ranks are data-parallel ranks (FSDP 2 on the dense layers). On CPU:
+    ``partial_dtensor`` (the default ``spmd_types`` backend's list all-to-all, which gloo
+    refuses for uneven splits, is not used), causal SDPA attention, and deterministic
+    kernels (the MoE layers' CPU kernels are not deterministic otherwise: torch's fixed
+    schedule differs from run to run, and RRFP is bitwise equal to it only with them)."""
+    config = _cpu_job(causal_sdpa(deepseek_v3_registry("debugmodel")),
+                      "./outputs/deepseek_v3_ep_cpu", seq_len=64)
+    config.training.local_batch_size = 4
+    config.training.steps = 10
+    config.parallelism.data_parallel_shard_degree = 2
+    config.parallelism.expert_parallel_degree = 2
+    config.parallelism.spmd_backend = "partial_dtensor"
+    config.debug.deterministic = True
+    return config
+
+
 def rrfp_llama3_8b() -> RRFPTrainer.Config:
     """llama3 8B, RRFP (Interleaved1F1B hint) x TP 2 x FSDP on 8 or more GPUs (as
     ``train_configs/llama3_8b_rrfp.toml``). Not run by this project."""
@@ -155,3 +184,31 @@ def rrfp_llama3_8b_zbv() -> RRFPTrainer.Config:
     config.parallelism.pipeline_parallel_schedule = "RRFP-ZBVZeroBubble"
     config.parallelism.tensor_parallel_degree = 1
     return config
+
+
+def rrfp_deepseek_v3_16b() -> RRFPTrainer.Config:
+    """DeepSeek-V3 16B, RRFP (Interleaved1F1B hint) over 2 pipeline ranks x 2 stages, EP 8 x
+    FSDP 8 inside each stage, on 16 GPUs (as ``train_configs/deepseek_v3_16b_rrfp.toml``).
+    Not run by this project."""
+    model_spec = deepseek_v3_registry("16B")
+    return RRFPTrainer.Config(
+        model_spec=model_spec,
+        hf_assets_path="./assets/hf/deepseek-moe-16b-base",
+        dump_folder="./outputs/deepseek_v3_16b_rrfp",
+        loss=CrossEntropyLoss.Config(global_vocab_size=decoder_vocab_size(model_spec)),
+        optimizer=default_adamw(lr=2.2e-4),
+        lr_scheduler=LRSchedulersContainer.Config(warmup_steps=100, decay_ratio=0.8,
+                                                  decay_type="cosine", min_lr_factor=0.1),
+        training=TrainingConfig(local_batch_size=8, seq_len=4096, max_norm=1.0, steps=1000,
+                                disable_cuda_graphs=True),  # torchtitan: none with PP yet
+        dataloader=HuggingFaceTextDataLoader.Config(dataset="c4"),
+        metrics=RRFPMetricsProcessor.Config(log_freq=10, enable_tensorboard=True),
+        parallelism=ParallelismConfig(pipeline_parallel_degree=2,
+                                      pipeline_parallel_schedule="RRFP",
+                                      pipeline_parallel_microbatch_size=1,
+                                      data_parallel_shard_degree=-1,
+                                      expert_parallel_degree=8),
+        rrfp=RRFP(buffer_limit="hint", stall_timeout=600, log_stats=True),
+        activation_checkpoint=SelectiveAC.Config(),
+        checkpoint=CheckpointManager.Config(enable=True, folder="checkpoint", interval=500),
+    )

@@ -4,16 +4,19 @@ torchtitan has no setting for this. It picks its device at import time and falls
 "cuda" when none is found, in several modules' copies (``DEVICE_MODULES``, per version: a
 test fails when one of them no longer has the attribute); it calls a few ``torch.cuda`` functions by name; it sets up
 ``barrier(device_ids=[current_device()])``, which needs an int. ``use_cpu()`` points all
-of them at the CPU. FSDP2 on gloo also needs sum reductions (gloo has no PREMUL_SUM):
+of them at the CPU, and gives torchtitan 0.2.2's MoE layers their CPU paths
+(``MOE_CPU_PATCHES``). FSDP2 on gloo also needs sum reductions (gloo has no PREMUL_SUM):
 ``force_sum_reductions`` sets that on the model parts.
 """
 
 from __future__ import annotations
 
+import functools
+import inspect
 import os
 import platform
 import resource
-from types import SimpleNamespace
+from types import ModuleType, SimpleNamespace
 
 import torch
 
@@ -39,6 +42,56 @@ DEVICE_MODULES: dict[tuple[int, int], dict[str, tuple[str, ...]]] = {
 }
 """Per torchtitan version, the modules that copied ``device_type`` / ``device_module`` at
 import, and which of the two each holds."""
+
+
+MOE_CPU_PATCHES: dict[tuple[int, int], dict[str, str]] = {
+    (0, 2): {
+        # Counts tokens per expert with torch.histc on int64 expert indices.
+        "torchtitan.models.moe.moe": "torch",
+        # Calls the Triton kernel unless given use_cpu=True.
+        "torchtitan.models.moe.utils": "generate_permute_indices",
+    },
+    (0, 3): {},
+}
+"""Per torchtitan version, what ``use_cpu`` replaces in its MoE modules, by module: the
+module's ``torch`` (the same module, but ``histc`` counts integer tensors, which CPU's
+kernel refuses) or its ``generate_permute_indices`` (taking its CPU path). torchtitan 0.3
+counts with ``bincount`` and permutes in PyTorch: nothing to replace."""
+
+
+def histc(input: torch.Tensor, bins: int = 100, min: float = 0, max: float = 0, *,
+          out: torch.Tensor | None = None) -> torch.Tensor:
+    """``torch.histc`` that also counts integer tensors on the CPU, as CUDA's kernel does:
+    the same counts, in the input's dtype. (Exact: the counted values are expert indices,
+    exactly representable as float32.)"""
+    if out is not None or input.is_floating_point() or input.device.type != "cpu":
+        return torch.histc(input, bins=bins, min=min, max=max, out=out)
+    return torch.histc(input.float(), bins=bins, min=min, max=max).to(input.dtype)
+
+
+class _TorchWithIntegerHistc(ModuleType):
+    """``torch`` as one module sees it: everything is torch's, except ``histc``."""
+
+    histc = staticmethod(histc)
+
+    def __getattr__(self, name: str):
+        return getattr(torch, name)
+
+
+def _moe_cpu_path(module: ModuleType, attribute: str):
+    """What replaces ``module.attribute`` (one of ``MOE_CPU_PATCHES``); idempotent."""
+    current = getattr(module, attribute)
+    if isinstance(current, _TorchWithIntegerHistc) or (
+            isinstance(current, functools.partial) and current.keywords.get("use_cpu")):
+        return current
+    if attribute == "torch":
+        if current is not torch:
+            raise RuntimeError(f"torchtitan_ext.cpu: {module.__name__}.torch is not torch")
+        return _TorchWithIntegerHistc("torch")
+    if "use_cpu" not in inspect.signature(current).parameters:
+        raise RuntimeError(f"torchtitan_ext.cpu: {module.__name__}.{attribute} has no "
+                           "use_cpu argument any more; update MOE_CPU_PATCHES")
+    return functools.partial(current, use_cpu=True)
 
 
 class CpuDeviceModule:
@@ -97,6 +150,12 @@ def use_cpu() -> bool:
                 raise RuntimeError(f"torchtitan_ext.cpu: {name}.{attribute} is gone; update "
                                    "DEVICE_MODULES for this torchtitan")
             setattr(module, attribute, "cpu" if attribute == "device_type" else CpuDeviceModule)
+    for name, attribute in MOE_CPU_PATCHES[torchtitan_version()].items():
+        module = importlib.import_module(name)
+        if not hasattr(module, attribute):
+            raise RuntimeError(f"torchtitan_ext.cpu: {name}.{attribute} is gone; update "
+                               "MOE_CPU_PATCHES for this torchtitan")
+        setattr(module, attribute, _moe_cpu_path(module, attribute))
     return True
 
 

@@ -140,19 +140,17 @@ def validate(job_config, n_layers: int) -> None:
     hint = hint_of(parallelism.pipeline_parallel_schedule)
     if hint is None:
         return
-    # Their collectives run inside a stage's compute, so all ranks of such a group must run
-    # the same action sequence; RRFP coordinates only tensor-parallel groups.
-    intra_stage_degrees = {"context_parallel_degree": parallelism.context_parallel_degree,
-                           "expert_parallel_degree": parallelism.expert_parallel_degree}
-    for field_name, degree in intra_stage_degrees.items():
-        if degree > 1:
-            raise ValueError(
-                f"schedule {parallelism.pipeline_parallel_schedule!r} cannot run with "
-                f"parallelism.{field_name}={degree}: those collectives run inside each "
-                "stage's compute, and RRFP lets the ranks of that group run their actions in "
-                "different orders (mismatched collectives hang or give wrong results); set "
-                f"parallelism.{field_name} = 1, or use torch's fixed schedule "
-                f"pipeline_parallel_schedule = {placement_schedule(hint)!r}")
+    # CP's collectives run inside a stage's compute, and its group is not coordinated (the
+    # TP and EP groups are: ``coordination_group``).
+    if parallelism.context_parallel_degree > 1:
+        raise ValueError(
+            f"schedule {parallelism.pipeline_parallel_schedule!r} cannot run with "
+            f"parallelism.context_parallel_degree={parallelism.context_parallel_degree}: "
+            "its collectives run inside each stage's compute, and RRFP coordinates only the "
+            "tensor and expert parallel groups, so the ranks of a context parallel group could "
+            "run their actions in different orders (mismatched collectives hang or give wrong "
+            "results); set parallelism.context_parallel_degree = 1, or use torch's fixed "
+            f"schedule pipeline_parallel_schedule = {placement_schedule(hint)!r}")
     pp = parallelism.pipeline_parallel_degree
     if pp < 2:
         raise ValueError(f"schedule {parallelism.pipeline_parallel_schedule!r} needs "
@@ -201,30 +199,60 @@ def validate(job_config, n_layers: int) -> None:
                          f"{list(COORDINATIONS)}")
 
 
-def coordination_group(stages) -> dist.ProcessGroup | None:
-    """A gloo group over this rank's TP group, if the stages are tensor parallel.
+INTRA_STAGE_MESH_DIMS = ("tp", "ep", "etp")
+"""torchtitan's mesh dimensions (0.2.2 and 0.3) whose collectives run inside a stage's
+compute: tensor, expert and expert-tensor parallel. (The data-parallel ones, ``fsdp``,
+``efsdp``, ``dp_replicate``, ``dp_shard``, reduce at fixed points; ``cp`` is refused.)"""
 
-    The TP mesh is read off the stages' DTensor parameters. On GPUs the TP group is NCCL,
-    so gloo twins of all TP groups are created, in the same order on every rank (every
-    rank builds its schedule at the same point of torchtitan's start-up).
+
+def intra_stage_ranks(stages) -> set[int]:
+    """The global ranks of every intra-stage collective group the stages' DTensor
+    parameters are placed on (``INTRA_STAGE_MESH_DIMS`` of their meshes), this rank's
+    included."""
+    ranks = {dist.get_rank()}
+    for stage in stages:
+        for p in stage.submod.parameters():
+            if not isinstance(p, DTensor):
+                continue
+            mesh = p.device_mesh
+            for name in set(mesh.mesh_dim_names or ()) & set(INTRA_STAGE_MESH_DIMS):
+                ranks.update(mesh[name].mesh.flatten().tolist())
+    return ranks
+
+
+def connected_groups(rank_sets: list[set[int]]) -> list[tuple[int, ...]]:
+    """The groups that ranks sharing an intra-stage collective group, directly or through
+    others, form (e.g. TP {0,1}, {2,3} with EP {0,2}, {1,3}: one group {0,1,2,3}); sorted,
+    each sorted."""
+    groups: list[set[int]] = []
+    for ranks in rank_sets:
+        merged = set(ranks)
+        for group in [g for g in groups if g & merged]:
+            merged |= group
+            groups.remove(group)
+        groups.append(merged)
+    return sorted(tuple(sorted(g)) for g in groups)
+
+
+def coordination_group(stages) -> dist.ProcessGroup | None:
+    """One gloo group over every rank this rank shares a TP, EP or EP x TP group with
+    (read off the stages' DTensor meshes), or None if it shares none.
+
+    Every rank's ranks are all-gathered and the gloo groups created, one per connected
+    set, in the same order on every rank (every rank builds its schedule at the same point
+    of torchtitan's start-up). A gloo twin also where the group itself is gloo: its
+    coordination then never shares a group with the collectives it orders.
     """
-    tp_mesh = next((p.device_mesh["tp"] for stage in stages for p in stage.submod.parameters()
-                    if isinstance(p, DTensor) and "tp" in (p.device_mesh.mesh_dim_names or ())),
-                   None)
-    if tp_mesh is None or tp_mesh.size() == 1:
-        return None
-    group = tp_mesh.get_group()
-    if "gloo" in str(dist.get_backend(group)):
-        return group
-    mine = dist.get_process_group_ranks(group)
     everyone: list = [None] * dist.get_world_size()
-    dist.all_gather_object(everyone, mine)
-    twin = None
-    for ranks in sorted({tuple(r) for r in everyone}):
+    dist.all_gather_object(everyone, intra_stage_ranks(stages))
+    mine = None
+    for ranks in connected_groups(everyone):
+        if len(ranks) == 1:
+            continue
         created = dist.new_group(list(ranks), backend="gloo")
-        if list(ranks) == mine:
-            twin = created
-    return twin
+        if dist.get_rank() in ranks:
+            mine = created
+    return mine
 
 
 def build_schedule(schedule_name: str, settings: RRFP, stages, n_microbatches: int,

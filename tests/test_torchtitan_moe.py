@@ -1,0 +1,122 @@
+"""torchtitan with expert parallelism: the MoE CPU support, the coordination group, and the
+MoE job (deepseek_v3 debugmodel, PP 2 x EP 2 on 4 processes) trained under RRFP and under
+torch's fixed schedule, compared parameter by parameter, bitwise, against whichever
+torchtitan is installed (0.2.2: ``train_configs/deepseek_v3_ep_cpu.toml``, 0.3:
+``rrfp_deepseek_v3_ep_cpu``)."""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+
+import pytest
+import torch
+
+from tests.test_torchtitan import check, parse, run_titan, TITAN_0_2, VERSION
+from torchtitan_ext.cpu import _moe_cpu_path, _TorchWithIntegerHistc, histc, MOE_CPU_PATCHES
+from torchtitan_ext.schedules import connected_groups
+
+MOE_SOURCES = {
+    (0, 2): ["torchtitan.models.moe.moe", "torchtitan.models.moe.utils"],
+    (0, 3): ["torchtitan.models.common.moe", "torchtitan.models.common.token_dispatcher"],
+}
+"""Per torchtitan version, the modules with its MoE layers' token counting and permutation."""
+
+
+def test_the_moe_cpu_patch_targets_are_what_torchtitan_calls():
+    """0.2.2 counts tokens per expert with ``torch.histc`` on int64 indices (no CPU
+    kernel) and permutes with a Triton kernel unless told ``use_cpu=True``: what
+    ``MOE_CPU_PATCHES`` replaces. 0.3 does neither, so nothing is replaced; this fails
+    when either changes."""
+    sources = "".join(inspect.getsource(importlib.import_module(name))
+                      for name in MOE_SOURCES[VERSION])
+    patched = MOE_CPU_PATCHES[VERSION]
+    assert ("torch.histc(" in sources) == ("torch" in patched.values())
+    assert ("generate_permute_indices(" in sources) == ("generate_permute_indices" in patched.values())
+    for name, attribute in patched.items():
+        module = importlib.import_module(name)
+        current = getattr(module, attribute)
+        if attribute == "torch":  # (replaced already if torchtitan_ext.register was imported)
+            assert current is torch or isinstance(current, _TorchWithIntegerHistc), name
+        else:
+            assert "use_cpu" in inspect.signature(current).parameters, (name, attribute)
+
+
+def test_integer_histc_counts_as_cuda_does():
+    experts = torch.tensor([[0, 3], [3, 7], [7, 7]])
+    counts = histc(experts.view(-1), bins=8, min=0, max=8)
+    assert counts.dtype == torch.int64
+    assert counts.tolist() == torch.bincount(experts.view(-1), minlength=8).tolist()
+    with pytest.raises(RuntimeError, match="Long"):  # what it stands in for
+        torch.histc(experts.view(-1), bins=8, min=0, max=8)
+    floats = torch.tensor([0.5, 1.5, 1.5])
+    assert torch.equal(histc(floats, bins=2, min=0, max=2), torch.histc(floats, 2, 0, 2))
+
+
+@pytest.mark.skipif(not TITAN_0_2, reason="torchtitan 0.3 has no MoE CPU patch; installed: "
+                    f"torchtitan {VERSION}")
+def test_the_0_2_moe_layers_see_the_cpu_paths():
+    from torchtitan.models.moe import kernels, moe, utils
+
+    patched_torch = _moe_cpu_path(moe, "torch")
+    assert patched_torch.histc is histc and patched_torch.argsort is torch.argsort
+    permute = _moe_cpu_path(utils, "generate_permute_indices")
+    assert permute.func is kernels.generate_permute_indices
+    assert permute.keywords == {"use_cpu": True}
+    tokens = torch.tensor([3, 0, 2, 1], dtype=torch.int32)  # 2 ranks x 2 local experts
+    indices, sizes, _ = permute(tokens, 2, 2, 32, 8)
+    assert sizes.tolist() == [8, 8]
+    assert sorted(i for i in indices.tolist() if i >= 0) == list(range(6))
+
+
+def test_ranks_sharing_a_group_directly_or_through_others_are_coordinated_together():
+    tp = [{0, 1}, {0, 1}, {2, 3}, {2, 3}]
+    assert connected_groups(tp) == [(0, 1), (2, 3)]
+    ep_across_tp = [{0, 1, 2}, {0, 1, 3}, {0, 2, 3}, {1, 2, 3}]  # TP {0,1},{2,3}; EP {0,2},{1,3}
+    assert connected_groups(ep_across_tp) == [(0, 1, 2, 3)]
+    assert connected_groups([{0}, {1}, {2, 3}, {2, 3}]) == [(0,), (1,), (2, 3)]
+
+
+def checkpoint_parameters(dump) -> dict[str, torch.Tensor]:
+    """The model's parameters as torchtitan checkpointed them at the last step (every
+    rank's shards, experts included), read back in this process."""
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    (step,) = (dump / "checkpoint").iterdir()
+    dcp_to_torch_save(str(step), str(dump / "parameters.pt"))
+    return torch.load(dump / "parameters.pt", weights_only=False)
+
+
+def test_the_moe_job_trains_bitwise_as_the_fixed_schedule(tmp_path):
+    """PP 2 x EP 2 (FSDP 2 on the dense layers), 2 steps; RRFP with memory to reorder
+    (``hint+1``) and its EP groups coordinated: after training every parameter equals the
+    fixed Interleaved1F1B's, bitwise (torchtitan's checkpoint of the last step)."""
+    steps = 2
+    parameters = {}
+    for schedule in ("Interleaved1F1B", "RRFP-Interleaved1F1B"):
+        dump = tmp_path / schedule
+        code, out = run_titan(4, "--training.steps", str(steps), "--rrfp.buffer_limit", "hint+1",
+                              "--parallelism.pipeline_parallel_schedule", schedule,
+                              "--checkpoint.enable", "--checkpoint.interval", str(steps),
+                              dump=str(dump), job="moe", timeout=400)
+        assert code == 0, out[-3000:]
+        assert ("ScheduleRRFP with hint Interleaved1F1B" in out) == schedule.startswith("RRFP")
+        parameters[schedule] = checkpoint_parameters(dump)
+    fixed, rrfp = parameters["Interleaved1F1B"], parameters["RRFP-Interleaved1F1B"]
+    assert any("experts" in name for name in fixed)
+    assert sorted(fixed) == sorted(rrfp)
+    differ = [name for name in fixed if not torch.equal(fixed[name], rrfp[name])]
+    assert not differ, differ
+
+
+@pytest.mark.parametrize("job", ["moe", "moe_16b"])
+def test_the_moe_jobs_pass_validation_with_the_same_parallelism_in_both_versions(job):
+    """The CPU job and the GPU starting point (not run): their TOML (0.2.2) and config
+    function (0.3) give the same pipeline and expert parallelism, and RRFP accepts it."""
+    config = parse(job=job)
+    check(config)
+    parallelism = config.parallelism
+    expected = {"moe": (2, 2, 2, 4), "moe_16b": (2, 8, -1, 8)}[job]
+    assert (parallelism.pipeline_parallel_degree, parallelism.expert_parallel_degree,
+            parallelism.data_parallel_shard_degree, config.training.local_batch_size) == expected
+    assert parallelism.pipeline_parallel_schedule == "RRFP"
