@@ -14,8 +14,9 @@ ranks of a stage wait for the busier one, as on hardware.
 
 Schedules, same data, A/B/C in turn every step: torch's `Schedule1F1B` (fixed; runs on the
 calling thread, synchronously, as torch's schedules do on CPU), `ScheduleRRFP(hint="1F1B")`
-at its default memory `"hint"`, and at `"hint+2"` (2 more microbatches of activations per
-stage), both with `coordination_group` = a gloo twin of the EP group (leader coordination,
+in the hint's fixed order (`policy="fixed"`: the
+runtime's and the coordination's cost alone), at its default memory `"hint"`, and at
+`"hint+2"` (2 more microbatches of activations per stage), all three with `coordination_group` = a gloo twin of the EP group (leader coordination,
 the default) on the emulated asynchronous device. The last steps' RRFP traces (EP rank 0's
 pipeline) are replayed by the simulator (`rrfp.sim`), at PP 2 (checking it against the
 measurement) and, resampled, at PP 8 x 32 microbatches (simulated). Writes
@@ -47,7 +48,14 @@ PP, EP = 2, 2
 DIM, EXPERTS, DOMAINS = 32, 4, 4
 DOCUMENTS_PER_MICROBATCH, TOKENS_PER_DOCUMENT = 1, 64
 DOMINANT_SHARE = 0.75
-SCHEDULES = ("torch 1F1B", "RRFP hint", "RRFP hint+2")
+RRFP_RUNS = {
+    # The hint's own order on RRFP's runtime, coordinated: what the runtime and coordination
+    # cost without any reordering.
+    "RRFP fixed order": dict(policy="fixed"),
+    "RRFP hint": dict(buffer_limit="hint"),
+    "RRFP hint+2": dict(buffer_limit="hint+2"),
+}
+SCHEDULES = ("torch 1F1B", *RRFP_RUNS)
 TRACE = "ep_imbalance_trace.json"
 
 
@@ -167,9 +175,8 @@ def _rank_main(rank: int, world_size: int, config: Config) -> dict:
     schedules = {
         "torch 1F1B": Schedule1F1B(stages["torch 1F1B"], M, loss_fn=loss_fn),
         **{name: ScheduleRRFP(stages[name], M, loss_fn=loss_fn, hint="1F1B",
-                              buffer_limit=name.split()[1], coordination_group=coordination,
-                              device=EmulatedDevice())
-           for name in SCHEDULES[1:]},
+                              coordination_group=coordination, device=EmulatedDevice(), **kwargs)
+           for name, kwargs in RRFP_RUNS.items()},
     }
     times = {name: [] for name in SCHEDULES}
     hashes = {name: [] for name in SCHEDULES}
@@ -224,7 +231,7 @@ def main(argv: list[str] | None = None) -> None:
     pipeline = [r for r in ranks if r["ep"] == 0]
     hint2 = build_hint("1F1B", num_ranks=PP, num_stages=PP, n_microbatches=M)
     sim_rows, pooled = {}, {}
-    for name in SCHEDULES[1:]:
+    for name in ("RRFP hint", "RRFP hint+2"):
         steps = [[r["stats"][name][k] for r in pipeline] for k in range(config.steps)]
         timings = [timing_from_trace({"traceEvents": [e for s in st for e in s.chrome_trace_events()]})
                    for st in steps]
@@ -301,8 +308,7 @@ def main(argv: list[str] | None = None) -> None:
         "| PP x microbatches | limit | policy | sim fixed ms | sim RRFP ms | sim speedup | measured speedup |",
         "|---|---|---|---|---|---|---|",
     ]
-    for name in SCHEDULES[1:]:
-        fixed, rrfp, speedup, policy = sim_rows[name]
+    for name, (fixed, rrfp, speedup, policy) in sim_rows.items():
         lines.append(f"| {PP} x {M} | {name.split()[1]} | {policy} | {fixed:.0f} | {rrfp:.0f} | "
                      f"{speedup:.3f} | {ratios[name]:.3f} |")
     for limit, (speedups, policy, fixed, rrfp) in large.items():
