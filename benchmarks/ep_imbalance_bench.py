@@ -12,15 +12,18 @@ forward sleeps a fixed time per token its rank receives (the routing decides it)
 fixed dense part per microbatch; backward twice that. The combine all-to-all makes both EP
 ranks of a stage wait for the busier one, as on hardware.
 
-Schedules, same data, A/B/C in turn every step: torch's `Schedule1F1B` (fixed; runs on the
-calling thread, synchronously, as torch's schedules do on CPU), `ScheduleRRFP(hint="1F1B")`
-in the hint's fixed order (`policy="fixed"`: the
-runtime's and the coordination's cost alone), at its default memory `"hint"`, and at
-`"hint+2"` (2 more microbatches of activations per stage), all three with `coordination_group` = a gloo twin of the EP group (leader coordination,
-the default) on the emulated asynchronous device. The last steps' RRFP traces (EP rank 0's
-pipeline) are replayed by the simulator (`rrfp.sim`), at PP 2 (checking it against the
-measurement) and, resampled, at PP 8 x 32 microbatches (simulated). Writes
-benchmarks/results/ep_imbalance.md and the trace benchmarks/results/ep_imbalance_trace.json.
+Two hints, each in its own run: 1F1B (one stage per rank) and Interleaved1F1B (two stages
+per rank, each with half the emulated time, so a rank carries the same work). Schedules,
+same data, each in turn every step: torch's own (`Schedule1F1B`, `ScheduleInterleaved1F1B`:
+fixed; it runs on the calling thread, synchronously, as torch's schedules do on CPU), and
+`ScheduleRRFP` with that hint on the emulated asynchronous device: in the hint's fixed order
+(`policy="fixed"`) without and with coordination (what the runtime and the coordination
+cost without any reordering), at its default memory `"hint"`, and at `"hint+2"` (2 more
+microbatches of activations per stage); coordinated means `coordination_group` = a gloo
+twin of the EP group, leader coordination (the default). Each measured step's RRFP trace
+(EP rank 0's pipeline) is replayed by the simulator (`rrfp.sim`) at PP 2, beside the
+measurement, and, resampled, at PP 8 x 32 microbatches (simulated). Writes
+benchmarks/results/ep_imbalance.md and the traces benchmarks/results/ep_imbalance_*.json.
 """
 
 from __future__ import annotations
@@ -48,26 +51,38 @@ PP, EP = 2, 2
 DIM, EXPERTS, DOMAINS = 32, 4, 4
 DOCUMENTS_PER_MICROBATCH, TOKENS_PER_DOCUMENT = 1, 64
 DOMINANT_SHARE = 0.75
+HINTS = {"1F1B": 1, "Interleaved1F1B": 2}
+"""The hints studied and their stages per rank."""
+TORCH = "torch (fixed)"
 RRFP_RUNS = {
-    # The hint's own order on RRFP's runtime, coordinated: what the runtime and coordination
-    # cost without any reordering.
+    # The hint's own order on RRFP's runtime, without and with coordination: what the
+    # runtime and the coordination cost without any reordering. Uncoordinated is safe only
+    # here: in the fixed order both EP ranks run the same sequence by construction (the
+    # experts are plain tensors, so RRFP's check for sharded parameters cannot see the EP).
+    "RRFP fixed order, uncoordinated": dict(policy="fixed", coordination_group=None),
     "RRFP fixed order": dict(policy="fixed"),
     "RRFP hint": dict(buffer_limit="hint"),
     "RRFP hint+2": dict(buffer_limit="hint+2"),
 }
-SCHEDULES = ("torch 1F1B", *RRFP_RUNS)
-TRACE = "ep_imbalance_trace.json"
+SCHEDULES = (TORCH, *RRFP_RUNS)
+REPLAYED = ("RRFP hint", "RRFP hint+2")
+LARGE_PP, LARGE_MICROBATCHES = 8, 32
+
+
+def trace_name(hint: str) -> str:
+    return f"ep_imbalance_trace_{hint.lower()}.json"
 
 
 @dataclass(frozen=True)
 class Config:
     microbatches: int = 16
-    steps: int = 8
+    steps: int = 6
     expert_ms_per_token: float = 0.2
-    """Emulated expert forward time per token received; a balanced rank receives 64 per
-    microbatch (12.8 ms)."""
+    """Emulated expert forward time per token a rank receives, for all its stages together;
+    a balanced rank receives 64 per microbatch and stage (12.8 ms with one stage)."""
     dense_ms: float = 4.0
-    """Emulated forward time of the rest of the block (attention, norms) per microbatch."""
+    """Emulated forward time of the rest of the rank's blocks (attention, norms) per
+    microbatch, for all its stages together."""
     simulated_seeds: int = 5
 
 
@@ -152,10 +167,10 @@ def _grad_hash(module: torch.nn.Module) -> str:
     return h.hexdigest()[:16]
 
 
-def _rank_main(rank: int, world_size: int, config: Config) -> dict:
+def _rank_main(rank: int, world_size: int, config: Config, hint: str) -> dict:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.pipelining import PipelineStage
-    from torch.distributed.pipelining.schedules import Schedule1F1B
+    from torch.distributed.pipelining.schedules import Schedule1F1B, ScheduleInterleaved1F1B
 
     mesh = init_device_mesh("cpu", (PP, EP), mesh_dim_names=("pp", "ep"))
     pp, ep = mesh["pp"].get_local_rank(), mesh["ep"].get_local_rank()
@@ -163,31 +178,35 @@ def _rank_main(rank: int, world_size: int, config: Config) -> dict:
     # Coordination runs on the compute thread while the device thread's all-to-alls use the
     # EP group: a twin of it, never the group itself (one gloo group, one op at a time).
     twins = [dist.new_group(list(range(p * EP, (p + 1) * EP)), backend="gloo") for p in range(PP)]
-    coordination = twins[pp]
-    M = config.microbatches
+    M, per_rank = config.microbatches, HINTS[hint]
+    num_stages = PP * per_rank
 
-    def stage() -> PipelineStage:
-        block = RoutedMoEBlock(pp, ep_group, config.expert_ms_per_token / 1e3, config.dense_ms / 1e3)
-        return PipelineStage(block, pp, PP, torch.device("cpu"), group=mesh["pp"].get_group())
+    def stages() -> list[PipelineStage]:
+        return [PipelineStage(RoutedMoEBlock(s, ep_group, config.expert_ms_per_token / 1e3 / per_rank,
+                                             config.dense_ms / 1e3 / per_rank),
+                              s, num_stages, torch.device("cpu"), group=mesh["pp"].get_group())
+                for s in range(pp, num_stages, PP)]
 
     loss_fn = torch.nn.functional.mse_loss
-    stages = {name: stage() for name in SCHEDULES}
+    built = {name: stages() for name in SCHEDULES}
+    torch_class = Schedule1F1B if per_rank == 1 else ScheduleInterleaved1F1B
     schedules = {
-        "torch 1F1B": Schedule1F1B(stages["torch 1F1B"], M, loss_fn=loss_fn),
-        **{name: ScheduleRRFP(stages[name], M, loss_fn=loss_fn, hint="1F1B",
-                              coordination_group=coordination, device=EmulatedDevice(), **kwargs)
+        TORCH: torch_class(built[TORCH][0] if per_rank == 1 else built[TORCH], M, loss_fn=loss_fn),
+        **{name: ScheduleRRFP(built[name], M, loss_fn=loss_fn, hint=hint, device=EmulatedDevice(),
+                              **{"coordination_group": twins[pp], **kwargs})
            for name, kwargs in RRFP_RUNS.items()},
     }
     times = {name: [] for name in SCHEDULES}
     hashes = {name: [] for name in SCHEDULES}
-    stats = {name: [] for name in SCHEDULES[1:]}
+    stats = {name: [] for name in RRFP_RUNS}
     imbalance = []
     for step in range(config.steps + 1):  # step 0 warms up (shape inference)
         x = documents(step, ep, M)
         target = torch.zeros_like(x)
         for name in SCHEDULES:
-            stages[name].submod.zero_grad()
-            stages[name].submod.imbalance.clear()
+            for stage in built[name]:
+                stage.submod.zero_grad()
+                stage.submod.imbalance.clear()
             dist.barrier()
             start = time.perf_counter()
             schedules[name].step(*((x,) if pp == 0 else ()), target=target)
@@ -195,134 +214,147 @@ def _rank_main(rank: int, world_size: int, config: Config) -> dict:
             if step == 0:
                 continue
             times[name].append(time.perf_counter() - start)
-            hashes[name].append(_grad_hash(stages[name].submod))
-            if name != "torch 1F1B":
+            hashes[name].append([_grad_hash(stage.submod) for stage in built[name]])
+            if name in RRFP_RUNS:
                 stats[name].append(schedules[name].last_step_stats)
         if step > 0:
-            imbalance.append(list(stages["torch 1F1B"].submod.imbalance))
-    for name in SCHEDULES[1:]:
+            imbalance += [v for stage in built[TORCH] for v in stage.submod.imbalance]
+    for name in RRFP_RUNS:
         schedules[name].close()
-    return {"rank": rank, "pp": pp, "ep": ep, "times": times, "hashes": hashes,
-            "stats": stats, "imbalance": imbalance, "policy": {n: schedules[n].policy for n in SCHEDULES[1:]}}
+    return {"rank": rank, "pp": pp, "ep": ep, "times": times, "hashes": hashes, "stats": stats,
+            "imbalance": imbalance, "policy": {n: schedules[n].policy for n in RRFP_RUNS}}
 
 
 def _median(values) -> float:
     return statistics.median(list(values))
 
 
-def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--microbatches", type=int, default=Config.microbatches)
-    parser.add_argument("--steps", type=int, default=Config.steps)
-    args = parser.parse_args(argv)
-    config = Config(microbatches=args.microbatches, steps=args.steps)
+def _study(config: Config, hint: str) -> list[str]:
+    """Run one hint's A/B world; its section of the page."""
     started = time.time()
-    ranks = run_local_world(PP * EP, _rank_main, config, timeout=900)
+    ranks = run_local_world(PP * EP, _rank_main, config, hint, timeout=900)
     wall = time.time() - started
-    M = config.microbatches
+    M, per_rank = config.microbatches, HINTS[hint]
     tokens_per_step = M * DOCUMENTS_PER_MICROBATCH * TOKENS_PER_DOCUMENT * EP
     step_ms = {name: _median(ranks[0]["times"][name]) * 1e3 for name in SCHEDULES}
-    ratios = {name: _median(f / r for f, r in zip(ranks[0]["times"]["torch 1F1B"], ranks[0]["times"][name]))
+    ratios = {name: _median(f / r for f, r in zip(ranks[0]["times"][TORCH], ranks[0]["times"][name]))
               for name in SCHEDULES}
-    bitwise = all(r["hashes"][name] == r["hashes"]["torch 1F1B"] for r in ranks for name in SCHEDULES)
-    imbalance = [v for r in ranks if r["ep"] == 0 for step in r["imbalance"] for v in step]
+    bitwise = all(r["hashes"][name] == r["hashes"][TORCH] for r in ranks for name in SCHEDULES)
+    imbalance = [v for r in ranks if r["ep"] == 0 for v in r["imbalance"]]
 
     # The replay: EP rank 0's pipeline (global ranks 0 and 2), each measured step.
     pipeline = [r for r in ranks if r["ep"] == 0]
-    hint2 = build_hint("1F1B", num_ranks=PP, num_stages=PP, n_microbatches=M)
-    sim_rows, pooled = {}, {}
-    for name in ("RRFP hint", "RRFP hint+2"):
-        steps = [[r["stats"][name][k] for r in pipeline] for k in range(config.steps)]
-        timings = [timing_from_trace({"traceEvents": [e for s in st for e in s.chrome_trace_events()]})
-                   for st in steps]
-        pooled[name] = timings
-        policy = ranks[0]["policy"][name]
-        limit = name.split()[1]
-        predicted = [compare(hint2, t, 0, limit=limit, policy=policy) for t in timings]
+    measured_hint = build_hint(hint, num_ranks=PP, num_stages=PP * per_rank, n_microbatches=M)
+    sim_rows, timings = {}, []
+    for name in REPLAYED:
+        steps = [timing_from_trace({"traceEvents": [e for r in pipeline
+                                                    for e in r["stats"][name][k].chrome_trace_events()]})
+                 for k in range(config.steps)]
+        timings += steps
+        policy, limit = ranks[0]["policy"][name], name.split()[1]
+        predicted = [compare(measured_hint, t, 0, limit=limit, policy=policy) for t in steps]
         sim_rows[name] = (_median(p.fixed.makespan for p in predicted) * 1e3,
                           _median(p.rrfp.makespan for p in predicted) * 1e3,
                           _median(p.speedup for p in predicted), policy)
-    write_chrome_trace([r["stats"]["RRFP hint"][-1] for r in pipeline], result_path(TRACE))
-    hint8 = build_hint("1F1B", num_ranks=8, num_stages=8, n_microbatches=32)
+    write_chrome_trace([r["stats"]["RRFP hint"][-1] for r in pipeline], result_path(trace_name(hint)))
+    large_hint = build_hint(hint, num_ranks=LARGE_PP, num_stages=LARGE_PP * per_rank,
+                            n_microbatches=LARGE_MICROBATCHES)
     large = {}
     for limit in ("hint", "hint+2"):
-        rows = [compare(hint8, resample(pooled["RRFP hint"], 8, 32, seed), 0, limit=limit)
-                for seed in range(config.simulated_seeds)]
+        rows = [compare(large_hint, resample(timings, LARGE_PP * per_rank, LARGE_MICROBATCHES, seed),
+                        0, limit=limit) for seed in range(config.simulated_seeds)]
         large[limit] = ([r.speedup for r in rows], rows[0].policy,
                         _median(r.fixed.makespan for r in rows) * 1e3,
                         _median(r.rrfp.makespan for r in rows) * 1e3)
 
-    def stat(name: str, field: str, scale: float = 1.0) -> str:
-        per_rank = [_median(getattr(s, field) for s in r["stats"][name]) * scale for r in ranks]
-        return " / ".join(f"{v:.0f}" if scale == 1.0 else f"{v:.1f}" for v in per_rank)
+    def column(name: str, field: str, fmt: str, scale: float = 1.0) -> str:
+        return " / ".join(format(_median(getattr(s, field) for s in r["stats"][name]) * scale, fmt)
+                          for r in ranks)
 
+    torch_name = "Schedule1F1B" if per_rank == 1 else "ScheduleInterleaved1F1B"
     lines = [
-        "# Expert imbalance under PP x EP: RRFP vs torch's fixed 1F1B (measured, emulated device time)",
+        f"## Hint {hint} ({per_rank} stage{'s' if per_rank > 1 else ''} per rank; torch's "
+        f"`{torch_name}`)",
         "",
-        f"Regenerate with `python -m benchmarks.ep_imbalance_bench` ({wall:.0f} s on this "
-        "2-core CPU machine, torch " + torch.__version__ + ", gloo, 4 processes).",
+        f"{wall:.0f} s. Routing imbalance (busiest EP rank's tokens over the mean, per stage "
+        f"and microbatch): median {_median(imbalance):.2f}, range {min(imbalance):.2f}-"
+        f"{max(imbalance):.2f}. Gradients after each step, every stage on every rank: "
+        + (f"**bitwise equal** to torch's `{torch_name}` for every schedule and step." if bitwise
+           else f"**differ** from torch's `{torch_name}`: a bug."),
         "",
-        __doc__.split("\n", 2)[2].split("Writes")[0].strip().replace("\n", " "),
-        "",
-        f"{M} microbatches of {DOCUMENTS_PER_MICROBATCH * TOKENS_PER_DOCUMENT} tokens per "
-        f"replica, {tokens_per_step} tokens per step; {config.steps} measured steps after a "
-        f"warm-up step; expert time {config.expert_ms_per_token} ms per received token "
-        f"(emulated), dense part {config.dense_ms} ms per microbatch (emulated), backward 2x. "
-        "Step time: global rank 0, between world barriers; tokens/s from the median step.",
-        "",
-        "## Measured",
-        "",
-        f"Routing imbalance (busiest EP rank's tokens over the mean, per stage and "
-        f"microbatch): median {_median(imbalance):.2f}, range {min(imbalance):.2f}-"
-        f"{max(imbalance):.2f}. Gradients after each step, all ranks: "
-        + ("**bitwise equal** to torch's 1F1B for every schedule and step." if bitwise
-           else "**differ** from torch's 1F1B (see the hashes): a bug."),
-        "",
-        "| schedule | policy | median step ms | tokens/s | speedup (median of per-step ratios) "
-        "| out-of-hint actions per step (ranks 0-3) | coordination rounds per step | "
-        "coordination ms per step (ranks 0-3) | idle % (ranks 0-3) |",
+        "| schedule | policy | median step ms | tokens/s | speedup over torch (median of "
+        "per-step ratios) | out-of-hint actions per step (ranks 0-3) | coordination rounds "
+        "per step | coordination ms per step (ranks 0-3; 0 and 2 lead) | idle % (ranks 0-3) |",
         "|---|---|---|---|---|---|---|---|---|",
     ]
     for name in SCHEDULES:
-        tokens_s = tokens_per_step / (step_ms[name] / 1e3)
-        if name == "torch 1F1B":
-            lines.append(f"| {name} | fixed | {step_ms[name]:.0f} | {tokens_s:.0f} | 1.000 | - | - | - | - |")
+        tokens_s = f"{tokens_per_step / (step_ms[name] / 1e3):.0f}"
+        if name == TORCH:
+            lines.append(f"| torch `{torch_name}` | fixed | {step_ms[name]:.0f} | {tokens_s} | "
+                         "1.000 | - | - | - | - |")
             continue
-        idle = " / ".join(f"{_median(s.idle_fraction for s in r['stats'][name]) * 100:.0f}" for r in ranks)
         lines.append(
-            f"| {name} | {ranks[0]['policy'][name]} | {step_ms[name]:.0f} | {tokens_s:.0f} | "
-            f"{ratios[name]:.3f} | {stat(name, 'out_of_hint_order')} | "
+            f"| {name} | {ranks[0]['policy'][name]} | {step_ms[name]:.0f} | {tokens_s} | "
+            f"{ratios[name]:.3f} | {column(name, 'out_of_hint_order', '.0f')} | "
             f"{_median(s.coordination_rounds for r in ranks for s in r['stats'][name]):.0f} | "
-            f"{stat(name, 'coordination_time', 1e3)} | {idle} |")
+            f"{column(name, 'coordination_time', '.1f', 1e3)} | "
+            f"{column(name, 'idle_fraction', '.0f', 100)} |")
     lines += [
         "",
-        "## Simulated from the measured trace",
+        f"Simulated from the measured traces (each measured step of {', '.join(REPLAYED)}: "
+        f"EP rank 0's pipeline, global ranks 0 and 2, converted with "
+        "`rrfp.sim.replay.timing_from_trace`; fixed order vs RRFP at the same policy and "
+        f"limit; medians over the steps). {LARGE_PP} x {LARGE_MICROBATCHES}: {config.simulated_seeds} "
+        "steps resampled from all those steps' cells (`resample`). Replay the last step: "
+        f"`python -m rrfp.sim.replay benchmarks/results/{trace_name(hint)} -o outputs/ep.json "
+        f"&& python -m rrfp.sim --replay outputs/ep.json --hint {hint} --limit hint+2`.",
         "",
-        "Each measured step's RRFP trace (EP rank 0's pipeline: global ranks 0 and 2) "
-        "converted with `rrfp.sim.replay.timing_from_trace` and simulated (fixed 1F1B vs "
-        "RRFP, the same policy and limit); medians over the steps. The simulator counts no "
-        "coordination and no per-action overhead. Replay the last step yourself: "
-        f"`python -m rrfp.sim.replay benchmarks/results/{TRACE} -o outputs/ep_timings.json && "
-        "python -m rrfp.sim --replay outputs/ep_timings.json --hint 1F1B --limit hint+2`.",
-        "",
-        "| PP x microbatches | limit | policy | sim fixed ms | sim RRFP ms | sim speedup | measured speedup |",
+        "| ranks x microbatches | limit | policy | sim fixed ms | sim RRFP ms | sim speedup "
+        "| measured speedup over RRFP's fixed order (coordinated) |",
         "|---|---|---|---|---|---|---|",
     ]
     for name, (fixed, rrfp, speedup, policy) in sim_rows.items():
+        own = _median(f / r for f, r in zip(ranks[0]["times"]["RRFP fixed order"], ranks[0]["times"][name]))
         lines.append(f"| {PP} x {M} | {name.split()[1]} | {policy} | {fixed:.0f} | {rrfp:.0f} | "
-                     f"{speedup:.3f} | {ratios[name]:.3f} |")
+                     f"{speedup:.3f} | {own:.3f} |")
     for limit, (speedups, policy, fixed, rrfp) in large.items():
         lines.append(
-            f"| 8 x 32 (resampled) | {limit} | {policy} | {fixed:.0f} | {rrfp:.0f} | "
-            f"{statistics.mean(speedups):.3f} (min {min(speedups):.3f}, max {max(speedups):.3f}, "
-            f"{len(speedups)} seeds) | - |")
-    lines += [
+            f"| {LARGE_PP} x {LARGE_MICROBATCHES} (resampled) | {limit} | {policy} | {fixed:.0f} | "
+            f"{rrfp:.0f} | {statistics.mean(speedups):.3f} (min {min(speedups):.3f}, max "
+            f"{max(speedups):.3f}) | - |")
+    return lines + [""]
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--microbatches", type=int, default=Config.microbatches)
+    parser.add_argument("--steps", type=int, default=Config.steps)
+    parser.add_argument("--hints", nargs="+", choices=list(HINTS), default=list(HINTS))
+    args = parser.parse_args(argv)
+    config = Config(microbatches=args.microbatches, steps=args.steps)
+    started = time.time()
+    sections = [line for hint in args.hints for line in _study(config, hint)]
+    lines = [
+        "# Expert imbalance under PP x EP: RRFP vs torch's fixed schedules (measured, emulated device time)",
         "",
-        "8 x 32: each stage and microbatch draws its (F, B) durations from the measured "
-        "steps' (stage, microbatch) cells, independently, and each link latency from the "
-        "measured ones (`python -m rrfp.sim.replay TRACE --resample 8x32 --seed N`): the "
-        "measured distribution of per-microbatch imbalance at a larger pipeline, assuming "
-        "layers route independently. Simulated, not measured.",
+        f"Regenerate with `python -m benchmarks.ep_imbalance_bench` ({time.time() - started:.0f} s "
+        f"on this 2-core CPU machine, torch {torch.__version__}, gloo, 4 processes).",
+        "",
+        __doc__.split("\n", 2)[2].split("Writes")[0].strip().replace("\n", " "),
+        "",
+        f"{config.microbatches} microbatches of {DOCUMENTS_PER_MICROBATCH * TOKENS_PER_DOCUMENT} "
+        f"tokens per replica, {config.microbatches * DOCUMENTS_PER_MICROBATCH * TOKENS_PER_DOCUMENT * EP} "
+        f"tokens per step; {config.steps} measured steps after a warm-up step; expert time "
+        f"{config.expert_ms_per_token} ms per token a rank receives (emulated), dense part "
+        f"{config.dense_ms} ms per microbatch and rank (emulated), backward 2x. Step time: "
+        "global rank 0, between world barriers; tokens/s from the median step. Simulated "
+        "figures count no coordination and no per-action overhead; the resampled "
+        f"{LARGE_PP}-rank steps draw each (stage, microbatch)'s (F, I, W) durations jointly from "
+        "one measured cell and each link latency from the measured ones, independently (`python "
+        "-m rrfp.sim.replay TRACE --resample 16x32 --seed N`): the measured spread of "
+        "per-microbatch imbalance at a larger pipeline, assuming layers route independently.",
+        "",
+        *sections,
     ]
     print(f"wrote {write_page('ep_imbalance.md', lines)}")
     print("\n".join(lines))
