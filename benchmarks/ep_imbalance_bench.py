@@ -284,21 +284,23 @@ def _study(config: Config, hint: str) -> list[str]:
         "",
         "| schedule | policy | median step ms | tokens/s | speedup over torch (median of "
         "per-step ratios) | out-of-hint actions per step (ranks 0-3) | coordination rounds "
-        "per step | coordination ms per step (ranks 0-3; 0 and 2 lead) | idle % (ranks 0-3) |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "per step | coordination ms per step (ranks 0-3; 0 and 2 lead) | idle % (ranks 0-3) | "
+        "peak activation KiB (ranks 0-3, byte meter) |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for name in SCHEDULES:
         tokens_s = f"{tokens_per_step / (step_ms[name] / 1e3):.0f}"
         if name == TORCH:
             lines.append(f"| torch `{torch_name}` | fixed | {step_ms[name]:.0f} | {tokens_s} | "
-                         "1.000 | - | - | - | - |")
+                         "1.000 | - | - | - | - | - |")
             continue
         lines.append(
             f"| {name} | {ranks[0]['policy'][name]} | {step_ms[name]:.0f} | {tokens_s} | "
             f"{ratios[name]:.3f} | {column(name, 'out_of_hint_order', '.0f')} | "
             f"{_median(s.coordination_rounds for r in ranks for s in r['stats'][name]):.0f} | "
             f"{column(name, 'coordination_time', '.1f', 1e3)} | "
-            f"{column(name, 'idle_fraction', '.0f', 100)} |")
+            f"{column(name, 'idle_fraction', '.0f', 100)} | "
+            f"{column(name, 'peak_activation_bytes', '.0f', 1 / 1024)} |")
     lines += [
         "",
         f"Simulated from the measured traces (each measured step of {', '.join(REPLAYED)}: "
@@ -340,8 +342,8 @@ def main(argv: list[str] | None = None) -> None:
         f"Regenerate with `python -m benchmarks.ep_imbalance_bench` ({time.time() - started:.0f} s "
         f"on this 2-core CPU machine, torch {torch.__version__}, gloo, 4 processes).",
         "",
-        __doc__.split("\n", 2)[2].split("Writes")[0].strip().replace("\n", " "),
-        "",
+        *[line for paragraph in __doc__.split("\n", 2)[2].split("Writes")[0].strip().split("\n\n")
+          for line in (paragraph.replace("\n", " "), "")],
         f"{config.microbatches} microbatches of {DOCUMENTS_PER_MICROBATCH * TOKENS_PER_DOCUMENT} "
         f"tokens per replica, {config.microbatches * DOCUMENTS_PER_MICROBATCH * TOKENS_PER_DOCUMENT * EP} "
         f"tokens per step; {config.steps} measured steps after a warm-up step; expert time "
@@ -351,7 +353,8 @@ def main(argv: list[str] | None = None) -> None:
         "figures count no coordination and no per-action overhead; the resampled "
         f"{LARGE_PP}-rank steps draw each (stage, microbatch)'s (F, I, W) durations jointly from "
         "one measured cell and each link latency from the measured ones, independently (`python "
-        "-m rrfp.sim.replay TRACE --resample 16x32 --seed N`): the measured spread of "
+        "-m rrfp.sim.replay TRACE --resample 8x32 --seed N`, 16x32 for two stages per rank): "
+        "the measured spread of "
         "per-microbatch imbalance at a larger pipeline, assuming layers route independently.",
         "",
         *sections,
