@@ -49,7 +49,8 @@ from rrfp.sim.study import compare
 
 PP, EP = 2, 2
 DIM, EXPERTS, DOMAINS = 32, 4, 4
-DOCUMENTS_PER_MICROBATCH, TOKENS_PER_DOCUMENT = 1, 64
+TOKENS_PER_DOCUMENT = 64
+"""One document per microbatch."""
 DOMINANT_SHARE = 0.75
 HINTS = {"1F1B": 1, "Interleaved1F1B": 2}
 """The hints studied and their stages per rank."""
@@ -97,7 +98,7 @@ def documents(step: int, replica: int, microbatches: int) -> torch.Tensor:
     gen = torch.Generator().manual_seed(1000 * step + replica)
     centroids = _domain_centroids()
     docs = []
-    for _ in range(microbatches * DOCUMENTS_PER_MICROBATCH):
+    for _ in range(microbatches):
         dominant = rng.randrange(DOMAINS)
         domain = [dominant if rng.random() < DOMINANT_SHARE else rng.randrange(DOMAINS)
                   for _ in range(TOKENS_PER_DOCUMENT)]
@@ -109,8 +110,10 @@ class RoutedMoEBlock(torch.nn.Module):
     """``x + gate_weight * expert(x)``, top-1, experts sharded over the EP group.
 
     Emulated device time: forward sleeps ``dense_s`` plus ``per_token_s`` per token this
-    rank's experts receive; backward twice that. Records, per forward, the busiest EP rank's
-    tokens over the mean (``imbalance``)."""
+    rank's experts receive; backward twice that (not ``rrfp.emulation.EmulatedDeviceTime``,
+    whose times per microbatch are known ahead: here the routing decides them inside the
+    forward). Records, per forward, the busiest EP rank's tokens over the mean
+    (``imbalance``)."""
 
     def __init__(self, stage: int, ep_group: dist.ProcessGroup, per_token_s: float,
                  dense_s: float):
@@ -235,7 +238,7 @@ def _study(config: Config, hint: str) -> list[str]:
     ranks = run_local_world(PP * EP, _rank_main, config, hint, timeout=900)
     wall = time.time() - started
     M, per_rank = config.microbatches, HINTS[hint]
-    tokens_per_step = M * DOCUMENTS_PER_MICROBATCH * TOKENS_PER_DOCUMENT * EP
+    tokens_per_step = M * TOKENS_PER_DOCUMENT * EP
     step_ms = {name: _median(ranks[0]["times"][name]) * 1e3 for name in SCHEDULES}
     ratios = {name: _median(f / r for f, r in zip(ranks[0]["times"][TORCH], ranks[0]["times"][name]))
               for name in SCHEDULES}
@@ -344,8 +347,8 @@ def main(argv: list[str] | None = None) -> None:
         "",
         *[line for paragraph in __doc__.split("\n", 2)[2].split("Writes")[0].strip().split("\n\n")
           for line in (paragraph.replace("\n", " "), "")],
-        f"{config.microbatches} microbatches of {DOCUMENTS_PER_MICROBATCH * TOKENS_PER_DOCUMENT} "
-        f"tokens per replica, {config.microbatches * DOCUMENTS_PER_MICROBATCH * TOKENS_PER_DOCUMENT * EP} "
+        f"{config.microbatches} microbatches of {TOKENS_PER_DOCUMENT} "
+        f"tokens per replica, {config.microbatches * TOKENS_PER_DOCUMENT * EP} "
         f"tokens per step; {config.steps} measured steps after a warm-up step; expert time "
         f"{config.expert_ms_per_token} ms per token a rank receives (emulated), dense part "
         f"{config.dense_ms} ms per microbatch and rank (emulated), backward 2x. Step time: "
