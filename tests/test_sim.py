@@ -149,6 +149,47 @@ def test_replay_file_round_trip_and_trace_conversion(tmp_path):
     assert timing.gradient_latency[1][0] == pytest.approx(0.05)
 
 
+def test_resample_draws_whole_measured_cells_and_real_latencies(tmp_path):
+    from rrfp.sim.replay import main as replay_main, resample
+    from rrfp.sim.workloads import make_timing, Timing
+    from rrfp.stats import Span, write_chrome_trace
+    from tests.workers import made_up_stats
+
+    def measured_step(seed):  # jittered compute and random link latencies
+        compute, links = make_timing("jitter", 2, 4, seed), make_timing("latency", 2, 4, seed)
+        return dataclasses.replace(compute, activation_latency=links.activation_latency,
+                                   gradient_latency=links.gradient_latency)
+
+    measured = [measured_step(seed) for seed in (0, 1)]
+    cells = {(t.forward[s][m], t.backward_input[s][m], t.backward_weight[s][m])
+             for t in measured for s in range(2) for m in range(4)}
+    activations = {v for t in measured for v in t.activation_latency[0]}
+    gradients = {v for t in measured for v in t.gradient_latency[1]}
+    big = resample(measured, 8, 32, seed=3)
+    assert (big.num_stages, big.n_microbatches) == (8, 32)
+    drawn = {(big.forward[s][m], big.backward_input[s][m], big.backward_weight[s][m])
+             for s in range(8) for m in range(32)}
+    assert drawn <= cells and len(drawn) > 8  # F, I and W of one cell stay together
+    # The rows that carry no message (last stage's activation, first stage's gradient) are
+    # not sampled: every drawn latency is one a message took.
+    assert {v for row in big.activation_latency for v in row} <= activations
+    assert {v for row in big.gradient_latency for v in row} <= gradients
+    assert resample(measured, 8, 32, seed=3) == big != resample(measured, 8, 32, seed=4)
+    with pytest.raises(ValueError, match="at least one"):
+        resample([], 8, 32, seed=0)
+
+    trace = tmp_path / "trace.json"
+    write_chrome_trace([made_up_stats(0, device_busy_time=0.2, start_unix=100.0, arrivals=[],
+                                      sends=[], spans=[Span("0F0", 0.0, 0.2, 0, "F", 0)])], trace)
+    replay_main([str(trace), "-o", str(tmp_path / "big.json"), "--resample", "4x6", "--seed", "1"])
+    big = Timing.load(tmp_path / "big.json")
+    assert (big.num_stages, big.n_microbatches) == (4, 6)
+    assert [v for row in big.forward for v in row] == pytest.approx([0.2] * 24)
+    with pytest.raises(SystemExit):
+        replay_main([str(trace), "--resample", "4by6"])
+
+
+
 def test_trace_links_each_send_to_its_receive_with_a_flow(tmp_path):
     """Each message is a slice on its rank's message track at each end, and a flow arrow
     runs from the send's slice to the receive's (the flow event inside each slice, so

@@ -2,12 +2,19 @@
 
     python -m rrfp.sim.replay rrfp_demo_trace.json -o outputs/timings.json
     python -m rrfp.sim --replay outputs/timings.json --hint GPipe
+    python -m rrfp.sim.replay TRACE.json -o outputs/t8x32.json --resample 8x32 --seed 0
 
 The trace is the Chrome trace ``ScheduleRRFP`` writes (``rrfp.write_chrome_trace`` of all
 ranks' ``last_step_stats``, or ``rrfp.merge_chrome_traces`` of per-rank files). Durations
 come from the compute spans; a fused backward (B) is split evenly into I and W. Latencies
 are arrival minus send time of each message, so the ranks' clocks must agree (one host,
 or synchronized hosts). Several occurrences of one action (several steps) are averaged.
+
+``--resample SxM`` scales measured timings to a larger pipeline: each of S stages and M
+microbatches draws its (F, I, W) durations jointly from one measured (stage, microbatch)
+cell, and each link latency from the measured ones of its direction, independently. It
+keeps the measured spread of per-action costs, not their correlation across stages or
+microbatches (e.g. a long sequence slow on every stage): a model, to be labelled simulated.
 """
 
 from __future__ import annotations
@@ -15,8 +22,10 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import random
 import statistics
 from collections import defaultdict
+from collections.abc import Sequence
 
 from rrfp.sim.workloads import Timing
 
@@ -60,13 +69,52 @@ def timing_from_trace(trace: dict) -> Timing:
     return Timing(forward, backward_input, backward_weight, activation, gradient)
 
 
+def resample(timings: Sequence[Timing], num_stages: int, n_microbatches: int,
+             seed: int) -> Timing:
+    """A step of ``num_stages`` x ``n_microbatches`` drawn from the cells of ``timings``
+    (see the module's ``--resample``); the same seed draws the same step."""
+    if not timings:
+        raise ValueError("resample needs at least one measured timing")
+    rng = random.Random(f"resample/{num_stages}/{n_microbatches}/{seed}")
+    cells = [(t.forward[s][m], t.backward_input[s][m], t.backward_weight[s][m])
+             for t in timings for s in range(t.num_stages) for m in range(t.n_microbatches)]
+    # The last stage sends no activation and the first no gradient: their zeros are no sample.
+    activation = [v for t in timings for row in t.activation_latency[:-1] for v in row] or [0.0]
+    gradient = [v for t in timings for row in t.gradient_latency[1:] for v in row] or [0.0]
+    drawn = [[rng.choice(cells) for _ in range(n_microbatches)] for _ in range(num_stages)]
+
+    def latencies(pool: list[float]) -> list[list[float]]:
+        return [[rng.choice(pool) for _ in range(n_microbatches)] for _ in range(num_stages)]
+
+    return Timing(forward=[[c[0] for c in row] for row in drawn],
+                  backward_input=[[c[1] for c in row] for row in drawn],
+                  backward_weight=[[c[2] for c in row] for row in drawn],
+                  activation_latency=latencies(activation), gradient_latency=latencies(gradient))
+
+
+def _shape(text: str) -> tuple[int, int]:
+    try:
+        stages, microbatches = (int(v) for v in text.lower().split("x"))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected STAGESxMICROBATCHES, e.g. 8x32; got {text!r}") from None
+    if stages < 1 or microbatches < 1:
+        raise argparse.ArgumentTypeError(f"stages and microbatches must be >= 1; got {text!r}")
+    return stages, microbatches
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description="Convert a ScheduleRRFP trace to a replay file.")
     parser.add_argument("trace", help="Chrome trace JSON written by rrfp")
     parser.add_argument("-o", "--output", default="timings.json")
+    parser.add_argument("--resample", type=_shape, metavar="STAGESxMICROBATCHES",
+                        help="draw a step of this size from the trace's (stage, microbatch) "
+                             "cells instead of converting it as it is (simulated scale-up)")
+    parser.add_argument("--seed", type=int, default=0, help="the draw of --resample (default: 0)")
     args = parser.parse_args(argv)
     with open(args.trace) as f:
         timing = timing_from_trace(json.load(f))
+    if args.resample:
+        timing = resample([timing], *args.resample, seed=args.seed)
     os.makedirs(os.path.dirname(os.path.abspath(args.output)), exist_ok=True)
     timing.save(args.output)
     print(f"{args.output}: {timing.num_stages} stages x {timing.n_microbatches} microbatches "
