@@ -36,7 +36,7 @@ from rrfp.arbiter import resolve_buffer_limits
 from rrfp.hints import build_hint
 from rrfp.sim.optimum import optimum
 from rrfp.sim.study import compare
-from rrfp.sim.workloads import make_timing
+from rrfp.sim.workloads import make_timing, WORKLOADS as ALL_WORKLOADS
 
 CACHE = "optimum.json"
 """CP-SAT's results and the policies' makespans, in ``benchmarks/results``."""
@@ -154,7 +154,9 @@ def main(argv=None) -> None:
     parser.add_argument("--first-seed", type=int, default=0,
                         help="the first of them; other seeds, workloads or limits than the "
                              "defaults get a page of their own, named after them")
-    parser.add_argument("--workloads", nargs="+", choices=WORKLOADS, default=list(WORKLOADS))
+    parser.add_argument("--workloads", nargs="+", choices=(*ALL_WORKLOADS, "all"),
+                        default=list(WORKLOADS),
+                        help="all: every workload family of rrfp.sim.workloads")
     parser.add_argument("--limits", nargs="+", choices=(*LIMITS, "busiest"), default=list(LIMITS),
                         help="busiest: every rank may hold what fixed 1F1B's busiest rank holds")
     parser.add_argument("--time-limit", type=float, default=45.0,
@@ -164,6 +166,9 @@ def main(argv=None) -> None:
                              "the step (re-simulating the policies), solve the others")
     args = parser.parse_args(argv)
     seeds = range(args.first_seed, args.first_seed + args.seeds)
+    named_workloads = args.workloads
+    if "all" in args.workloads:
+        args.workloads = list(ALL_WORKLOADS)
     try:
         with open(result_path(CACHE)) as f:
             cached = json.load(f)
@@ -178,8 +183,8 @@ def main(argv=None) -> None:
         command += f" --first-seed {args.first_seed} --seeds {args.seeds}"
         page.append(f"{seeds[0]}-{seeds[-1]}")
     if args.workloads != list(WORKLOADS):
-        command += " --workloads " + " ".join(args.workloads)
-        page += args.workloads
+        command += " --workloads " + " ".join(named_workloads)
+        page += named_workloads
     if args.limits != list(LIMITS):
         command += " --limits " + " ".join(args.limits)
         page += args.limits
