@@ -55,9 +55,10 @@ def _label(policy: str | None) -> str:
 
 
 def solve(seeds: Sequence[int], workloads: Sequence[str], limits: Sequence[str],
-          time_limit_s: float, solved: Mapping[str, dict]) -> dict:
+          time_limit_s: float, solved: Mapping[str, dict], cached: dict) -> dict:
     """Per step: the fixed schedule, the bound, CP-SAT's best (taken from ``solved`` where
-    it has the step) and every policy's makespan."""
+    it has the step) and every policy's makespan; each step is written into ``cached``
+    and the cache file as soon as it is done, so that an interrupted run keeps it."""
     hint = build_hint("1F1B", num_ranks=8, num_stages=8, n_microbatches=32)
     rows = {}
     for workload in workloads:
@@ -81,6 +82,9 @@ def solve(seeds: Sequence[int], workloads: Sequence[str], limits: Sequence[str],
                     "policies": {name: c.rrfp.makespan for name, c in runs.items()},
                     "default_policy": first.policy,
                 }
+                cached[key] = rows[key]
+                with open(result_path(CACHE), "w") as f:
+                    json.dump(cached, f, indent=1)
                 print(f"{workload} {limit} seed {seed}: fixed {first.fixed.makespan:.2f}, "
                       f"best {cp_sat:.2f} ({'proven' if proven else 'found'}, "
                       f"{time.time() - started:.0f} s)", flush=True)
@@ -175,9 +179,7 @@ def main(argv=None) -> None:
     except FileNotFoundError:
         cached = {}
     rows = solve(seeds, args.workloads, args.limits, args.time_limit,
-                 cached if args.reuse else {})
-    with open(result_path(CACHE), "w") as f:
-        json.dump({**cached, **rows}, f, indent=1)
+                 dict(cached) if args.reuse else {}, cached)
     command, page = "python -m benchmarks.optimum_bench", ["optimum"]
     if (args.first_seed, args.seeds) != (0, 5):
         command += f" --first-seed {args.first_seed} --seeds {args.seeds}"
