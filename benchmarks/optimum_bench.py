@@ -36,7 +36,7 @@ from rrfp.arbiter import resolve_buffer_limits
 from rrfp.hints import build_hint
 from rrfp.sim.optimum import optimum
 from rrfp.sim.study import compare
-from rrfp.sim.workloads import make_timing
+from rrfp.sim.workloads import make_timing, WORKLOADS as ALL_WORKLOADS
 
 CACHE = "optimum.json"
 """CP-SAT's results and the policies' makespans, in ``benchmarks/results``."""
@@ -55,9 +55,10 @@ def _label(policy: str | None) -> str:
 
 
 def solve(seeds: Sequence[int], workloads: Sequence[str], limits: Sequence[str],
-          time_limit_s: float, solved: Mapping[str, dict]) -> dict:
+          time_limit_s: float, solved: Mapping[str, dict], cached: dict) -> dict:
     """Per step: the fixed schedule, the bound, CP-SAT's best (taken from ``solved`` where
-    it has the step) and every policy's makespan."""
+    it has the step) and every policy's makespan; each step is written into ``cached``
+    and the cache file as soon as it is done, so that an interrupted run keeps it."""
     hint = build_hint("1F1B", num_ranks=8, num_stages=8, n_microbatches=32)
     rows = {}
     for workload in workloads:
@@ -81,6 +82,9 @@ def solve(seeds: Sequence[int], workloads: Sequence[str], limits: Sequence[str],
                     "policies": {name: c.rrfp.makespan for name, c in runs.items()},
                     "default_policy": first.policy,
                 }
+                cached[key] = rows[key]
+                with open(result_path(CACHE), "w") as f:
+                    json.dump(cached, f, indent=1)
                 print(f"{workload} {limit} seed {seed}: fixed {first.fixed.makespan:.2f}, "
                       f"best {cp_sat:.2f} ({'proven' if proven else 'found'}, "
                       f"{time.time() - started:.0f} s)", flush=True)
@@ -154,7 +158,9 @@ def main(argv=None) -> None:
     parser.add_argument("--first-seed", type=int, default=0,
                         help="the first of them; other seeds, workloads or limits than the "
                              "defaults get a page of their own, named after them")
-    parser.add_argument("--workloads", nargs="+", choices=WORKLOADS, default=list(WORKLOADS))
+    parser.add_argument("--workloads", nargs="+", choices=(*ALL_WORKLOADS, "all"),
+                        default=list(WORKLOADS),
+                        help="all: every workload family of rrfp.sim.workloads")
     parser.add_argument("--limits", nargs="+", choices=(*LIMITS, "busiest"), default=list(LIMITS),
                         help="busiest: every rank may hold what fixed 1F1B's busiest rank holds")
     parser.add_argument("--time-limit", type=float, default=45.0,
@@ -164,22 +170,23 @@ def main(argv=None) -> None:
                              "the step (re-simulating the policies), solve the others")
     args = parser.parse_args(argv)
     seeds = range(args.first_seed, args.first_seed + args.seeds)
+    named_workloads = args.workloads
+    if "all" in args.workloads:
+        args.workloads = list(ALL_WORKLOADS)
     try:
         with open(result_path(CACHE)) as f:
             cached = json.load(f)
     except FileNotFoundError:
         cached = {}
     rows = solve(seeds, args.workloads, args.limits, args.time_limit,
-                 cached if args.reuse else {})
-    with open(result_path(CACHE), "w") as f:
-        json.dump({**cached, **rows}, f, indent=1)
+                 dict(cached) if args.reuse else {}, cached)
     command, page = "python -m benchmarks.optimum_bench", ["optimum"]
     if (args.first_seed, args.seeds) != (0, 5):
         command += f" --first-seed {args.first_seed} --seeds {args.seeds}"
         page.append(f"{seeds[0]}-{seeds[-1]}")
     if args.workloads != list(WORKLOADS):
-        command += " --workloads " + " ".join(args.workloads)
-        page += args.workloads
+        command += " --workloads " + " ".join(named_workloads)
+        page += named_workloads
     if args.limits != list(LIMITS):
         command += " --limits " + " ".join(args.limits)
         page += args.limits

@@ -97,8 +97,12 @@ def optimum(hint: Hint, duration: Callable[[_Action], float], latency: Latency |
     solver.parameters.max_time_in_seconds = time_limit_s
     solver.parameters.num_workers = workers
     status = solver.Solve(model)
-    if status not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
+    if status == cp_model.INFEASIBLE or status == cp_model.MODEL_INVALID:
         raise RuntimeError(f"CP-SAT found no schedule ({solver.StatusName(status)})")
+    if status != cp_model.OPTIMAL and status != cp_model.FEASIBLE:
+        # Out of time before completing a schedule (a loaded machine): the feasible one it
+        # started from is the best known.
+        return Optimum(start_from.makespan / SCALE, False, start_from.realized)
     orders = {rank: sorted((a for a in acts if a in start), key=lambda a: solver.Value(start[a]))
               for rank, acts in hint.orders.items()}
     return Optimum(solver.Value(makespan) / SCALE, status == cp_model.OPTIMAL, orders)
