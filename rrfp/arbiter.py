@@ -462,7 +462,8 @@ class Arbiter:
 
 def resolve_buffer_limits(spec: str | int, hint: Hint, *,
                           fixed_order: bool = False) -> MemoryLimits:
-    """Memory limits from ``"hint"``, ``"hint+k"``, ``"Nx hint"``, ``"busiest"`` or an int (any spelling
+    """Memory limits from ``"hint"``, ``"hint+k"``, ``"Nx hint"``, ``"busiest"``, a byte
+    budget, ``"auto"`` or an int (any spelling
     ``rrfp.settings.parse_buffer_limit`` takes), in microbatches of activations held (from
     a microbatch's F until its last backward piece, B or W):
 
@@ -474,8 +475,11 @@ def resolve_buffer_limits(spec: str | int, hint: Hint, *,
     * ``"busiest"``: per stage and per rank, what the fixed schedule's busiest rank holds
       at once (the largest per-rank peak). No rank then holds more than the fixed
       schedule's busiest rank, the one that sizes the job's memory, so the job's peak is
-      unchanged; the other ranks' headroom becomes slack (in microbatches, so where stages
-      differ in activation bytes a rank's bytes may exceed the busiest rank's).
+      unchanged; the other ranks' headroom becomes slack. Counted in microbatches here,
+      which is exact where every stage's microbatch saves the same bytes (the
+      simulator's model); ``ScheduleRRFP`` counts it in bytes from its second step
+      (``limits_within_bytes``), as it does a byte budget or ``"auto"``, for which this
+      gives the first step's limits: the hint's own peaks.
     * an int ``n``: ``n`` per stage and ``n`` per rank.
 
     Deadlock-freedom. (1) At limits no lower than the hint's own peaks, the hint's next

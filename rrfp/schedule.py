@@ -293,8 +293,12 @@ class ScheduleRRFP(PipelineScheduleMulti):
         self._failure: str | None = None
         self._steps_run = 0
         self.last_step_stats: StepStats | None = None
-        self.limit_summary = limit_summary(buffer_limit, self.buffer_limits, self._hint,
-                                           self.rank)
+        self.limit_summary = (
+            f"buffer_limit={buffer_limit!r} is counted in bytes: the first training step runs "
+            "at the hint's own limits and measures each stage's bytes per microbatch; the "
+            "microbatch limits that keep every rank within its bytes follow from the second "
+            "step on (logged then)." if limit_spec.in_bytes
+            else limit_summary(buffer_limit, self.buffer_limits, self._hint, self.rank))
         local = self._hint.stages_on(self.rank)
         logger.info(
             "ScheduleRRFP on pipeline rank %d: hint %s (policy %s, %s placement), memory "
