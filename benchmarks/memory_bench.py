@@ -85,7 +85,8 @@ def _rank_main(rank: int, world: int, hint: str, per_rank: int, M: int) -> dict:
     result = {"torch_receive": _torch_receive_bytes(stages), "torch_activations": meter.peak}
     for limit in ("hint", "hint+2"):
         rrfp = ScheduleRRFP(_stages(rank, world, per_rank, None), M,
-                            loss_fn=torch.nn.functional.mse_loss, hint=hint, buffer_limit=limit)
+                            loss_fn=torch.nn.functional.mse_loss, hint=hint, buffer_limit=limit,
+                            meter_every=1)
         peaks = []
         for _ in range(2):
             run(rrfp, 1)

@@ -187,7 +187,7 @@ def _rank_main(rank: int, world: int, multimodal: bool, rounds: int) -> dict:
                                                scale_grads=False)
         else:
             schedule = ScheduleRRFP(stages, MICROBATCHES, loss_fn=_loss, scale_grads=False,
-                                    hint="Interleaved1F1B", variable_shapes=True,
+                                    hint="Interleaved1F1B", variable_shapes=True, meter_every=1,
                                     policy="fixed" if variant == "RRFP fixed order" else None)
         runs[variant] = (schedule, stages, meter)
     times = {v: [] for v in VARIANTS}

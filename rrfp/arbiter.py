@@ -462,7 +462,8 @@ class Arbiter:
 
 def resolve_buffer_limits(spec: str | int, hint: Hint, *,
                           fixed_order: bool = False) -> MemoryLimits:
-    """Memory limits from ``"hint"``, ``"hint+k"``, ``"Nx hint"``, ``"busiest"`` or an int (any spelling
+    """Memory limits from ``"hint"``, ``"hint+k"``, ``"Nx hint"``, ``"busiest"``, a byte
+    budget, ``"auto"`` or an int (any spelling
     ``rrfp.settings.parse_buffer_limit`` takes), in microbatches of activations held (from
     a microbatch's F until its last backward piece, B or W):
 
@@ -474,8 +475,11 @@ def resolve_buffer_limits(spec: str | int, hint: Hint, *,
     * ``"busiest"``: per stage and per rank, what the fixed schedule's busiest rank holds
       at once (the largest per-rank peak). No rank then holds more than the fixed
       schedule's busiest rank, the one that sizes the job's memory, so the job's peak is
-      unchanged; the other ranks' headroom becomes slack (in microbatches, so where stages
-      differ in activation bytes a rank's bytes may exceed the busiest rank's).
+      unchanged; the other ranks' headroom becomes slack. Counted in microbatches here,
+      which is exact where every stage's microbatch saves the same bytes (the
+      simulator's model); ``ScheduleRRFP`` counts it in bytes from its second step
+      (``limits_within_bytes``), as it does a byte budget or ``"auto"``, for which this
+      gives the first step's limits: the hint's own peaks.
     * an int ``n``: ``n`` per stage and ``n`` per rank.
 
     Deadlock-freedom. (1) At limits no lower than the hint's own peaks, the hint's next
@@ -543,6 +547,99 @@ def check_limits(limits: MemoryLimits, hint: Hint, spec: object, *,
                 f"than its forwards, which needs its own peak ({need}) to be deadlock-free: "
                 "use 'hint', 'hint+k' or a larger int"
             )
+
+
+def fixed_peak_bytes(hint: Hint, bytes_per_microbatch: Mapping[int, int]) -> dict[int, int]:
+    """Per rank, the most activation bytes the hint's fixed order holds at once, where a
+    microbatch held on stage s holds ``bytes_per_microbatch[s]`` (held from its F until
+    its last backward piece, as ``Hint.peak_in_flight`` counts)."""
+    peaks = {}
+    for rank, actions in hint.orders.items():
+        total = peak = 0
+        for action in actions:
+            nbytes = bytes_per_microbatch[action.stage_index]
+            if action.computation_type == F:
+                total += nbytes
+                peak = max(peak, total)
+            elif action.computation_type in WEIGHT_GRAD_KINDS:  # the last backward piece
+                total -= nbytes
+        peaks[rank] = peak
+    return peaks
+
+
+@dataclass(frozen=True)
+class ByteLimits:
+    """Microbatch limits derived from byte budgets (``limits_within_bytes``)."""
+
+    limits: MemoryLimits
+    budgets: Mapping[int, int]
+    """Per rank: the activation bytes it may hold."""
+    allowed_bytes: Mapping[int, int]
+    """Per rank: the most bytes ``limits`` let its stages hold at once (the worst mix of
+    microbatches the per-stage and per-rank limits allow). Within ``budgets`` except where
+    the hint's own peaks already exceed them (the floor, kept for deadlock-freedom)."""
+    fixed_peak_bytes: Mapping[int, int]
+    """Per rank: the bytes the hint's fixed order holds at its peak."""
+
+    def over_budget(self) -> list[int]:
+        """Ranks where even the hint's own peaks may exceed the budget."""
+        return [r for r, allowed in self.allowed_bytes.items() if allowed > self.budgets[r]]
+
+
+def limits_within_bytes(hint: Hint, bytes_per_microbatch: Mapping[int, int],
+                        budgets: Mapping[int, int]) -> ByteLimits:
+    """The largest microbatch limits under which no rank can hold more than its byte
+    budget, given each stage's bytes per microbatch; never below the hint's own peaks (per
+    stage and per rank), which keep every step deadlock-free (``resolve_buffer_limits``).
+
+    A rank's bytes are bounded by its worst mix: its per-rank limit filled with the
+    microbatches of its largest stages first, each stage up to its own limit. From the
+    hint's peaks, the rank limit and every stage's limit grow together one microbatch at a
+    time while that bound fits the budget ("hint+k" in bytes); then single stages grow,
+    smallest bytes first, while it still fits (with the rank limit binding, a stage's
+    limit costs nothing more). Limits stop at the step's microbatches (a stage never holds
+    more). ``ValueError`` where a budget is below what the fixed order itself holds there:
+    no limit can keep that rank within it.
+    """
+    stage_peaks, rank_peaks = hint.peak_in_flight(), hint.rank_peaks()
+    fixed = fixed_peak_bytes(hint, bytes_per_microbatch)
+    per_stage: dict[int, int] = {}
+    per_rank: dict[int, int] = {}
+    allowed: dict[int, int] = {}
+    cap = hint.n_microbatches
+    for rank in hint.orders:
+        stages = hint.stages_on(rank)
+        budget = budgets[rank]
+        if fixed[rank] > budget:
+            raise ValueError(
+                f"pipeline rank {rank}'s activation budget is {budget} B, but hint "
+                f"{hint.name!r} itself holds {fixed[rank]} B of activations there at its peak "
+                f"(bytes per microbatch per stage, measured in the first step: "
+                f"{ {s: bytes_per_microbatch[s] for s in stages} }): give at least "
+                f"{fixed[rank]} B on that rank, or use buffer_limit='hint'")
+        limit = {s: stage_peaks[s] for s in stages}
+        rank_limit = rank_peaks[rank]
+
+        def worst(limit: Mapping[int, int], rank_limit: int) -> int:
+            room, total = rank_limit, 0
+            for s in sorted(stages, key=lambda s: -bytes_per_microbatch[s]):
+                take = min(limit[s], room)
+                total, room = total + take * bytes_per_microbatch[s], room - take
+            return total
+
+        while rank_limit < cap * len(stages):
+            wider = {s: min(limit[s] + 1, cap) for s in stages}
+            if worst(wider, rank_limit + 1) > budget:
+                break
+            limit, rank_limit = wider, rank_limit + 1
+        for s in sorted(stages, key=lambda s: bytes_per_microbatch[s]):
+            while limit[s] < min(cap, rank_limit) and worst({**limit, s: limit[s] + 1},
+                                                             rank_limit) <= budget:
+                limit[s] += 1
+        per_stage.update(limit)
+        per_rank[rank] = rank_limit
+        allowed[rank] = worst(limit, rank_limit)
+    return ByteLimits(MemoryLimits(per_stage, per_rank), dict(budgets), allowed, fixed)
 
 
 class OwnOrder:

@@ -25,6 +25,28 @@ import torch
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 
+DEFAULT_METER_EVERY = 100
+"""``ScheduleRRFP`` meters its first training step and every this-many-th step: the meter
+costs CPU time per saved tensor (``benchmarks/results/memory.md``), which a step on real
+compute pays when its CPU launches the work (docs/memory.md has the figures)."""
+
+AUTO_MARGIN = 0.10
+"""``buffer_limit="auto"`` leaves this fraction of the device's total memory unbudgeted:
+for what grows after the measurement besides activations (allocator fragmentation,
+temporary buffers inside a forward or backward, other processes on the device)."""
+
+
+def free_device_bytes(device: torch.device, cuda=torch.cuda, margin: float = AUTO_MARGIN) -> int:
+    """The bytes ``device`` can still give activations: what the driver reports free
+    (``torch.cuda.mem_get_info``) plus what torch's caching allocator holds reserved but
+    unused, less ``margin`` of the device's total memory. Called at the start of the second
+    step, when the first step's activations are gone and the optimizer's state (created
+    by its first step) is allocated. ``cuda``: the module to ask (tests pass a fake)."""
+    free, total = cuda.mem_get_info(device)
+    cached = cuda.memory_reserved(device) - cuda.memory_allocated(device)
+    return max(0, int(free + cached - margin * total))
+
+
 class ActivationMeter:
     """Live bytes of saved activations, and their peak."""
 
@@ -46,6 +68,9 @@ class ActivationMeter:
         which runs on whichever thread drops the object."""
         self._on_death = self._died.append
         self._live = 0
+        self._saved = 0
+        """Bytes that saving added to the live total since construction (never lowered by
+        deaths): a block's saves added the difference of its values around the block."""
         self._parameters: set[int] = set()
         self.peak = 0
         """Most bytes alive at once since construction or ``reset``, at the samples."""
@@ -63,10 +88,15 @@ class ActivationMeter:
             self.peak = 0
 
     @contextlib.contextmanager
-    def saving(self) -> Iterator[None]:
-        """Count what autograd saves for backward inside this block (on this thread)."""
+    def saving(self) -> Iterator[SavedBytes]:
+        """Count what autograd saves for backward inside this block (on this thread); the
+        ``SavedBytes`` it yields holds, after the block, the bytes the block's saves added
+        (what a stage's forward of one microbatch holds for its backward)."""
+        added = SavedBytes()
+        start = self._saved
         with torch.autograd.graph.saved_tensors_hooks(self._pack, _unpack):
-            yield
+            yield added
+        added.bytes = self._saved - start
 
     def _pack(self, tensor: torch.Tensor) -> _Saved | torch.Tensor:
         if tensor.device.type == "meta":
@@ -99,7 +129,9 @@ class ActivationMeter:
                 count = spans.get(span, 0)
                 spans[span] = count + len(holders)
                 if not count:  # a range already reached changes nothing
+                    self._saved -= self._live
                     self._recount(address)
+                    self._saved += self._live
         return packed
 
     def _account_for_deaths(self) -> None:
@@ -146,6 +178,15 @@ class ActivationMeter:
             self._account_for_deaths()
             self.peak = max(self.peak, self._live)
             return self._live
+
+
+class SavedBytes:
+    """The bytes a ``saving`` block's saves added to the live total (set when it ends)."""
+
+    __slots__ = ("bytes",)
+
+    def __init__(self) -> None:
+        self.bytes = 0
 
 
 class _Saved:

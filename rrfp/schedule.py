@@ -30,7 +30,9 @@ from torch.distributed.pipelining.microbatch import _split_tensor, TensorChunkSp
 from torch.profiler import record_function
 
 from rrfp._torch_compat import clear_after_failure, release_sent_outputs
-from rrfp.arbiter import Arbiter, check_deadlock_free, MemoryLimits, resolve_buffer_limits
+from rrfp.arbiter import (Arbiter, ByteLimits, check_deadlock_free, check_limits,
+                          fixed_peak_bytes, limits_within_bytes, MemoryLimits,
+                          resolve_buffer_limits)
 from rrfp.hints import (
     _Action,
     B,
@@ -48,10 +50,10 @@ from rrfp.coordination import (COORDINATIONS, CoordinationGroup, make_coordinato
                                uncovered_sharded_parameter)
 from rrfp.device import CudaDevice, EmulatedDevice, HostDevice, Wakeup
 from rrfp.loop import Arrival, DEFAULT_LAUNCH_DEPTH, PipelineStallError, StepLoop
-from rrfp.memory import ActivationMeter
+from rrfp.memory import ActivationMeter, DEFAULT_METER_EVERY, free_device_bytes
 from rrfp.policy import default_policy, History, make_policy
 from rrfp.receives import ReceiveRings, shape_header
-from rrfp.settings import parse_launch_depth, parse_policy
+from rrfp.settings import parse_buffer_limit, parse_launch_depth, parse_policy
 from rrfp.stats import Span, StepStats
 from rrfp.transport import (create_channels, FAILURE_POLL_S, PeerFailedError, ReceiveStreams,
                             SendDelay, Transport)
@@ -75,12 +77,22 @@ class ScheduleRRFP(PipelineScheduleMulti):
             compute-only format, a ``{rank: [_Action | None, ...]}`` dict, or the paper's
             rules ``"BF"``/``"BFW"``. ``None``: the fixed schedule torch would use for the
             placement (1F1B, Interleaved1F1B, or ZBVZeroBubble for V).
-        buffer_limit: microbatches of activations held (from a microbatch's F until its
-            last backward piece, B or W), per stage and per rank: ``"hint"`` (the fixed
-            schedule's own peaks, per stage and per rank: no more activation memory than
-            the hint), ``"hint+k"`` (k more of each), ``"Nx hint"`` (N times them), or an
-            int n (n per stage and per rank; ``"n"`` too); see
-            ``rrfp.arbiter.resolve_buffer_limits``.
+        buffer_limit: activations held (from a microbatch's F until its last backward
+            piece, B or W), per stage and per rank: ``"hint"`` (the fixed schedule's own
+            peaks, per stage and per rank: no more activation memory than the hint),
+            ``"hint+k"`` (k more microbatches of each), ``"Nx hint"`` (N times them), an
+            int n (n microbatches per stage and per rank; ``"n"`` too; see
+            ``rrfp.arbiter.resolve_buffer_limits``); or in bytes: ``"busiest"`` (every
+            rank may hold the bytes the fixed schedule's busiest rank holds at its peak,
+            so the job's peak is unchanged), a per-rank budget such as ``"512MiB"`` or
+            ``"12GiB"``, or ``"auto"`` (CUDA: the device's free memory at the second step
+            less ``rrfp.memory.AUTO_MARGIN`` of its total). A byte setting runs the first
+            training step at ``"hint"``, measures each stage's bytes per microbatch there,
+            and from the second step on uses the largest microbatch limits that keep
+            every rank within its bytes, never below the hint's own peaks
+            (``rrfp.arbiter.limits_within_bytes``; ``ValueError`` on every rank where a
+            budget is below what the fixed order itself holds); fixed from then on,
+            logged, and in ``StepStats``.
         stall_timeout: seconds without any ready action before the step raises
             ``PipelineStallError`` naming what each stream waits for.
         scale_grads, args_chunk_spec, kwargs_chunk_spec, output_merge_spec: as in torch's
@@ -117,10 +129,15 @@ class ScheduleRRFP(PipelineScheduleMulti):
             synchronous execution for CPU stages. ``rrfp.device.EmulatedDevice(...)``: an
             emulated asynchronous device for CPU stages (tests and studies).
         meter_activations: measure the bytes of the activations saved for backward
-            (``StepStats.peak_activation_bytes``, ``rrfp.memory.ActivationMeter``). The
-            meter costs about 10 us of CPU per saved tensor
-            (``benchmarks/results/memory.md``); False leaves autograd's saving untouched
-            and reports None. The memory limit holds either way: it counts microbatches.
+            (``StepStats.peak_activation_bytes``, ``rrfp.memory.ActivationMeter``) in the
+            first training step and every ``meter_every``-th step. False leaves autograd's
+            saving untouched and reports None (not with a byte ``buffer_limit``, which
+            needs the first step's bytes). The memory limit holds either way: it counts
+            microbatches.
+        meter_every: meter every this-many-th step (and the first training step); 1:
+            every step. The meter costs CPU time per saved tensor (docs/memory.md); the
+            steps between report ``peak_activation_bytes=None`` and the last metered
+            step's bytes per microbatch.
     """
 
     def __init__(
@@ -145,6 +162,7 @@ class ScheduleRRFP(PipelineScheduleMulti):
         device: EmulatedDevice | None = None,
         variable_shapes: bool = False,
         meter_activations: bool = True,
+        meter_every: int = DEFAULT_METER_EVERY,
     ):
         policy = parse_policy(policy)
         launch_depth = parse_launch_depth(launch_depth)
@@ -169,6 +187,19 @@ class ScheduleRRFP(PipelineScheduleMulti):
                 "send_delay emulates link latency for CPU studies: its sender thread's "
                 "current CUDA stream is not the compute stream, so it could send an output "
                 "before the compute stream wrote it; use it with CPU stages")
+        limit_spec = parse_buffer_limit(buffer_limit)
+        if limit_spec.in_bytes and not meter_activations:
+            raise ValueError(
+                f"buffer_limit={buffer_limit!r} is counted in bytes, which the first step "
+                "measures with the activation meter: leave meter_activations on (it meters "
+                "only every meter_every-th step), or give the limit in microbatches")
+        if limit_spec.auto and stage_device.type != "cuda":
+            raise ValueError(
+                f"buffer_limit='auto' reads the free memory of a CUDA device; these stages are "
+                f"on {stage_device}: give a byte budget per rank (e.g. '512MiB') or 'busiest'")
+        if isinstance(meter_every, bool) or not isinstance(meter_every, int) or meter_every < 1:
+            raise ValueError(f"meter_every must be an int >= 1 (1: meter every step), got "
+                             f"{meter_every!r}")
         if device is not None and stage_device.type != "cpu":
             raise ValueError(f"the emulated device runs CPU stages; these stages are on "
                              f"{stage_device}: pass device=None to run on their stream")
@@ -210,8 +241,17 @@ class ScheduleRRFP(PipelineScheduleMulti):
                 _check_torch_compile_compatibility(stages, f"RRFP with hint {self._hint.name}")
             except RuntimeError as e:
                 raise ValueError(f"{e}; use a hint without split backward (I/W)") from None
-        self.buffer_limits = resolve_buffer_limits(buffer_limit, self._hint,
-                                                   fixed_order=policy == "fixed")
+        self._buffer_limit = buffer_limit
+        self._limit_in_bytes = limit_spec.in_bytes
+        self._policy_given = policy
+        self._fixed_order = policy == "fixed"
+        # A byte setting's first step runs at the hint's memory: its bytes are unknown yet.
+        self.buffer_limits = resolve_buffer_limits(
+            "hint" if limit_spec.in_bytes else buffer_limit, self._hint,
+            fixed_order=self._fixed_order)
+        self.byte_limits: ByteLimits | None = None
+        """Where ``buffer_limit`` is in bytes: the microbatch limits derived from the first
+        step's bytes (from the second step on), with the budgets they keep."""
         self.policy = policy or default_policy(self._hint, self.buffer_limits)
         self._history = History()
         check_deadlock_free(self._hint)
@@ -236,6 +276,12 @@ class ScheduleRRFP(PipelineScheduleMulti):
         self.variable_shapes = bool(variable_shapes)
         self._receives = ReceiveRings(self.variable_shapes)
         self._meter = ActivationMeter() if meter_activations else None
+        self.meter_every = meter_every
+        self._step_meter: ActivationMeter | None = None
+        """The meter while a step is metered, else None."""
+        self.activation_bytes_per_microbatch: dict[int, int] | None = None
+        """Per local stage, the most bytes one microbatch's forward saved for backward in
+        the last metered training step (None before one)."""
         self._transport = Transport(create_channels(self._hint, stages[0].group, stage_device,
                                                     header_channels=bool(variable_shapes)),
                                     self._wakeup, send_delay=send_delay,
@@ -251,8 +297,12 @@ class ScheduleRRFP(PipelineScheduleMulti):
         self._failure: str | None = None
         self._steps_run = 0
         self.last_step_stats: StepStats | None = None
-        self.limit_summary = limit_summary(buffer_limit, self.buffer_limits, self._hint,
-                                           self.rank)
+        self.limit_summary = (
+            f"buffer_limit={buffer_limit!r} is counted in bytes: the first training step runs "
+            "at the hint's own limits and measures each stage's bytes per microbatch; the "
+            "microbatch limits that keep every rank within its bytes follow from the second "
+            "step on (logged then)." if limit_spec.in_bytes
+            else limit_summary(buffer_limit, self.buffer_limits, self._hint, self.rank))
         local = self._hint.stages_on(self.rank)
         logger.info(
             "ScheduleRRFP on pipeline rank %d: hint %s (policy %s, %s placement), memory "
@@ -304,8 +354,14 @@ class ScheduleRRFP(PipelineScheduleMulti):
         if not self._collectives_checked:
             self._check_variable_shapes()
             self._collectives_checked = True
-        if self._meter is not None:
-            self._meter.reset(p for stage in self._stages for p in stage.submod.parameters())
+        if self._limit_in_bytes and self.byte_limits is None and (
+                self.activation_bytes_per_microbatch is not None):
+            self._fix_byte_limits()
+        self._step_meter = self._meter if self._meter is not None and (
+            self._steps_run % self.meter_every == 0
+            or self.activation_bytes_per_microbatch is None) else None
+        if self._step_meter is not None:
+            self._step_meter.reset(p for stage in self._stages for p in stage.submod.parameters())
         origin = time.perf_counter()
 
         def clock() -> float:
@@ -366,12 +422,65 @@ class ScheduleRRFP(PipelineScheduleMulti):
             self._steps_run += 1
         if self._has_backward:
             loop.teach(self._history)
+            if self._step_meter is not None:
+                self.activation_bytes_per_microbatch = {
+                    s: executor.saved_per_microbatch.get(s, 0) for s in self._stage_by_index}
         else:  # no gradient reduction will reshard them
             for module in fsdp_modules:
                 module.reshard()
         if self._loss_fn is not None and any(s.is_last for s in self._stages):
             self._internal_losses = [executor.losses[m] for m in range(self._n_microbatches)]
         self._update_losses(self._stages, losses)
+
+    def _fix_byte_limits(self) -> None:
+        """Turn the byte setting into microbatch limits, from the first step's bytes per
+        microbatch of every stage (exchanged over the pipeline group: the busiest rank may
+        be another): the same limits on every rank, or the same ``ValueError``."""
+        spec = parse_buffer_limit(self._buffer_limit)
+        group = self._stages[0].group
+        stages, ranks = self._num_stages, self.pp_group_size
+        exchanged = torch.zeros(stages + ranks, dtype=torch.int64, device=self._stages[0].device)
+        for s, nbytes in self.activation_bytes_per_microbatch.items():
+            exchanged[s] = nbytes
+        if spec.auto:
+            exchanged[stages + self.rank] = free_device_bytes(self._stages[0].device)
+        elif spec.budget_bytes is not None:
+            exchanged[stages + self.rank] = spec.budget_bytes
+        dist.all_reduce(exchanged, group=group)
+        values = exchanged.tolist()
+        per_microbatch = {s: values[s] for s in range(stages)}
+        if spec.busiest:
+            busiest = max(fixed_peak_bytes(self._hint, per_microbatch).values())
+            budgets = {r: busiest for r in range(ranks)}
+        else:
+            budgets = {r: values[stages + r] for r in range(ranks)}
+        try:
+            self.byte_limits = limits_within_bytes(self._hint, per_microbatch, budgets)
+        except ValueError as e:
+            raise ValueError(f"buffer_limit={self._buffer_limit!r}: {e}") from None
+        self.buffer_limits = self.byte_limits.limits
+        check_limits(self.buffer_limits, self._hint, self._buffer_limit,
+                     fixed_order=self._fixed_order)
+        self.policy = self._policy_given or default_policy(self._hint, self.buffer_limits)
+        local = self._hint.stages_on(self.rank)
+        self.limit_summary = byte_limit_summary(self._buffer_limit, self.byte_limits, self.rank,
+                                                local)
+        logger.info(
+            "ScheduleRRFP on pipeline rank %d: from the first step's bytes per microbatch %s, "
+            "memory limits %s per stage and %d on the rank (policy %s). %s", self.rank,
+            {s: per_microbatch[s] for s in local}, {s: self.buffer_limits.per_stage[s] for s in local},
+            self.buffer_limits.per_rank[self.rank], self.policy, self.limit_summary)
+        if self.rank in self.byte_limits.over_budget():
+            message = (
+                f"buffer_limit={self._buffer_limit!r}: pipeline rank {self.rank} keeps the "
+                f"hint's own peaks, which may hold up to "
+                f"{self.byte_limits.allowed_bytes[self.rank]} B of activations in a mix other "
+                f"than the fixed order's, above its budget of "
+                f"{self.byte_limits.budgets[self.rank]} B (the fixed order holds "
+                f"{self.byte_limits.fixed_peak_bytes[self.rank]} B): lower limits could "
+                "deadlock; give that rank more bytes to be sure")
+            warnings.warn(message, stacklevel=3)
+            logger.warning(message)
 
     def _peer_failed(self, error: PeerFailedError, loop: StepLoop) -> PeerFailedError:
         """``error``, saying also what this rank was waiting for."""
@@ -668,6 +777,24 @@ def limit_summary(spec: str | int, limits: MemoryLimits, hint: Hint, rank: int) 
             f"usually slower than the fixed schedule.{job}")
 
 
+def byte_limit_summary(spec: str | int, byte_limits: ByteLimits, rank: int,
+                       local: tuple[int, ...]) -> str:
+    """One sentence for the log: what a byte ``buffer_limit`` became on ``rank`` (holding
+    stages ``local``)."""
+    limits = byte_limits.limits
+    allowed, budget = byte_limits.allowed_bytes[rank], byte_limits.budgets[rank]
+    busiest = max(byte_limits.fixed_peak_bytes.values())
+    most = max(byte_limits.allowed_bytes.values())
+    job = (f" No rank's limits allow more than the {busiest} B the fixed schedule's busiest "
+           "rank holds, so the job's peak activation bytes are unchanged." if most <= busiest
+           else f" The busiest rank's limits allow {most} B, {most - busiest} B more than the "
+           "fixed schedule's busiest rank holds ('busiest' keeps the job's peak).")
+    return (f"buffer_limit={spec!r} allows {limits.per_rank[rank]} microbatches on this rank "
+            f"({ {s: limits.per_stage[s] for s in local} } per "
+            f"stage): at most {allowed} B of activations, within its {budget} B "
+            f"(the fixed order holds {byte_limits.fixed_peak_bytes[rank]} B here).{job}")
+
+
 def _all_reduce_gradients(module: DistributedDataParallel) -> None:
     """What DDP's default hook does (divide by the replica count, then sum), bucket by
     bucket of at most DDP's ``bucket_bytes_cap``: the extra memory is one bucket."""
@@ -746,6 +873,8 @@ class _StageExecutor:
         self.return_outputs = return_outputs
         self.loss_kwargs = loss_kwargs
         self.losses: dict[int, torch.Tensor] = {}
+        self.saved_per_microbatch: dict[int, int] = {}
+        """Per stage, the most bytes one forward saved for backward (metered steps)."""
         self.sends: list[tuple[int, int, int, float]] = []
         """(source stage, destination stage, microbatch, seconds after start) per send."""
 
@@ -767,14 +896,17 @@ class _StageExecutor:
         with (record_function(_get_profiler_function_name(action))
               if torch.autograd.profiler._is_profiler_enabled else contextlib.nullcontext()):
             if ctype == F:
-                meter = schedule._meter
-                with meter.saving() if meter is not None else contextlib.nullcontext():
+                meter = schedule._step_meter
+                with meter.saving() if meter is not None else contextlib.nullcontext() as saved:
                     output = stage.forward_one_chunk(
                         mb, self.arg_mbs[mb], self.kwarg_mbs[mb],
                         save_forward_output=self.return_outputs,
                     )
                 if meter is not None:
                     meter.sample()
+                    s = action.stage_index
+                    self.saved_per_microbatch[s] = max(self.saved_per_microbatch.get(s, 0),
+                                                       saved.bytes)
                 if stage.is_last and schedule._loss_fn is not None:
                     self.losses[mb] = schedule._compute_loss(
                         output, self.target_mbs[mb], self.loss_kwargs
@@ -827,6 +959,7 @@ def _step_stats(schedule: ScheduleRRFP, loop: StepLoop, executor: _StageExecutor
     arbiter = loop.arbiter
     local = schedule.hint.stages_on(schedule.rank)
     hint_peaks = arbiter.hint.peak_in_flight()
+    byte_limits = schedule.byte_limits
     spans = [Span(str(c.action), c.start, c.end, c.action.stage_index,
                   c.action.computation_type.value, c.action.microbatch_index)
              for c in loop.completions]
@@ -847,7 +980,14 @@ def _step_stats(schedule: ScheduleRRFP, loop: StepLoop, executor: _StageExecutor
         hint_busiest_rank_peak=max(arbiter.hint.rank_peaks().values()),
         peak_in_flight=dict(arbiter.peak_in_flight),
         peak_rank_in_flight=arbiter.peak_held,
-        peak_activation_bytes=None if schedule._meter is None else schedule._meter.peak,
+        peak_activation_bytes=None if schedule._step_meter is None else schedule._step_meter.peak,
+        activation_bytes_per_microbatch=(
+            None if schedule.activation_bytes_per_microbatch is None
+            else {s: schedule.activation_bytes_per_microbatch[s] for s in local}),
+        rank_budget_bytes=None if byte_limits is None else byte_limits.budgets[schedule.rank],
+        rank_limit_bytes=None if byte_limits is None else byte_limits.allowed_bytes[schedule.rank],
+        busiest_rank_peak_bytes=(None if byte_limits is None
+                                 else max(byte_limits.fixed_peak_bytes.values())),
         receive_buffer_bytes=schedule._receives.peak_bytes,
         messages_sent=sent[0],
         bytes_sent=sent[1],

@@ -8,6 +8,7 @@ are shared for the same reason.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Sequence
 from typing import NamedTuple
 
@@ -15,12 +16,15 @@ POLICIES = ("hint", "fixed", "BF", "BFW", "window", "lookahead", "arrival", "cri
 """The arbitration policies (``rrfp.policy`` implements them)."""
 
 BUFFER_LIMIT_HELP = (
-    "microbatches of activations held (from a microbatch's forward until its last backward "
-    "piece), per stage and per rank (a rank's stages together): 'hint' (the fixed schedule's "
-    "own peaks, per stage and per rank), 'hint+k' (k more), 'Nx hint' (N times them, e.g. "
-    "'2x hint'), 'busiest' (every stage and rank may hold what the fixed schedule's busiest "
-    "rank holds: that rank's peak, which sizes the job's memory, is unchanged) or an integer "
-    "n (n on each stage and each rank)")
+    "activations held (from a microbatch's forward until its last backward piece), per "
+    "stage and per rank (a rank's stages together): 'hint' (the fixed schedule's own peaks, "
+    "per stage and per rank), 'hint+k' (k more microbatches), 'Nx hint' (N times them, e.g. "
+    "'2x hint'), 'busiest' (every rank may hold the bytes the fixed schedule's busiest rank "
+    "holds: that rank's peak, which sizes the job's memory, is unchanged), a byte budget per "
+    "rank such as '512MiB' or '12GiB' (units B, KiB, MiB, GiB, TiB, or KB, MB, GB, TB), "
+    "'auto' (on CUDA, the device's free memory after the first step less a margin), or an "
+    "integer n (n microbatches on each stage and each rank). 'busiest', a budget and 'auto' "
+    "are turned into microbatch limits from the bytes the first step measured")
 LAUNCH_DEPTH_HELP = (
     "launched-but-incomplete actions the device may hold before the rank decides again: an "
     "integer >= 1, or 0 or 'none' for no bound")
@@ -33,15 +37,32 @@ def policy_help(names: Sequence[str]) -> str:
             "every rank critical for one stage per rank, lookahead for several)")
 
 
+BYTE_UNITS = {"b": 1, "kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "tib": 1 << 40,
+              "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12}
+"""The units a byte budget may be written in (case-insensitive): binary and decimal."""
+
+
 class BufferLimit(NamedTuple):
     """A parsed ``buffer_limit``: ``value`` microbatches, or (``value`` None) ``factor``
-    times the hint's own peak plus ``extra``, or (``busiest``) the hint's busiest rank's
-    peak."""
+    times the hint's own peak plus ``extra``, or (``busiest``) the bytes of the hint's
+    busiest rank's peak, or a per-rank byte budget (``budget_bytes``; ``auto``: the
+    device's free memory). The byte settings become microbatch limits once the first step
+    has measured each stage's bytes per microbatch (``rrfp.arbiter.limits_within_bytes``);
+    ``of`` gives the limit before that: the hint's own peak (the first step runs at the
+    hint's memory), or for ``busiest`` the busiest rank's peak in microbatches (what it
+    means where every stage's microbatch saves the same bytes, as in the simulator)."""
 
     value: int | None
     factor: int = 1
     extra: int = 0
     busiest: bool = False
+    budget_bytes: int | None = None
+    auto: bool = False
+
+    @property
+    def in_bytes(self) -> bool:
+        """Counted in bytes: the microbatch limits come from the first step's bytes."""
+        return self.busiest or self.auto or self.budget_bytes is not None
 
     def of(self, peak: int, busiest_peak: int) -> int:
         """The limit where the hint's own peak is ``peak`` and its busiest rank's (the most
@@ -51,13 +72,20 @@ class BufferLimit(NamedTuple):
         return self.value if self.value is not None else self.factor * peak + self.extra
 
 
+_UNDERSTOOD = ("use 'hint' (the fixed schedule's own peaks per stage and per rank), 'hint+k' "
+               "with k >= 0, 'Nx hint' with N >= 1, 'busiest' (the bytes the fixed "
+               "schedule's busiest rank holds, on every rank), a byte budget per rank such as "
+               "'512MiB' or '12GiB', 'auto' (CUDA: the free device memory), or an int >= 1 "
+               "(microbatches)")
+
+
 def parse_buffer_limit(spec: object) -> BufferLimit:
-    """``"hint"``, ``"hint+k"``, ``"Nx hint"``, ``"busiest"``, an int n >= 1, or n written
-    as a string (case and spaces do not matter). ``ValueError`` saying what to write
-    otherwise."""
+    """``"hint"``, ``"hint+k"``, ``"Nx hint"``, ``"busiest"``, a byte budget (a number and
+    a unit of ``BYTE_UNITS``, e.g. ``"12GiB"``, ``"1.5 GB"``), ``"auto"``, an int n >= 1, or
+    n written as a string (case and spaces do not matter). ``ValueError`` saying what to
+    write otherwise."""
     if isinstance(spec, bool) or not isinstance(spec, (int, str)):
-        raise ValueError(f"buffer_limit must be 'hint', 'hint+k', 'Nx hint', 'busiest' or an "
-                         f"int >= 1, got {spec!r}")
+        raise ValueError(f"buffer_limit must be a str or an int: {_UNDERSTOOD}; got {spec!r}")
     text = spec if isinstance(spec, int) else spec.replace(" ", "").lower()
     if isinstance(text, int) or text.isdigit():
         value = int(text)
@@ -70,14 +98,24 @@ def parse_buffer_limit(spec: object) -> BufferLimit:
         return BufferLimit(None)
     if text == "busiest":
         return BufferLimit(None, busiest=True)
+    if text == "auto":
+        return BufferLimit(None, auto=True)
     if text.startswith("hint+") and text[5:].isdigit():
         return BufferLimit(None, extra=int(text[5:]))
     if text.endswith("xhint") and text[:-5].isdigit() and int(text[:-5]) >= 1:
         return BufferLimit(None, factor=int(text[:-5]))
-    raise ValueError(
-        f"buffer_limit={spec!r} is not understood: use 'hint' (the fixed schedule's own peaks "
-        "per stage and per rank), 'hint+k' with k >= 0, 'Nx hint' with N >= 1, 'busiest' (what "
-        "the fixed schedule's busiest rank holds, on every stage and rank), or an int >= 1")
+    budget = re.fullmatch(r"(\d+(?:\.\d*)?|\.\d+)([a-z]+)", text)
+    if budget is not None:
+        number, unit = budget.groups()
+        if unit not in BYTE_UNITS:
+            raise ValueError(f"buffer_limit={spec!r}: unknown byte unit {unit!r}; use one of "
+                             f"B, KiB, MiB, GiB, TiB (powers of 1024) or KB, MB, GB, TB")
+        nbytes = int(float(number) * BYTE_UNITS[unit])
+        if nbytes < 1:
+            raise ValueError(f"buffer_limit={spec!r} is a budget of no bytes: give each "
+                             "rank's activation budget, e.g. '512MiB'")
+        return BufferLimit(None, budget_bytes=nbytes)
+    raise ValueError(f"buffer_limit={spec!r} is not understood: {_UNDERSTOOD}")
 
 
 def parse_policy(name: str | None, names: Sequence[str] = POLICIES) -> str | None:

@@ -55,7 +55,8 @@ class StepStats:
     peak_activation_bytes: int | None
     """Most bytes of saved activations alive at once on the rank during the step, measured
     on the tensors themselves (``rrfp.memory.ActivationMeter``; parameters excluded).
-    None: not measured (``meter_activations=False``)."""
+    None: not measured in this step (``meter_activations=False``, or a step between the
+    metered ones: the first training step and every ``meter_every``-th)."""
     receive_buffer_bytes: int
     """Most bytes the rank's receive buffers held at once (a ring per incoming channel)."""
     messages_sent: int
@@ -89,6 +90,20 @@ class StepStats:
     """Proposal rounds that ended without agreement (all deferred and retried)."""
     coordination_time: float = 0.0
     """Seconds spent settling actions, including the waits after a deferral."""
+    activation_bytes_per_microbatch: dict[int, int] | None = None
+    """Per local stage, the most bytes one microbatch's forward saved for backward, in the
+    last metered training step (this one or an earlier one; None before any)."""
+    rank_budget_bytes: int | None = None
+    """Under a byte ``buffer_limit`` (``"busiest"``, a budget, ``"auto"``), from the second
+    step on: the activation bytes this rank may hold; else None."""
+    rank_limit_bytes: int | None = None
+    """The most activation bytes the rank's microbatch limits let it hold (its worst mix of
+    stages' microbatches, at the measured bytes per microbatch): within
+    ``rank_budget_bytes`` unless the hint's own peaks already exceed it (then warned)."""
+    busiest_rank_peak_bytes: int | None = None
+    """The bytes the fixed schedule's busiest rank holds at its peak (the hint's order,
+    at the measured bytes per microbatch). Under ``"busiest"`` every rank's
+    ``rank_limit_bytes`` is at most this: the job's peak activation bytes are unchanged."""
     step: int = 0
     """Steps the schedule ran before this one: the same count on every rank of the
     pipeline, so the trace can tell which step's send a receive answers."""
@@ -120,6 +135,10 @@ class StepStats:
     def summary(self) -> str:
         activations = ("not measured" if self.peak_activation_bytes is None
                        else f"{self.peak_activation_bytes} B")
+        if self.rank_budget_bytes is not None:
+            activations += (f" (limits allow {self.rank_limit_bytes} B, budget "
+                            f"{self.rank_budget_bytes} B; fixed schedule's busiest rank "
+                            f"{self.busiest_rank_peak_bytes} B)")
         return (
             f"pp_rank {self.pp_rank}: hint {self.hint} (policy {self.policy}), limits "
             f"{self.buffer_limits}, step {self.step_time * 1e3:.1f} ms, idle "

@@ -486,7 +486,8 @@ def test_log_rank_chooses_the_ranks_that_print(monkeypatch, caplog):
 
 @pytest.mark.parametrize("job", ["documents", "multimodal"])
 def test_variable_shape_data_paths_train_and_their_loss_falls(job, tmp_path):
-    code, out = run_titan(2, "--training.steps", "6", dump=str(tmp_path), job=job)
+    code, out = run_titan(2, "--training.steps", "6", "--rrfp.meter_every", "1",
+                          dump=str(tmp_path), job=job)
     assert code == 0, out[-3000:]
     losses = logged_losses(out)
     assert sorted(losses) == list(range(1, 7))
@@ -505,6 +506,7 @@ def test_variable_length_microbatches_train_as_the_fixed_schedule_on_padded_ones
     for schedule in ("Interleaved1F1B", "RRFP"):
         code, out = run_titan(2, "--training.steps", "3",
                               "--parallelism.pipeline_parallel_schedule", schedule,
+                              "--rrfp.meter_every", "1",
                               dump=str(tmp_path / schedule), job="documents")
         assert code == 0, out[-3000:]
         values = tensorboard_values(tmp_path / schedule)

@@ -514,7 +514,7 @@ def memory_world(rank: int, world_size: int, hint: str, reference: str, per_rank
         stages, blocks = build_stages(chain, rank, world_size, layout, wrap=delays(pattern, meters))
         schedule = ScheduleRRFP(stages, M, loss_fn=loss_fn, hint=hint, buffer_limit=limit,
                                 device=EmulatedDevice(), stall_timeout=60,
-                                meter_activations=meters is None)
+                                meter_activations=meters is None, meter_every=1)
         for stage in stages:
             stage.submod.reset()
         grads = steps(schedule, stages, blocks, meters=meters)
@@ -549,7 +549,7 @@ def chunked_input_bytes(rank: int, world_size: int, limits: list) -> dict:
     for limit in limits:
         stages, _ = build_stages(chain, rank, world_size, "loop")
         schedule = ScheduleRRFP(stages, M, loss_fn=loss_fn, hint="1F1B", buffer_limit=limit,
-                                policy="hint", stall_timeout=60)
+                                policy="hint", stall_timeout=60, meter_every=1)
         for _ in range(2):
             schedule.step(*inputs, target=y, return_outputs=False)
         stats = schedule.last_step_stats
@@ -611,7 +611,7 @@ def unmetered(rank: int, world_size: int) -> dict:
         stages, blocks = build_stages(chain, rank, world_size, "loop",
                                       wrap=lambda s, b: HookProbe(b))
         schedule = ScheduleRRFP(stages, M, loss_fn=loss_fn, hint="1F1B", stall_timeout=60,
-                                meter_activations=metered)
+                                meter_activations=metered, meter_every=1)
         history = run_steps(schedule, stages, blocks, x, y, steps)
         schedule.close()
         results[metered] = {

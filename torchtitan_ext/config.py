@@ -6,6 +6,7 @@ custom_config_module = "torchtitan_ext.config"``), the ``rrfp`` field of
 from dataclasses import dataclass, field
 
 from rrfp.loop import DEFAULT_LAUNCH_DEPTH
+from rrfp.memory import DEFAULT_METER_EVERY
 
 
 @dataclass
@@ -50,8 +51,13 @@ class RRFP:
 
     meter_activations: bool = True
     """Measure the bytes of the activations saved for backward (``peak_activation_bytes`` in
-    the stats). It costs about 10 us of CPU per saved tensor; turn it off where the CPU
-    launching kernels is the bottleneck. The memory limit holds either way."""
+    the stats) in the first training step and every ``meter_every``-th: the meter costs CPU
+    time per saved tensor (docs/memory.md), so it is sampled. A ``buffer_limit`` in bytes
+    ('busiest', '12GiB', 'auto') needs it. The memory limit holds either way."""
+
+    meter_every: int = DEFAULT_METER_EVERY
+    """Meter every this-many-th step (1: every step; the steps between log no activation
+    bytes)."""
 
     stall_timeout: float = 300.0
     """Seconds without any ready action before the step raises, naming what it waits for."""

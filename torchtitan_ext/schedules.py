@@ -131,7 +131,7 @@ def schedule_arguments(settings: RRFP) -> dict:
     return dict(buffer_limit=settings.buffer_limit, policy=settings.policy,
                 launch_depth=settings.launch_depth, stall_timeout=settings.stall_timeout,
                 coordination=settings.coordination, variable_shapes=settings.variable_shapes,
-                meter_activations=settings.meter_activations)
+                meter_activations=settings.meter_activations, meter_every=settings.meter_every)
 
 
 def validate(job_config, n_layers: int) -> None:
