@@ -14,7 +14,8 @@ Two measurements on 4 gloo processes, CPU only:
    Interleaved1F1B, 8 microbatches, stage compute **emulated**: 10 ms forward, 20 ms
    backward per microbatch, lognormal jitter (sigma 0.3) drawn separately on each rank of
    a TP/EP group; torch's fixed Interleaved1F1B vs ScheduleRRFP (plain readiness-first,
-   limit hint+1) under "leader" and "agree", A/B/C per step, 6 steps after a warm-up.
+   limit hint+1) under "leader" (now and before, see below) and "agree", alternating
+   per step, 6 steps after a warm-up.
 
 Before/after in one run: ``--before <commit>`` (default ``BEFORE_COMMIT``, the code before
 the follower posted its receives ahead on a private group) loads that commit's

@@ -1,44 +1,61 @@
 """Rank functions for tests/test_expert_parallel.py: PP 2 x EP 2 with torchtitan's MoE.
 
-Every stage is a residual MoE block built from torchtitan's own MoE module (for-loop
-experts), its experts sharded over the EP group as torchtitan's expert parallelism does
-(``Shard(0)`` DTensors on the EP mesh; tokens dispatched and combined with
-``all_to_all_single_autograd`` and uneven splits). Each EP rank gets its own data, so the
-splits differ between ranks and microbatches.
+Every stage is a residual MoE block built from torchtitan's own MoE module, its experts
+sharded over the EP group as torchtitan's expert parallelism does (``Shard(0)`` DTensors
+on the EP mesh; tokens dispatched and combined by all-to-all with uneven splits). Each EP
+rank gets its own data, so the splits differ between ranks and microbatches. Both
+torchtitan versions, each through its own MoE:
 
-torchtitan's MoE needs two fixes to run on CPU, applied here per test process by
-``use_cpu_moe_paths`` (torchtitan_ext's CPU support carries the product's own):
-CPU ``torch.histc`` has no integer kernel (the router counts tokens per expert on
-int64 expert ids), and the token permutation after the dispatch must take its CPU
-path (``generate_permute_indices(..., use_cpu=True)``) instead of a Triton kernel.
+* 0.2 (torch 2.13 venv): ``torchtitan.models.moe.MoE`` with for-loop experts, sharded by
+  torchtitan's ``ExpertParallel`` style (``all_to_all_single_autograd``). It needs two
+  fixes on CPU, applied per test process by ``use_cpu_moe_paths`` (torchtitan_ext's CPU
+  support carries the product's own): CPU ``torch.histc`` has no integer kernel (the
+  router counts tokens per expert on int64 expert ids), and the token permutation after
+  the dispatch must take its CPU path (``generate_permute_indices(..., use_cpu=True)``)
+  instead of a Triton kernel.
+* 0.3 (torch 2.14 venv): ``torchtitan.models.common.moe.MoE`` (grouped-mm experts) with
+  its ``AllToAllTokenDispatcher``; the expert weights are distributed ``Shard(0)`` on the
+  EP mesh and the dispatcher wired to it, as its ``RoutedExperts.parallelize`` does from a
+  full ``ParallelDims``. Its default SPMD backend's list all-to-all is refused by gloo
+  for uneven sizes, so ``use_cpu_moe_paths`` selects the ``partial_dtensor`` backend.
 """
 
 from __future__ import annotations
 
 import copy
 import functools
+import importlib.util
 import random
 
 import torch
 import torch.distributed as dist
 from torch.distributed.pipelining import PipelineStage
+from torch.distributed.tensor import distribute_tensor, Shard
 
 from rrfp import ScheduleRRFP
 from tests.workers import (bitwise_equal, loss_fn, random_device_time, run_steps,
                            torch_schedule)
+
+TORCHTITAN_0_2 = importlib.util.find_spec("torchtitan.models.moe") is not None
+"""Whether the installed torchtitan has 0.2's MoE module (else 0.3's)."""
 
 DIM, TOKENS, BATCH_PER_MICROBATCH = 8, 4, 2
 EXPERTS, TOP_K = 4, 2
 
 
 def use_cpu_moe_paths() -> None:
-    """Let torchtitan 0.2.2's MoE run on CPU in this process (see the module docstring).
+    """Let torchtitan's MoE run on CPU/gloo in this process (see the module docstring).
 
-    ``torch.histc`` is wrapped only for integer inputs, which CPU refuses outright: they
-    are counted as floats and returned as int64, as CUDA's kernel returns them; every
-    other call is torch's own. The permutation fix rebinds the one name
+    0.2: ``torch.histc`` is wrapped only for integer inputs, which CPU refuses outright:
+    they are counted as floats and returned as int64, as CUDA's kernel returns them;
+    every other call is torch's own. The permutation fix rebinds the one name
     ``torchtitan.models.moe.utils._permute`` looks up.
     """
+    if not TORCHTITAN_0_2:
+        from torchtitan.distributed.utils import set_spmd_backend
+
+        set_spmd_backend("partial_dtensor")
+        return
     import torchtitan.models.moe.utils as moe_utils
 
     if not getattr(torch.histc, "_counts_integers_on_cpu", False):
@@ -69,25 +86,59 @@ class MoEBlock(torch.nn.Module):
 
 
 def make_moe_block(seed: int) -> MoEBlock:
-    """torchtitan's MoE: 4 for-loop experts, top-2 softmax routing, one shared expert."""
-    from torchtitan.models.moe.moe import MoE, MoEArgs
-
+    """torchtitan's MoE: 4 experts, top-2 softmax routing (0.2: with one shared expert)."""
     torch.manual_seed(seed)
-    args = MoEArgs(num_experts=EXPERTS, num_shared_experts=1, top_k=TOP_K,
-                   score_func="softmax", use_grouped_mm=False, load_balance_coeff=None)
-    moe = MoE(args, dim=DIM, hidden_dim=2 * DIM)
+    if TORCHTITAN_0_2:
+        from torchtitan.models.moe.moe import MoE, MoEArgs
+
+        args = MoEArgs(num_experts=EXPERTS, num_shared_experts=1, top_k=TOP_K,
+                       score_func="softmax", use_grouped_mm=False, load_balance_coeff=None)
+        moe = MoE(args, dim=DIM, hidden_dim=2 * DIM)
+        with torch.no_grad():
+            moe.init_weights(0.5, torch.device("cpu"))
+        return MoEBlock(moe)
+    from torchtitan.models.common.linear import Linear
+    from torchtitan.models.common.moe import (GroupedExperts, MoE, RoutedExperts,
+                                              TokenChoiceTopKRouter)
+    from torchtitan.models.common.token_dispatcher import AllToAllTokenDispatcher
+
+    config = MoE.Config(
+        num_experts=EXPERTS, load_balance_coeff=None,
+        routed_experts=RoutedExperts.Config(
+            inner_experts=GroupedExperts.Config(dim=DIM, hidden_dim=2 * DIM, num_experts=EXPERTS),
+            token_dispatcher=AllToAllTokenDispatcher.Config(num_experts=EXPERTS, top_k=TOP_K)),
+        router=TokenChoiceTopKRouter.Config(
+            num_experts=EXPERTS, gate=Linear.Config(in_features=DIM, out_features=EXPERTS),
+            top_k=TOP_K, score_func="softmax"))
+    moe = config.build()
     with torch.no_grad():
-        moe.init_weights(0.5, torch.device("cpu"))
+        for p in moe.parameters():
+            p.normal_(0.0, 0.1)
     return MoEBlock(moe)
 
 
-def shard_experts(block: MoEBlock, ep_mesh) -> MoEBlock:
-    """torchtitan's ``ExpertParallel`` on the block's routed experts over ``ep_mesh``."""
-    from torch.distributed.tensor.parallel import parallelize_module
-    from torchtitan.distributed.expert_parallel import ExpertParallel
+def _experts(block: MoEBlock) -> torch.nn.Module:
+    return block.moe.experts if TORCHTITAN_0_2 else block.moe.routed_experts.inner_experts
 
-    parallelize_module(block.moe.experts, ep_mesh, ExpertParallel())
+
+def shard_experts(block: MoEBlock, ep_mesh) -> MoEBlock:
+    """Expert parallelism on the block's routed experts over ``ep_mesh`` (0.2: torchtitan's
+    ``ExpertParallel`` style; 0.3: what ``RoutedExperts.parallelize`` does)."""
+    if TORCHTITAN_0_2:
+        from torch.distributed.tensor.parallel import parallelize_module
+        from torchtitan.distributed.expert_parallel import ExpertParallel
+
+        parallelize_module(block.moe.experts, ep_mesh, ExpertParallel())
+        return block
+    _distribute(_experts(block), ep_mesh, [Shard(0)])
+    block.moe.routed_experts.token_dispatcher.wire_meshes(ep_mesh=ep_mesh)
     return block
+
+
+def _distribute(module: torch.nn.Module, mesh, placements) -> None:
+    for name, p in list(module.named_parameters(recurse=False)):
+        module.register_parameter(name, torch.nn.Parameter(
+            distribute_tensor(p.data, mesh, placements)))
 
 
 def make_batch(ep: int, n_microbatches: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -165,7 +216,7 @@ def uncoordinated_expert_parallel(rank: int, world_size: int, case: str) -> dict
              else shard_experts(make_moe_block(seed=pp), mesh["ep"]))
     dispatches = []
     if not dense:
-        block.moe.experts.register_forward_pre_hook(lambda *_: dispatches.append(1))
+        _experts(block).register_forward_pre_hook(lambda *_: dispatches.append(1))
     group = mesh["pp"].get_group() if case == "pp_group" else None
     stage = PipelineStage(block, pp, 2, torch.device("cpu"), group=mesh["pp"].get_group())
     schedule = ScheduleRRFP(stage, 2, loss_fn=loss_fn, hint="1F1B", stall_timeout=30,
@@ -179,19 +230,24 @@ def uncoordinated_expert_parallel(rank: int, world_size: int, case: str) -> dict
 
 
 def expert_tensor_parallel_detected(rank: int, world_size: int) -> dict:
-    """torchtitan's ``ExpertTensorParallel`` on a 2 x 2 (ep, etp) mesh: which ranks RRFP's
-    check says an EP x TP expert weight is sharded over, and whether a group of the EP
-    ranks alone, or of all four, covers it."""
+    """Expert weights sharded over a 2 x 2 (ep, etp) mesh as torchtitan's EP x TP shards
+    them (``Shard(0)`` over EP, the hidden dimension over TP; 0.2: its
+    ``ExpertTensorParallel`` style): which ranks RRFP's check says they are sharded over,
+    and whether a group of the EP ranks alone, or of all four, covers them."""
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor.parallel import parallelize_module
-    from torchtitan.distributed.expert_parallel import ExpertTensorParallel
 
     from rrfp.coordination import uncovered_sharded_parameter
 
     use_cpu_moe_paths()
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("ep", "etp"))
     block = make_moe_block(seed=0)
-    parallelize_module(block.moe.experts, mesh, ExpertTensorParallel())
+    if TORCHTITAN_0_2:
+        from torch.distributed.tensor.parallel import parallelize_module
+        from torchtitan.distributed.expert_parallel import ExpertTensorParallel
+
+        parallelize_module(block.moe.experts, mesh, ExpertTensorParallel())
+    else:
+        _distribute(_experts(block), mesh, [Shard(0), Shard(1)])
     ep_ranks = set(dist.get_process_group_ranks(mesh["ep"].get_group()))
     return {"ep_only": uncovered_sharded_parameter(block.named_parameters(), ep_ranks),
             "all": uncovered_sharded_parameter(block.named_parameters(), set(range(4)))}
