@@ -77,6 +77,44 @@ def test_ranks_sharing_a_group_directly_or_through_others_are_coordinated_togeth
     assert connected_groups([{0}, {1}, {2, 3}, {2, 3}]) == [(0,), (1,), (2, 3)]
 
 
+def coordination_groups_of_meshes(rank: int, world_size: int) -> list[list[int] | None]:
+    """``coordination_group``'s ranks for stages whose parameters are DTensors on a
+    ("fsdp", "tp") mesh (TP {0,1}, {2,3}), then also on an ("ep", "etp") mesh (EP {0,2},
+    {1,3}), then on no intra-stage dimension."""
+    from types import SimpleNamespace
+
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Shard
+
+    from torchtitan_ext.schedules import coordination_group
+
+    dense = init_device_mesh("cpu", (2, 2), mesh_dim_names=("fsdp", "tp"))
+    sparse = init_device_mesh("cpu", (2, 2), mesh_dim_names=("ep", "etp"))
+
+    def stage(*meshes):
+        module = torch.nn.Module()
+        for i, mesh in enumerate(meshes):
+            local = torch.zeros(2, 2)
+            module.register_parameter(f"p{i}", torch.nn.Parameter(DTensor.from_local(
+                local, mesh, [Shard(0)] * mesh.ndim, run_check=False)))
+        return SimpleNamespace(submod=module)
+
+    groups = [coordination_group([stage(dense)]),
+              coordination_group([stage(dense), stage(dense, sparse["ep"])]),
+              coordination_group([stage(dense["fsdp"])])]
+    return [None if g is None else dist.get_process_group_ranks(g) for g in groups]
+
+
+def test_the_coordination_group_spans_the_tp_and_ep_groups_of_the_stages():
+    from rrfp.local import run_local_world
+
+    ranks = run_local_world(4, coordination_groups_of_meshes, timeout=120)
+    assert [r[0] for r in ranks] == [[0, 1], [0, 1], [2, 3], [2, 3]]
+    assert all(r[1] == [0, 1, 2, 3] for r in ranks)
+    assert all(r[2] is None for r in ranks)
+
+
 def checkpoint_parameters(dump) -> dict[str, torch.Tensor]:
     """The model's parameters as torchtitan checkpointed them at the last step (every
     rank's shards, experts included), read back in this process."""
