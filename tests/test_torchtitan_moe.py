@@ -12,8 +12,8 @@ import inspect
 import pytest
 import torch
 
-from tests.test_torchtitan import check, parse, run_titan, TITAN_0_2, VERSION
-from torchtitan_ext.cpu import _moe_cpu_path, _TorchWithIntegerHistc, histc, MOE_CPU_PATCHES
+from tests.test_torchtitan import check, only_0_2, parse, run_titan, VERSION
+from torchtitan_ext.cpu import histc, MOE_CPU_PATCHES, moe_cpu_path, TorchWithIntegerHistc
 from torchtitan_ext.schedules import connected_groups
 
 MOE_SOURCES = {
@@ -31,13 +31,14 @@ def test_the_moe_cpu_patch_targets_are_what_torchtitan_calls():
     sources = "".join(inspect.getsource(importlib.import_module(name))
                       for name in MOE_SOURCES[VERSION])
     patched = MOE_CPU_PATCHES[VERSION]
-    assert ("torch.histc(" in sources) == ("torch" in patched.values())
-    assert ("generate_permute_indices(" in sources) == ("generate_permute_indices" in patched.values())
+    replaced = set(patched.values())
+    assert ("torch.histc(" in sources) == ("torch" in replaced)
+    assert ("generate_permute_indices(" in sources) == ("generate_permute_indices" in replaced)
     for name, attribute in patched.items():
         module = importlib.import_module(name)
         current = getattr(module, attribute)
         if attribute == "torch":  # (replaced already if torchtitan_ext.register was imported)
-            assert current is torch or isinstance(current, _TorchWithIntegerHistc), name
+            assert current is torch or isinstance(current, TorchWithIntegerHistc), name
         else:
             assert "use_cpu" in inspect.signature(current).parameters, (name, attribute)
 
@@ -53,14 +54,13 @@ def test_integer_histc_counts_as_cuda_does():
     assert torch.equal(histc(floats, bins=2, min=0, max=2), torch.histc(floats, 2, 0, 2))
 
 
-@pytest.mark.skipif(not TITAN_0_2, reason="torchtitan 0.3 has no MoE CPU patch; installed: "
-                    f"torchtitan {VERSION}")
+@only_0_2
 def test_the_0_2_moe_layers_see_the_cpu_paths():
     from torchtitan.models.moe import kernels, moe, utils
 
-    patched_torch = _moe_cpu_path(moe, "torch")
+    patched_torch = moe_cpu_path(moe, "torch")
     assert patched_torch.histc is histc and patched_torch.argsort is torch.argsort
-    permute = _moe_cpu_path(utils, "generate_permute_indices")
+    permute = moe_cpu_path(utils, "generate_permute_indices")
     assert permute.func is kernels.generate_permute_indices
     assert permute.keywords == {"use_cpu": True}
     tokens = torch.tensor([3, 0, 2, 1], dtype=torch.int32)  # 2 ranks x 2 local experts
