@@ -56,7 +56,7 @@ MOE_CPU_PATCHES: dict[tuple[int, int], dict[str, str]] = {
 """Per torchtitan version, what ``use_cpu`` replaces in its MoE modules, by module: the
 module's ``torch`` (the same module, but ``histc`` counts integer tensors, which CPU's
 kernel refuses) or its ``generate_permute_indices`` (taking its CPU path). torchtitan 0.3
-counts with ``bincount`` and permutes in PyTorch: nothing to replace."""
+counts by summing a routing map and permutes in PyTorch: nothing to replace."""
 
 
 def histc(input: torch.Tensor, bins: int = 100, min: float = 0, max: float = 0, *,
