@@ -12,8 +12,8 @@ import inspect
 import pytest
 import torch
 
-from tests.test_torchtitan import check, parse, run_titan, TITAN_0_2, VERSION
-from torchtitan_ext.cpu import _moe_cpu_path, _TorchWithIntegerHistc, histc, MOE_CPU_PATCHES
+from tests.test_torchtitan import check, only_0_2, parse, run_titan, VERSION
+from torchtitan_ext.cpu import histc, MOE_CPU_PATCHES, moe_cpu_path, TorchWithIntegerHistc
 from torchtitan_ext.schedules import connected_groups
 
 MOE_SOURCES = {
@@ -31,13 +31,14 @@ def test_the_moe_cpu_patch_targets_are_what_torchtitan_calls():
     sources = "".join(inspect.getsource(importlib.import_module(name))
                       for name in MOE_SOURCES[VERSION])
     patched = MOE_CPU_PATCHES[VERSION]
-    assert ("torch.histc(" in sources) == ("torch" in patched.values())
-    assert ("generate_permute_indices(" in sources) == ("generate_permute_indices" in patched.values())
+    replaced = set(patched.values())
+    assert ("torch.histc(" in sources) == ("torch" in replaced)
+    assert ("generate_permute_indices(" in sources) == ("generate_permute_indices" in replaced)
     for name, attribute in patched.items():
         module = importlib.import_module(name)
         current = getattr(module, attribute)
         if attribute == "torch":  # (replaced already if torchtitan_ext.register was imported)
-            assert current is torch or isinstance(current, _TorchWithIntegerHistc), name
+            assert current is torch or isinstance(current, TorchWithIntegerHistc), name
         else:
             assert "use_cpu" in inspect.signature(current).parameters, (name, attribute)
 
@@ -53,14 +54,13 @@ def test_integer_histc_counts_as_cuda_does():
     assert torch.equal(histc(floats, bins=2, min=0, max=2), torch.histc(floats, 2, 0, 2))
 
 
-@pytest.mark.skipif(not TITAN_0_2, reason="torchtitan 0.3 has no MoE CPU patch; installed: "
-                    f"torchtitan {VERSION}")
+@only_0_2
 def test_the_0_2_moe_layers_see_the_cpu_paths():
     from torchtitan.models.moe import kernels, moe, utils
 
-    patched_torch = _moe_cpu_path(moe, "torch")
+    patched_torch = moe_cpu_path(moe, "torch")
     assert patched_torch.histc is histc and patched_torch.argsort is torch.argsort
-    permute = _moe_cpu_path(utils, "generate_permute_indices")
+    permute = moe_cpu_path(utils, "generate_permute_indices")
     assert permute.func is kernels.generate_permute_indices
     assert permute.keywords == {"use_cpu": True}
     tokens = torch.tensor([3, 0, 2, 1], dtype=torch.int32)  # 2 ranks x 2 local experts
@@ -75,6 +75,44 @@ def test_ranks_sharing_a_group_directly_or_through_others_are_coordinated_togeth
     ep_across_tp = [{0, 1, 2}, {0, 1, 3}, {0, 2, 3}, {1, 2, 3}]  # TP {0,1},{2,3}; EP {0,2},{1,3}
     assert connected_groups(ep_across_tp) == [(0, 1, 2, 3)]
     assert connected_groups([{0}, {1}, {2, 3}, {2, 3}]) == [(0,), (1,), (2, 3)]
+
+
+def coordination_groups_of_meshes(rank: int, world_size: int) -> list[list[int] | None]:
+    """``coordination_group``'s ranks for stages whose parameters are DTensors on a
+    ("fsdp", "tp") mesh (TP {0,1}, {2,3}), then also on an ("ep", "etp") mesh (EP {0,2},
+    {1,3}), then on no intra-stage dimension."""
+    from types import SimpleNamespace
+
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Shard
+
+    from torchtitan_ext.schedules import coordination_group
+
+    dense = init_device_mesh("cpu", (2, 2), mesh_dim_names=("fsdp", "tp"))
+    sparse = init_device_mesh("cpu", (2, 2), mesh_dim_names=("ep", "etp"))
+
+    def stage(*meshes):
+        module = torch.nn.Module()
+        for i, mesh in enumerate(meshes):
+            local = torch.zeros(2, 2)
+            module.register_parameter(f"p{i}", torch.nn.Parameter(DTensor.from_local(
+                local, mesh, [Shard(0)] * mesh.ndim, run_check=False)))
+        return SimpleNamespace(submod=module)
+
+    groups = [coordination_group([stage(dense)]),
+              coordination_group([stage(dense), stage(dense, sparse["ep"])]),
+              coordination_group([stage(dense["fsdp"])])]
+    return [None if g is None else dist.get_process_group_ranks(g) for g in groups]
+
+
+def test_the_coordination_group_spans_the_tp_and_ep_groups_of_the_stages():
+    from rrfp.local import run_local_world
+
+    ranks = run_local_world(4, coordination_groups_of_meshes, timeout=120)
+    assert [r[0] for r in ranks] == [[0, 1], [0, 1], [2, 3], [2, 3]]
+    assert all(r[1] == [0, 1, 2, 3] for r in ranks)
+    assert all(r[2] is None for r in ranks)
 
 
 def checkpoint_parameters(dump) -> dict[str, torch.Tensor]:

@@ -31,9 +31,9 @@ class RRFP:
 
     coordination: str = "leader"
     """With tensor or expert parallelism, how the coordination group (its TP and EP ranks)
-    settles on each action: ``leader`` (its first
-    rank decides and broadcasts) or ``agree`` (all-gather proposals, defer on
-    disagreement). ``leader`` was faster in benchmarks/results/coordination.md."""
+    settles on each action: ``leader`` (its first rank decides and broadcasts) or
+    ``agree`` (all-gather proposals, defer on disagreement). ``leader`` was faster in
+    benchmarks/results/coordination.md."""
 
     launch_depth: int | str = DEFAULT_LAUNCH_DEPTH
     """Launched actions the device may hold before the rank decides again (``0`` or

@@ -56,7 +56,7 @@ MOE_CPU_PATCHES: dict[tuple[int, int], dict[str, str]] = {
 """Per torchtitan version, what ``use_cpu`` replaces in its MoE modules, by module: the
 module's ``torch`` (the same module, but ``histc`` counts integer tensors, which CPU's
 kernel refuses) or its ``generate_permute_indices`` (taking its CPU path). torchtitan 0.3
-counts with ``bincount`` and permutes in PyTorch: nothing to replace."""
+counts by summing a routing map and permutes in PyTorch: nothing to replace."""
 
 
 def histc(input: torch.Tensor, bins: int = 100, min: float = 0, max: float = 0, *,
@@ -69,7 +69,7 @@ def histc(input: torch.Tensor, bins: int = 100, min: float = 0, max: float = 0, 
     return torch.histc(input.float(), bins=bins, min=min, max=max).to(input.dtype)
 
 
-class _TorchWithIntegerHistc(ModuleType):
+class TorchWithIntegerHistc(ModuleType):
     """``torch`` as one module sees it: everything is torch's, except ``histc``."""
 
     histc = staticmethod(histc)
@@ -78,16 +78,16 @@ class _TorchWithIntegerHistc(ModuleType):
         return getattr(torch, name)
 
 
-def _moe_cpu_path(module: ModuleType, attribute: str):
+def moe_cpu_path(module: ModuleType, attribute: str):
     """What replaces ``module.attribute`` (one of ``MOE_CPU_PATCHES``); idempotent."""
     current = getattr(module, attribute)
-    if isinstance(current, _TorchWithIntegerHistc) or (
+    if isinstance(current, TorchWithIntegerHistc) or (
             isinstance(current, functools.partial) and current.keywords.get("use_cpu")):
         return current
     if attribute == "torch":
         if current is not torch:
             raise RuntimeError(f"torchtitan_ext.cpu: {module.__name__}.torch is not torch")
-        return _TorchWithIntegerHistc("torch")
+        return TorchWithIntegerHistc("torch")
     if "use_cpu" not in inspect.signature(current).parameters:
         raise RuntimeError(f"torchtitan_ext.cpu: {module.__name__}.{attribute} has no "
                            "use_cpu argument any more; update MOE_CPU_PATCHES")
@@ -155,7 +155,7 @@ def use_cpu() -> bool:
         if not hasattr(module, attribute):
             raise RuntimeError(f"torchtitan_ext.cpu: {name}.{attribute} is gone; update "
                                "MOE_CPU_PATCHES for this torchtitan")
-        setattr(module, attribute, _moe_cpu_path(module, attribute))
+        setattr(module, attribute, moe_cpu_path(module, attribute))
     return True
 
 
