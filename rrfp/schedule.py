@@ -390,6 +390,9 @@ class ScheduleRRFP(PipelineScheduleMulti):
                 coordinator.finish()
             self._transport.finish_sends(self.stall_timeout)
             self._receives.finish()
+            if self._has_backward and self._step_meter is not None:
+                self.activation_bytes_per_microbatch = {
+                    s: executor.saved_per_microbatch.get(s, 0) for s in self._stage_by_index}
         except PeerFailedError as e:
             self._abandon(e)
             raise self._peer_failed(e, loop) from e
@@ -414,9 +417,6 @@ class ScheduleRRFP(PipelineScheduleMulti):
             self._steps_run += 1
         if self._has_backward:
             loop.teach(self._history)
-            if self._step_meter is not None:
-                self.activation_bytes_per_microbatch = {
-                    s: executor.saved_per_microbatch.get(s, 0) for s in self._stage_by_index}
         else:  # no gradient reduction will reshard them
             for module in fsdp_modules:
                 module.reshard()
