@@ -32,8 +32,8 @@ from torch.profiler import record_function
 
 from rrfp._torch_compat import clear_after_failure, release_sent_outputs
 from rrfp.arbiter import (Arbiter, ByteLimits, check_deadlock_free, check_limits,
-                          fixed_peak_bytes, limits_within_bytes, MemoryLimits,
-                          resolve_buffer_limits)
+                          first_step_limits, fixed_peak_bytes, limits_within_bytes,
+                          MemoryLimits)
 from rrfp.hints import (
     _Action,
     B,
@@ -246,9 +246,8 @@ class ScheduleRRFP(PipelineScheduleMulti):
         self._policy_given = policy
         self._fixed_order = policy == "fixed"
         # A byte setting's first step runs at the hint's memory: its bytes are unknown yet.
-        self.buffer_limits = resolve_buffer_limits(
-            "hint" if limit_spec.in_bytes else buffer_limit, self._hint,
-            fixed_order=self._fixed_order)
+        self.buffer_limits = first_step_limits(buffer_limit, self._hint,
+                                               fixed_order=self._fixed_order)
         self.byte_limits: ByteLimits | None = None
         """Where ``buffer_limit`` is in bytes: the microbatch limits derived from the first
         step's bytes (from the second step on), with the budgets they keep."""

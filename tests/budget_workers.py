@@ -163,3 +163,20 @@ def sampled_meter(rank: int, world_size: int, meter_every: int, steps: int) -> d
                          "per_microbatch": stats.activation_bytes_per_microbatch})
     schedule.close()
     return {"steps": per_step, "bitwise": bitwise_equal(history, fixed)}
+
+
+def refused_settings(rank: int, world_size: int) -> dict[str, str]:
+    """The ``ValueError`` of each byte setting ScheduleRRFP refuses on CPU stages."""
+    from tests.workers import make_chain
+
+    stages, _ = build_stages(make_chain(world_size), rank, world_size, "loop")
+    errors = {}
+    for name, kwargs in {"auto on CPU": dict(buffer_limit="auto"),
+                         "busiest unmetered": dict(buffer_limit="busiest",
+                                                   meter_activations=False),
+                         "meter_every 0": dict(meter_every=0)}.items():
+        try:
+            ScheduleRRFP(stages, 4, loss_fn=loss_fn, hint="1F1B", **kwargs).close()
+        except ValueError as e:
+            errors[name] = str(e)
+    return errors

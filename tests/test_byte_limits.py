@@ -130,3 +130,14 @@ def test_the_meter_runs_in_the_first_step_and_every_nth_and_hooks_nothing_betwee
             assert step["hooked"] == (4 if is_metered else 0), (rank, steps)
             assert step["per_microbatch"] == steps[0]["per_microbatch"]
         assert all(b > 0 for b in steps[0]["per_microbatch"].values())
+
+
+def test_settings_that_cannot_work_are_refused_with_what_to_change():
+    errors = run_local_world(2, budget_workers.refused_settings, timeout=60)[0]
+    assert "reads the free memory of a CUDA device" in errors["auto on CPU"]
+    assert "'512MiB'" in errors["auto on CPU"]
+    assert "leave meter_activations on" in errors["busiest unmetered"]
+    assert "meter_every must be an int >= 1" in errors["meter_every 0"]
+    hint = build_hint("1F1B", num_ranks=2, num_stages=2, n_microbatches=4, layout="loop")
+    with pytest.raises(ValueError, match="needs? measured bytes|only from the bytes"):
+        resolve_buffer_limits("512MiB", hint)
