@@ -459,7 +459,8 @@ class ScheduleRRFP(PipelineScheduleMulti):
         logger.info(
             "ScheduleRRFP on pipeline rank %d: from the first step's bytes per microbatch %s, "
             "memory limits %s per stage and %d on the rank (policy %s). %s", self.rank,
-            {s: per_microbatch[s] for s in local}, {s: self.buffer_limits.per_stage[s] for s in local},
+            {s: per_microbatch[s] for s in local},
+            {s: self.buffer_limits.per_stage[s] for s in local},
             self.buffer_limits.per_rank[self.rank], self.policy, self.limit_summary)
         if self.rank in self.byte_limits.over_budget():
             message = (

@@ -65,7 +65,8 @@ def byte_limits_world(rank: int, world_size: int, runs: list[tuple[str, str | No
     per step), then ScheduleRRFP at each ``(buffer_limit, policy)`` of ``runs`` (metered
     every step; policy None: the default); per run, keyed ``"limit/policy"``, the
     last step's stats, the microbatches held recomputed from the realized order, the step
-    times (wall clock around ``step``, both schedules alike), and whether the gradients are bitwise torch's."""
+    times (wall clock around ``step``, both schedules alike), and whether the gradients
+    are bitwise torch's."""
     num_stages, M = world_size, 4 * world_size
     torch.manual_seed(0)
     chain = [Widened(WIDENING[s % len(WIDENING)]) for s in range(num_stages)]
