@@ -478,8 +478,8 @@ def resolve_buffer_limits(spec: str | int, hint: Hint, *,
       unchanged; the other ranks' headroom becomes slack. Counted in microbatches here,
       which is exact where every stage's microbatch saves the same bytes (the
       simulator's model); ``ScheduleRRFP`` counts it in bytes from its second step
-      (``limits_within_bytes``), as it does a byte budget or ``"auto"``, for which this
-      gives the first step's limits: the hint's own peaks.
+      (``first_step_limits``, ``limits_within_bytes``), as it does a byte budget or
+      ``"auto"``, which are refused here with ``ValueError``: they need measured bytes.
     * an int ``n``: ``n`` per stage and ``n`` per rank.
 
     Deadlock-freedom. (1) At limits no lower than the hint's own peaks, the hint's next
@@ -506,6 +506,12 @@ def resolve_buffer_limits(spec: str | int, hint: Hint, *,
     thousands of random timings, every hint, every policy and a range of limits.
     """
     limit = parse_buffer_limit(spec)
+    if limit.auto or limit.budget_bytes is not None:
+        raise ValueError(
+            f"buffer_limit={spec!r} is a byte budget, which becomes microbatch limits only "
+            "from the bytes per microbatch a first step measures (ScheduleRRFP does this; "
+            "see first_step_limits); counted in microbatches, as in the simulator, use "
+            "'busiest', 'hint+k' or an int")
     rank_peaks = hint.rank_peaks()
     busiest = max(rank_peaks.values())
     limits = MemoryLimits(
@@ -513,6 +519,15 @@ def resolve_buffer_limits(spec: str | int, hint: Hint, *,
         {r: limit.of(peak, busiest) for r, peak in rank_peaks.items()})
     check_limits(limits, hint, spec, fixed_order=fixed_order)
     return limits
+
+
+def first_step_limits(spec: str | int, hint: Hint, *, fixed_order: bool = False) -> MemoryLimits:
+    """The limits of ``ScheduleRRFP``'s first training step: ``resolve_buffer_limits``' for
+    a microbatch setting; the hint's own peaks for one in bytes (``"busiest"``, a budget,
+    ``"auto"``), whose microbatch limits follow from that step's measured bytes
+    (``limits_within_bytes``)."""
+    in_bytes = parse_buffer_limit(spec).in_bytes
+    return resolve_buffer_limits("hint" if in_bytes else spec, hint, fixed_order=fixed_order)
 
 
 def check_limits(limits: MemoryLimits, hint: Hint, spec: object, *,

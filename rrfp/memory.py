@@ -20,6 +20,7 @@ import threading
 import weakref
 from collections import deque
 from collections.abc import Iterable, Iterator
+from typing import Any
 
 import torch
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass
@@ -36,7 +37,8 @@ for what grows after the measurement besides activations (allocator fragmentatio
 temporary buffers inside a forward or backward, other processes on the device)."""
 
 
-def free_device_bytes(device: torch.device, cuda=torch.cuda, margin: float = AUTO_MARGIN) -> int:
+def free_device_bytes(device: torch.device, cuda: Any = torch.cuda,
+                      margin: float = AUTO_MARGIN) -> int:
     """The bytes ``device`` can still give activations: what the driver reports free
     (``torch.cuda.mem_get_info``) plus what torch's caching allocator holds reserved but
     unused, less ``margin`` of the device's total memory. Called at the start of the second

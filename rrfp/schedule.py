@@ -31,8 +31,8 @@ from torch.profiler import record_function
 
 from rrfp._torch_compat import clear_after_failure, release_sent_outputs
 from rrfp.arbiter import (Arbiter, ByteLimits, check_deadlock_free, check_limits,
-                          fixed_peak_bytes, limits_within_bytes, MemoryLimits,
-                          resolve_buffer_limits)
+                          first_step_limits, fixed_peak_bytes, limits_within_bytes,
+                          MemoryLimits)
 from rrfp.hints import (
     _Action,
     B,
@@ -246,9 +246,8 @@ class ScheduleRRFP(PipelineScheduleMulti):
         self._policy_given = policy
         self._fixed_order = policy == "fixed"
         # A byte setting's first step runs at the hint's memory: its bytes are unknown yet.
-        self.buffer_limits = resolve_buffer_limits(
-            "hint" if limit_spec.in_bytes else buffer_limit, self._hint,
-            fixed_order=self._fixed_order)
+        self.buffer_limits = first_step_limits(buffer_limit, self._hint,
+                                               fixed_order=self._fixed_order)
         self.byte_limits: ByteLimits | None = None
         """Where ``buffer_limit`` is in bytes: the microbatch limits derived from the first
         step's bytes (from the second step on), with the budgets they keep."""
@@ -398,6 +397,9 @@ class ScheduleRRFP(PipelineScheduleMulti):
                 coordinator.finish()
             self._transport.finish_sends(self.stall_timeout)
             self._receives.finish()
+            if self._has_backward and self._step_meter is not None:
+                self.activation_bytes_per_microbatch = {
+                    s: executor.saved_per_microbatch.get(s, 0) for s in self._stage_by_index}
         except PeerFailedError as e:
             self._abandon(e)
             raise self._peer_failed(e, loop) from e
@@ -422,9 +424,6 @@ class ScheduleRRFP(PipelineScheduleMulti):
             self._steps_run += 1
         if self._has_backward:
             loop.teach(self._history)
-            if self._step_meter is not None:
-                self.activation_bytes_per_microbatch = {
-                    s: executor.saved_per_microbatch.get(s, 0) for s in self._stage_by_index}
         else:  # no gradient reduction will reshard them
             for module in fsdp_modules:
                 module.reshard()
@@ -468,7 +467,8 @@ class ScheduleRRFP(PipelineScheduleMulti):
         logger.info(
             "ScheduleRRFP on pipeline rank %d: from the first step's bytes per microbatch %s, "
             "memory limits %s per stage and %d on the rank (policy %s). %s", self.rank,
-            {s: per_microbatch[s] for s in local}, {s: self.buffer_limits.per_stage[s] for s in local},
+            {s: per_microbatch[s] for s in local},
+            {s: self.buffer_limits.per_stage[s] for s in local},
             self.buffer_limits.per_rank[self.rank], self.policy, self.limit_summary)
         if self.rank in self.byte_limits.over_budget():
             message = (

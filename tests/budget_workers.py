@@ -40,16 +40,17 @@ class Widened(torch.nn.Module):
 
 class StepClock:
     """Emulated device times that depend only on (stage, step, microbatch, kind), so that
-    torch's schedule and RRFP run the same work: 2 ms, and one microbatch in five 4x
+    torch's schedule and RRFP run the same work: ``base_s``, and one microbatch in five 4x
     longer (a long sequence), drawn afresh for every step."""
 
-    def __init__(self, seed: int):
+    def __init__(self, seed: int, base_s: float):
         self.seed = seed
+        self.base_s = base_s
         self.step = 0
 
     def seconds(self, stage: int, mb: int, kind: str) -> float:
         rng = random.Random(f"{self.seed}/{stage}/{self.step}/{mb}/{kind}")
-        return 0.002 * (4 if rng.random() < 0.2 else 1)
+        return self.base_s * (4 if rng.random() < 0.2 else 1)
 
     def wrap(self, stage: int, block: torch.nn.Module) -> EmulatedDeviceTime:
         return EmulatedDeviceTime(block, self.n_microbatches,
@@ -58,13 +59,14 @@ class StepClock:
 
 
 def byte_limits_world(rank: int, world_size: int, runs: list[tuple[str, str | None]],
-                      steps: int = 4, seed: int = 0) -> dict:
+                      steps: int = 4, seed: int = 0, base_s: float = 0.002) -> dict:
     """1F1B on ``world_size`` ranks, one ``Widened`` stage each, 4 microbatches per rank:
     torch's Schedule1F1B metered by an ``ActivationMeter`` around the stage (its peak bytes
     per step), then ScheduleRRFP at each ``(buffer_limit, policy)`` of ``runs`` (metered
     every step; policy None: the default); per run, keyed ``"limit/policy"``, the
     last step's stats, the microbatches held recomputed from the realized order, the step
-    times (wall clock around ``step``, both schedules alike), and whether the gradients are bitwise torch's."""
+    times (wall clock around ``step``, both schedules alike), and whether the gradients
+    are bitwise torch's."""
     num_stages, M = world_size, 4 * world_size
     torch.manual_seed(0)
     chain = [Widened(WIDENING[s % len(WIDENING)]) for s in range(num_stages)]
@@ -74,7 +76,7 @@ def byte_limits_world(rank: int, world_size: int, runs: list[tuple[str, str | No
     inputs = (x,) if rank == 0 else ()
 
     def run(make_schedule, meter: ActivationMeter | None = None) -> dict:
-        clock = StepClock(seed)
+        clock = StepClock(seed, base_s)
         clock.n_microbatches = M
 
         def wrap(s, block):
@@ -135,3 +137,47 @@ def byte_limits_world(rank: int, world_size: int, runs: list[tuple[str, str | No
                            for a, b in zip(ga, gb)),
         }
     return results
+
+
+def sampled_meter(rank: int, world_size: int, meter_every: int, steps: int) -> dict:
+    """1F1B with the meter sampled every ``meter_every`` steps (the default schedule
+    otherwise): per step, whether the forwards ran under saved-tensor hooks (``HookProbe``)
+    and the stats' bytes; and whether the gradients are bitwise torch's Schedule1F1B."""
+    from tests.workers import HookProbe, bitwise_equal, make_batch, make_chain, run_steps
+
+    M = 4
+    chain = make_chain(world_size)
+    x, y = make_batch(M)
+    stages, blocks = build_stages(chain, rank, world_size, "loop")
+    fixed = run_steps(torch_schedule("1F1B", stages, M), stages, blocks, x, y, steps)
+    stages, blocks = build_stages(chain, rank, world_size, "loop", wrap=lambda s, b: HookProbe(b))
+    schedule = ScheduleRRFP(stages, M, loss_fn=loss_fn, hint="1F1B", stall_timeout=60,
+                            meter_every=meter_every)
+    per_step, history = [], []
+    for _ in range(steps):
+        before = sum(len(stage.submod.hooked) for stage in stages)
+        history += run_steps(schedule, stages, blocks, x, y, 1)
+        hooked = [h for stage in stages for h in stage.submod.hooked][before:]
+        stats = schedule.last_step_stats
+        per_step.append({"hooked": sum(hooked), "forwards": len(hooked),
+                         "bytes": stats.peak_activation_bytes,
+                         "per_microbatch": stats.activation_bytes_per_microbatch})
+    schedule.close()
+    return {"steps": per_step, "bitwise": bitwise_equal(history, fixed)}
+
+
+def refused_settings(rank: int, world_size: int) -> dict[str, str]:
+    """The ``ValueError`` of each byte setting ScheduleRRFP refuses on CPU stages."""
+    from tests.workers import make_chain
+
+    stages, _ = build_stages(make_chain(world_size), rank, world_size, "loop")
+    errors = {}
+    for name, kwargs in {"auto on CPU": dict(buffer_limit="auto"),
+                         "busiest unmetered": dict(buffer_limit="busiest",
+                                                   meter_activations=False),
+                         "meter_every 0": dict(meter_every=0)}.items():
+        try:
+            ScheduleRRFP(stages, 4, loss_fn=loss_fn, hint="1F1B", **kwargs).close()
+        except ValueError as e:
+            errors[name] = str(e)
+    return errors

@@ -112,3 +112,32 @@ def test_byte_budgets_are_spelled_with_a_unit(text, nbytes):
 def test_byte_budget_errors_say_what_to_write(text, message):
     with pytest.raises(ValueError, match=message):
         parse_buffer_limit(text)
+
+
+def test_the_meter_runs_in_the_first_step_and_every_nth_and_hooks_nothing_between():
+    """meter_every=3 over 5 steps: steps 1 and 4 (0 and 3 counted from 0) run their
+    forwards under the meter's saved-tensor hooks and report bytes; the others run
+    autograd's saving untouched, report no peak, and keep the last metered bytes per
+    microbatch. Gradients bitwise torch's 1F1B throughout."""
+    ranks = run_local_world(2, budget_workers.sampled_meter, 3, 5, timeout=120)
+    for rank, result in enumerate(ranks):
+        assert result["bitwise"], rank
+        steps = result["steps"]
+        metered = [step["bytes"] is not None for step in steps]
+        assert metered == [True, False, False, True, False], (rank, steps)
+        for step, is_metered in zip(steps, metered):
+            # 4 microbatches a step (the first step's shape inference runs unhooked)
+            assert step["hooked"] == (4 if is_metered else 0), (rank, steps)
+            assert step["per_microbatch"] == steps[0]["per_microbatch"]
+        assert all(b > 0 for b in steps[0]["per_microbatch"].values())
+
+
+def test_settings_that_cannot_work_are_refused_with_what_to_change():
+    errors = run_local_world(2, budget_workers.refused_settings, timeout=60)[0]
+    assert "reads the free memory of a CUDA device" in errors["auto on CPU"]
+    assert "'512MiB'" in errors["auto on CPU"]
+    assert "leave meter_activations on" in errors["busiest unmetered"]
+    assert "meter_every must be an int >= 1" in errors["meter_every 0"]
+    hint = build_hint("1F1B", num_ranks=2, num_stages=2, n_microbatches=4, layout="loop")
+    with pytest.raises(ValueError, match="needs? measured bytes|only from the bytes"):
+        resolve_buffer_limits("512MiB", hint)

@@ -14,13 +14,15 @@ class RRFP:
     """Readiness-first pipeline schedule settings (used by ``RRFP`` / ``RRFP-<hint>`` schedules)."""
 
     buffer_limit: int | str = "hint"
-    """Microbatches of activations held, per stage and per rank: ``"hint"``, ``"hint+k"``,
-    ``"Nx hint"``, ``"busiest"`` or an integer (``4`` or ``"4"`` in TOML,
-    ``--rrfp.buffer_limit 4`` on the command line). Parsed as ScheduleRRFP parses it:
-    ``rrfp.settings.BUFFER_LIMIT_HELP``. The default stays ``"hint"``: ``"busiest"`` counts
-    microbatches, not bytes, so where stages differ in activation bytes (embedding, output
-    head) it could raise a rank's bytes above the busiest rank's, and it gained 1.003x-1.009x
-    (simulated, 1F1B 8 x 32; docs/defaults.md)."""
+    """Activations held, per stage and per rank: ``"hint"``, ``"hint+k"``, ``"Nx hint"`` or
+    an integer (``4`` or ``"4"`` in TOML, ``--rrfp.buffer_limit 4`` on the command line) in
+    microbatches; ``"busiest"``, a per-rank budget (``"12GiB"``) or ``"auto"`` (CUDA) in
+    bytes, from the first step's measured bytes per microbatch. Parsed as ScheduleRRFP
+    parses it: ``rrfp.settings.BUFFER_LIMIT_HELP``. The default stays ``"hint"``: at
+    ``"busiest"`` the default policy gained 1.000x-1.005x (simulated, 1F1B 8 x 32, 7% of
+    the best known gain) and nothing the emulated device or the real-compute A/B could tell
+    from noise, and on the llama3 debug job it gives rank 0 one microbatch and rank 1 none
+    (docs/defaults.md)."""
 
     policy: str = ""
     """Arbitration policy, case-insensitive: ``hint``, ``lookahead``, ``critical``,

@@ -25,7 +25,7 @@ from torch.distributed.pipelining.schedules import PipelineScheduleSingle
 from torch.distributed.tensor import DTensor
 
 from rrfp import ScheduleRRFP
-from rrfp.arbiter import resolve_buffer_limits
+from rrfp.arbiter import first_step_limits
 from rrfp.coordination import COORDINATIONS
 from rrfp.hints import build_hint, HINT_NAMES, rule_reference, RULE_NAMES
 from rrfp.settings import parse_launch_depth, parse_policy
@@ -186,7 +186,7 @@ def validate(job_config, n_layers: int) -> None:
     checks = {
         "policy": lambda: parse_policy(settings.policy),
         "launch_depth": lambda: parse_launch_depth(settings.launch_depth),
-        "buffer_limit": lambda: resolve_buffer_limits(
+        "buffer_limit": lambda: first_step_limits(
             settings.buffer_limit, built, fixed_order=parse_policy(settings.policy) == "fixed"),
     }
     for field_name, check in checks.items():
