@@ -1,6 +1,6 @@
 """RRFP's defaults against torch's fixed schedules on real compute: torchtitan llama3 debug, CPU.
 
-    python -m benchmarks.real_compute_ab            # writes results/real_compute_ab.md (~9 min)
+    python -m benchmarks.real_compute_ab            # writes results/real_compute_ab.md (6-12 min)
     python -m benchmarks.real_compute_ab --rounds 5 --no-busiest
                                     # the defaults only: results/real_compute_ab_defaults.md
 
