@@ -101,9 +101,10 @@ class ScheduleRRFP(PipelineScheduleMulti):
             case-insensitive); None: the rule of
             a BF/BFW hint, else ``"lookahead"`` at the hint's memory; with slack
             ``"critical"`` for one stage per rank, ``"hint"`` for several.
-        coordination_group: a CPU (gloo) group of ranks that must run the same action
-            sequence because the stage's compute issues collectives on them (the TP
-            group; EP/CP likewise). None: no such group.
+        coordination_group: the group of ranks that must run the same action sequence
+            because the stage's compute issues collectives on them (the TP group, the EP
+            group, or one spanning both), of any backend: RRFP agrees over a private gloo
+            twin of it, so agreeing costs no device synchronization. None: no such group.
         coordination: how that group settles on each action: ``"leader"`` (its first rank
             decides) or ``"agree"`` (all-gather proposals, defer on disagreement).
         send_delay: emulated link latency, ``(edge, microbatch) -> seconds`` to hold each
@@ -168,10 +169,6 @@ class ScheduleRRFP(PipelineScheduleMulti):
         launch_depth = parse_launch_depth(launch_depth)
         if coordination not in COORDINATIONS:
             raise ValueError(f"unknown coordination {coordination!r}: use one of {list(COORDINATIONS)}")
-        if coordination_group is not None and "gloo" not in str(dist.get_backend(coordination_group)):
-            raise ValueError(
-                "coordination_group must be a CPU (gloo) group, so agreeing costs no device "
-                "synchronization: create it with dist.new_group(ranks, backend='gloo')")
         # In stage order, whatever order they come in: torch's first-step shape inference
         # walks the list with blocking receives, so ranks listing their stages in different
         # orders (e.g. [rank + 2, rank]) would each wait on the other before any check.

@@ -238,10 +238,10 @@ def coordination_group(stages) -> dist.ProcessGroup | None:
     """One gloo group over every rank this rank shares a TP, EP or EP x TP group with
     (read off the stages' DTensor meshes), or None if it shares none.
 
-    Every rank's ranks are all-gathered and the gloo groups created, one per connected
-    set, in the same order on every rank (every rank builds its schedule at the same point
-    of torchtitan's start-up). A gloo twin also where the group itself is gloo: its
-    coordination then never shares a group with the collectives it orders.
+    Every rank's ranks are all-gathered and one group created per connected set (a union
+    of TP and EP groups is no group torchtitan has), in the same order on every rank (every
+    rank builds its schedule at the same point of torchtitan's start-up). Gloo, so that
+    creating it connects no device communicator; ScheduleRRFP agrees over its own twin.
     """
     everyone: list = [None] * dist.get_world_size()
     dist.all_gather_object(everyone, intra_stage_ranks(stages))
