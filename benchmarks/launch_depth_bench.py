@@ -22,7 +22,9 @@ tiny MLP). The fixed schedule is ``ScheduleRRFP(policy="fixed")`` on the same de
 no depth bound (a fixed order needs no decisions, so its CPU runs ahead as torch's
 schedules do on CUDA). Every variant runs the same drawn timings, alternating within each
 pair. Beside each figure: the simulator's prediction for the same timings. Simulator part
-(**simulated**): the same contrast over hints, depths and workloads.
+(**simulated**): the same contrast over hints, depths and workloads; and the BF/BFW rules at
+depth 1 (the rule applied when the device frees) against depth 2 (the rule's pick launched
+ahead when it is the hint's next action), per seed, in both directions.
 """
 
 from __future__ import annotations

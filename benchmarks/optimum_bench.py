@@ -4,6 +4,8 @@
     python -m benchmarks.optimum_bench --reuse    # reuse CP-SAT's results in results/optimum.json
     python -m benchmarks.optimum_bench --first-seed 5 --seeds 20 --workloads spikes \
         --limits hint             # held-out seeds: results/optimum_5-24_spikes_hint.md (~16 min)
+    python -m benchmarks.optimum_bench --first-seed 100 --seeds 5 --workloads all \
+        --limits hint+2 --time-limit 20   # every workload family, held out (~20 min)
 
 For each step (1F1B hint, 8 ranks, 32 microbatches; compute jitter, multimodal, and
 heavy-tailed P2P latency: mean half a forward, 5% of transfers 5-20x slower; seeds 0-4),

@@ -99,7 +99,11 @@ def main(argv=None) -> None:
         "(lognormal sigma 0.3 per action); **multimodal** (first quarter of the stages is a "
         "vision encoder whose cost scales with 0-8 images per microbatch); **straggler** (one "
         "stage 3x slower on 20% of its actions); **latency** (P2P latency lognormal, mean half "
-        "a forward, sigma 1.2: p95/p5 about 50).")
+        "a forward, sigma 1.2: p95/p5 about 50); **spikes** (mean latency half a forward, 5% "
+        "of transfers 5-20x slower); **encoder** (the first stage 2.5x the others); "
+        "**correlated** (a microbatch's cost alike on every stage); **slowrank** (one stage "
+        "1.3x slower on every action); **bursty** (slow transfers in bursts of consecutive "
+        "microbatches of a link).")
     out("")
     out("## 1. Policies at the hint's own memory (`buffer_limit='hint'`), 8 ranks, 32 microbatches")
     out("")
@@ -127,9 +131,10 @@ def main(argv=None) -> None:
     out("## 2. Speed and memory against the buffer limit (8 ranks, 32 microbatches)")
     out("")
     out("Default policy per limit, as `ScheduleRRFP` picks it: `lookahead` at the hint's "
-        "memory; with slack, the most critical ready action (`critical`) for one stage per "
-        "rank (1F1B) and plain readiness-first (`hint`) for several; BF/BFW keep their "
-        "rules. Cells: speedup "
+        "memory and wherever some rank has less than 2 microbatches of slack; with that slack, "
+        "the most critical ready action (`critical`) for one stage per rank (1F1B), plain "
+        "readiness-first (`hint`) for ZBVZeroBubble and InterleavedZeroBubble, `lookahead` "
+        "for Interleaved1F1B; BF/BFW keep their rules. Cells: speedup "
         "`mean [min, max]`, then memory of the busiest rank and of the worst rank (means over "
         "seeds). Limits count per stage and per rank: `hint+k` allows k microbatches more on "
         "each stage and on each rank.")

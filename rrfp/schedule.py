@@ -100,7 +100,9 @@ class ScheduleRRFP(PipelineScheduleMulti):
         policy: how to pick among ready actions (see ``rrfp.policy``; names are
             case-insensitive); None: the rule of
             a BF/BFW hint, else ``"lookahead"`` at the hint's memory; with slack
-            ``"critical"`` for one stage per rank, ``"hint"`` for several.
+            ``"critical"`` for one stage per rank, ``"hint"`` for ZBVZeroBubble and
+            InterleavedZeroBubble, ``"lookahead"`` for other hints with several
+            (``rrfp.policy.default_policy``).
         coordination_group: the group of ranks that must run the same action sequence
             because the stage's compute issues collectives on them (the TP group, the EP
             group, or one spanning both), of any backend: RRFP agrees over a private gloo

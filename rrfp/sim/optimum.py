@@ -44,11 +44,14 @@ def optimum(hint: Hint, duration: Callable[[_Action], float], latency: Latency |
 
     lat = latency or (lambda edge, mb: 0.0)
     graph = step_graph(hint, lambda edge, mb: ticks(lat(edge, mb)), stream_order=True)
-    # Feasible starting solutions, in ticks: the fixed schedule and readiness-first within
-    # the limits (depth 1, so each release has ended before the next decision).
+    # Feasible starting solutions, in ticks: the fixed schedule and the greedy policies
+    # within the limits (depth 1, so each release has ended before the next decision;
+    # critical on its default costs): the search starts from the best of them, so what it
+    # finds is never worse than those policies.
     in_ticks = dict(duration=lambda a: ticks(duration(a)), latency=lambda e, m: ticks(lat(e, m)))
     start_from = min((simulate(hint, **in_ticks, policy="fixed"),
-                      simulate(hint, **in_ticks, policy="hint", limits=limits, launch_depth=1)),
+                      *(simulate(hint, **in_ticks, policy=policy, limits=limits, launch_depth=1)
+                        for policy in ("hint", "arrival", "critical"))),
                      key=lambda result: result.makespan)
     horizon = int(start_from.makespan) + 1
     bound = lower_bounds(hint, in_ticks["duration"], in_ticks["latency"], limits).tighter
