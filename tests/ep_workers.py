@@ -25,7 +25,6 @@ from __future__ import annotations
 import copy
 import functools
 import importlib.util
-import random
 
 import torch
 import torch.distributed as dist
@@ -33,7 +32,7 @@ from torch.distributed.pipelining import PipelineStage
 from torch.distributed.tensor import distribute_tensor, Shard
 
 from rrfp import ScheduleRRFP
-from tests.workers import (bitwise_equal, loss_fn, random_device_time, run_steps,
+from tests.workers import (coordinated_runs, loss_fn, random_device_time, run_steps,
                            torch_schedule)
 
 TORCHTITAN_0_2 = importlib.util.find_spec("torchtitan.models.moe") is not None
@@ -185,20 +184,8 @@ def expert_parallel(rank: int, world_size: int, coordination: str, hint: str,
 
     stages, blocks = build(None)
     fixed = _local_grads(run_steps(torch_schedule(hint, stages, M), stages, blocks, x, y, steps))
-    runs = {}
-    for seed in (None, *delay_seeds):
-        stages, blocks = build(seed)
-        send_rng = random.Random((seed or 0) * 7919 + rank)
-        schedule = ScheduleRRFP(
-            stages, M, loss_fn=loss_fn, hint=hint, buffer_limit="hint+1", stall_timeout=60,
-            policy="hint", coordination_group=mesh["ep"].get_group(), coordination=coordination,
-            send_delay=None if seed is None else (lambda e, m: send_rng.uniform(0, 0.003)))
-        history = _local_grads(run_steps(schedule, stages, blocks, x, y, steps))
-        stats = schedule.last_step_stats
-        runs["plain" if seed is None else f"seed{seed}"] = {
-            "bitwise": bitwise_equal(history, fixed), "realized": stats.realized_order,
-            "out_of_order": stats.out_of_hint_order, "rounds": stats.coordination_rounds,
-        }
+    runs = coordinated_runs(rank, build, _local_grads, fixed, hint, M, mesh["ep"].get_group(),
+                            coordination, delay_seeds, x, y, steps)
     return {"pp": pp, "ep": ep, "runs": runs,
             "sharded": [n for b in blocks for n, p in b.named_parameters() if hasattr(p, "to_local")]}
 

@@ -904,13 +904,26 @@ def tensor_parallel(rank: int, world_size: int, coordination: str, hint: str, re
     full = [p.grad.full_tensor() for b in blocks for p in b.parameters()]
     ref = reference_steps(chain, x, y, steps, local)
     ref_error = max((g - r).abs().max().item() for g, r in zip(full, ref[-1][0]))
+    runs = coordinated_runs(rank, build, local_grads, fixed, hint, M, mesh["tp"].get_group(),
+                            coordination, delay_seeds, x, y, steps)
+    return {"pp": pp, "tp": tp, "runs": runs, "ref_error": ref_error}
+
+
+def coordinated_runs(rank: int, build: Callable, local_grads: Callable, fixed: list, hint: str,
+                     n_microbatches: int, group: dist.ProcessGroup, coordination: str,
+                     delay_seeds: tuple[int, ...], x, y, steps: int) -> dict:
+    """ScheduleRRFP at hint+1 (plain readiness-first, so out-of-hint actions happen)
+    coordinated over ``group``, without delays and with each of ``delay_seeds`` (per-rank
+    send delays; ``build(seed)`` adds the device delays): per run, whether its gradients
+    equal ``fixed`` (torch's schedule) bitwise, the realized order and the coordination
+    counts."""
     runs = {}
     for seed in (None, *delay_seeds):
         stages, blocks = build(seed)
         send_rng = random.Random((seed or 0) * 7919 + rank)
         schedule = ScheduleRRFP(
-            stages, M, loss_fn=loss_fn, hint=hint, buffer_limit="hint+1", stall_timeout=60,
-            policy="hint", coordination_group=mesh["tp"].get_group(), coordination=coordination,
+            stages, n_microbatches, loss_fn=loss_fn, hint=hint, buffer_limit="hint+1",
+            stall_timeout=60, policy="hint", coordination_group=group, coordination=coordination,
             send_delay=None if seed is None else (lambda e, m: send_rng.uniform(0, 0.003)))
         history = local_grads(run_steps(schedule, stages, blocks, x, y, steps))
         stats = schedule.last_step_stats
@@ -920,7 +933,7 @@ def tensor_parallel(rank: int, world_size: int, coordination: str, hint: str, re
             "deferrals": stats.coordination_deferrals,
             "coordination_us": stats.coordination_time * 1e6,
         }
-    return {"pp": pp, "tp": tp, "runs": runs, "ref_error": ref_error}
+    return runs
 
 
 def compiled_stages(rank: int, world_size: int, hint: str, reference: str, per_rank: int,
