@@ -295,6 +295,45 @@ def test_gloo_channels_carry_their_name():
     assert all(g.group_name == "rrfp/0-1/0/0-1" for g in groups)
 
 
+def _gloo_io_threads() -> int:
+    """gloo transport devices alive in this process: each runs one ``gloo_tcp_loop`` thread."""
+    names = []
+    for task in os.listdir("/proc/self/task"):
+        try:
+            with open(f"/proc/self/task/{task}/comm") as comm:
+                names.append(comm.read().strip())
+        except OSError:  # the thread ended meanwhile
+            pass
+    return names.count("gloo_tcp_loop")
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="counts threads in /proc")
+def test_gloo_channels_share_one_io_thread():
+    """Every gloo channel of a process uses one gloo device: a device per channel ran an
+    I/O thread per channel, each waking about every 10 ms to take a core from compute."""
+    store, groups = dist.HashStore(), {}
+    before = _gloo_io_threads()
+
+    def build(rank, channel):
+        groups[rank, channel] = make_channel_group(
+            "gloo", dist.PrefixStore(f"{channel}/", store), rank,
+            datetime.timedelta(seconds=30))
+
+    threads = [threading.Thread(target=build, args=(r, c)) for r in (0, 1) for c in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert len(groups) == 6
+    assert _gloo_io_threads() <= before + 1
+    for channel in range(3):  # and each channel still carries its own messages
+        sent, received = torch.full((4,), float(channel)), torch.zeros(4)
+        works = [groups[0, channel].send([sent], 1, 0), groups[1, channel].recv([received], 0, 0)]
+        for work in works:
+            work.wait(datetime.timedelta(seconds=30))
+        assert torch.equal(received, sent)
+
+
 def test_send_delay_is_refused_for_cuda_stages():
     """``send_delay``'s sender thread has the default stream current, not the compute
     stream: it could send an output before the compute stream wrote it."""
