@@ -310,12 +310,15 @@ def _gloo_io_threads() -> int:
 
 
 _MAKE_CHANNELS = """
-import datetime, os, sys, threading
+import datetime, os, sys, threading, time
 import torch.distributed as dist
 from rrfp.transport import make_channel_group
 from tests.test_transport import _gloo_io_threads
 if sys.argv[1] == "world":
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    deadline = time.monotonic() + 30
+    while _gloo_io_threads() < 1 and time.monotonic() < deadline:
+        time.sleep(0.01)  # a gloo I/O thread names itself once it runs
 before, store, groups = _gloo_io_threads(), dist.HashStore(), {}
 def build(rank, channel):
     groups[rank, channel] = make_channel_group(
