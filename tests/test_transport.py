@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import datetime
 import os
+import subprocess
+import sys
 import threading
 import time
 
@@ -293,6 +295,64 @@ def test_gloo_channels_carry_their_name():
     for t in threads:
         t.join(60)
     assert all(g.group_name == "rrfp/0-1/0/0-1" for g in groups)
+
+
+def _gloo_io_threads() -> int:
+    """gloo transport devices alive in this process: each runs one ``gloo_tcp_loop`` thread."""
+    names = []
+    for task in os.listdir("/proc/self/task"):
+        try:
+            with open(f"/proc/self/task/{task}/comm") as comm:
+                names.append(comm.read().strip())
+        except OSError:  # the thread ended meanwhile
+            pass
+    return names.count("gloo_tcp_loop")
+
+
+_MAKE_CHANNELS = """
+import datetime, os, sys, threading, time
+import torch.distributed as dist
+from rrfp.transport import make_channel_group
+from tests.test_transport import _gloo_io_threads
+if sys.argv[1] == "world":
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    deadline = time.monotonic() + 30
+    while _gloo_io_threads() < 1 and time.monotonic() < deadline:
+        time.sleep(0.01)  # a gloo I/O thread names itself once it runs
+before, store, groups = _gloo_io_threads(), dist.HashStore(), {}
+def build(rank, channel):
+    groups[rank, channel] = make_channel_group(
+        "gloo", dist.PrefixStore(f"{channel}/", store), rank, datetime.timedelta(seconds=30))
+threads = [threading.Thread(target=build, args=(r, c)) for r in (0, 1) for c in range(3)]
+for t in threads:
+    t.start()
+for t in threads:
+    t.join(60)
+assert len(groups) == 6
+for channel in range(3):  # each channel carries its own messages
+    import torch
+    sent, received = torch.full((4,), float(channel)), torch.zeros(4)
+    works = [groups[0, channel].send([sent], 1, 0), groups[1, channel].recv([received], 0, 0)]
+    for work in works:
+        work.wait(datetime.timedelta(seconds=30))
+    assert torch.equal(received, sent)
+print(_gloo_io_threads() - before)
+"""
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="counts threads in /proc")
+@pytest.mark.parametrize("world, io_threads", [("world", 0), ("alone", 1)])
+def test_gloo_channels_add_at_most_one_io_thread(world, io_threads):
+    """gloo channels use the default group's transport device (no I/O thread of their
+    own), or without a gloo default group one device of rrfp's: a device per channel ran
+    an I/O thread per channel, each waking about every 10 ms to take a core from compute.
+    In a fresh process, so that no earlier test's device is counted."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    done = subprocess.run([sys.executable, "-c", _MAKE_CHANNELS, world], cwd=root,
+                          env={**os.environ, "PYTHONPATH": root}, capture_output=True,
+                          text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert int(done.stdout.split()[-1]) == io_threads
 
 
 def test_send_delay_is_refused_for_cuda_stages():
