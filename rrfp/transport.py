@@ -837,7 +837,8 @@ class Transport:
         failure, or if those sends do not complete: the channels are aborted, all at once
         (pending receives fail; on gloo at the peers too). Either way the channels' calls
         run concurrently, waited for together for at most ``timeout`` seconds. Raises the
-        error of a send that did not complete or failed (after aborting)."""
+        error of a send that did not complete or failed (after aborting). Once no thread
+        is left, the transport lets its channels go (their groups are destroyed then)."""
         if self._closed:
             return []
         self._closed = True
@@ -869,6 +870,13 @@ class Transport:
             if thread is not None:
                 thread.join(timeout)
         alive += [t for t in threads if t is not None and t.is_alive()]
+        if not alive:
+            # The channels' groups go now, on this thread, not whenever the interpreter
+            # frees them at exit, while torch destroys its own groups and gloo's I/O
+            # thread still serves their connections. Not while a thread may still be
+            # inside one of their calls.
+            self.channels.clear()
+            self._delayed.clear()
         if error is not None:
             raise RuntimeError(f"close(): {error}; the channels were aborted") from error
         return alive

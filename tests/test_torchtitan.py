@@ -70,7 +70,8 @@ def run_titan(nproc: int, *overrides: str, dump: str, module: str = "torchtitan_
     # A session of its own, so a hang kills torchrun's workers too.
     proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             text=True, start_new_session=True,
-                            env={**environment, "PYTHONUNBUFFERED": "1",
+                            # A rank that dies of a signal prints every thread's stack.
+                            env={**environment, "PYTHONUNBUFFERED": "1", "PYTHONFAULTHANDLER": "1",
                                  "PYTHONPATH": os.pathsep.join(
                                      [ROOT, *filter(None, [os.environ.get("PYTHONPATH")])]),
                                  **(env or {})})
@@ -81,6 +82,25 @@ def run_titan(nproc: int, *overrides: str, dump: str, module: str = "torchtitan_
         out, _ = proc.communicate()
         pytest.fail(f"torchrun ran past {timeout} s (a hang?):\n{out[-3000:]}")
     return proc.returncode, out
+
+
+ERROR_MARKERS = re.compile(r"Error|error:|what\(\)|Aborted|Segmentation|exitcode|Signal \d+")
+CRASH_MARKERS = re.compile(r"Traceback|terminate called|Fatal Python")
+"""Lines that say why a rank died, wherever they fall in torchrun's interleaved output; a
+crash's (a traceback, a C++ exception, faulthandler's stacks) comes with what follows it."""
+
+
+def failure_excerpt(output: str, limit: int = 6000) -> str:
+    """Why a torchrun launch failed: the lines that name an error or a crash, each with
+    what follows it (a rank's own message comes long before torchrun's summary, which
+    fills the tail), then the tail."""
+    lines = output.splitlines()
+    picked: set[int] = set()
+    for i, line in enumerate(lines):
+        after = 30 if CRASH_MARKERS.search(line) else 1 if ERROR_MARKERS.search(line) else -1
+        picked.update(range(i, min(len(lines), i + after + 1)))
+    marked = "\n".join(lines[j] for j in sorted(picked))[:limit // 2]
+    return f"error lines:\n{marked}\n--- tail:\n{output[-limit // 2:]}"
 
 
 def logged_losses(output: str) -> dict[int, str]:
@@ -360,7 +380,7 @@ METERED = r"activations \d+ B"
 def test_main_job_trains_on_cpu_and_logs_rrfp_stats(tmp_path):
     code, out = run_titan(2, "--training.steps", "8", "--rrfp.trace_folder", "traces",
                           dump=str(tmp_path))
-    assert code == 0, out[-3000:]
+    assert code == 0, failure_excerpt(out)
     assert_one_rank_prints(out)
     losses = logged_losses(out)
     assert sorted(losses) == list(range(1, 9))
@@ -371,6 +391,8 @@ def test_main_job_trains_on_cpu_and_logs_rrfp_stats(tmp_path):
     assert ("buffer_limit='hint' allows no activation memory beyond the fixed schedule's (3 "
             "microbatches on this rank), so RRFP mostly follows the hint") in out
     assert "speed needs memory slack, e.g. buffer_limit='hint+2'" in out
+    # The trainer's close closed the schedule (the logging rank says so).
+    assert out.count("rrfp: closed the pipeline schedule") == 1, failure_excerpt(out)
     # The meter samples (meter_every=100): the first step measures activations, later ones
     # say they did not.
     assert re.search(STATS_LINE.format(step=1, label="", activations=METERED), out)
@@ -403,7 +425,7 @@ def test_rrfp_trains_exactly_as_the_fixed_schedule(fixed, nproc, steps, parallel
         code, out = run_titan(nproc, "--training.steps", str(steps), *parallelism,
                               "--parallelism.pipeline_parallel_schedule", schedule,
                               dump=str(tmp_path / schedule), timeout=400)
-        assert code == 0, out[-3000:]
+        assert code == 0, f"{schedule}: {failure_excerpt(out)}"
         assert sorted(logged_losses(out)) == list(range(1, steps + 1))
         assert (f"ScheduleRRFP with hint {fixed}" in out) == schedule.startswith("RRFP")
         values = tensorboard_values(tmp_path / schedule)
@@ -425,7 +447,7 @@ def test_validation_under_rrfp_equals_the_fixed_schedules(tmp_path):
                               "--validator.freq", "1", "--validator.steps", "2",
                               "--parallelism.pipeline_parallel_schedule", schedule,
                               dump=str(tmp_path / schedule))
-        assert code == 0, out[-3000:]
+        assert code == 0, failure_excerpt(out)
         values = tensorboard_values(tmp_path / schedule)
         runs[schedule] = values["validation_metrics/loss"] + values[LOSS]
     assert len(runs["RRFP"]) == 4
@@ -449,7 +471,7 @@ def test_stock_torchtitan_train_runs_rrfp(tmp_path):
                           "--parallelism.pipeline_parallel_schedule", "RRFP-ZBVZeroBubble",
                           "--rrfp.trace_folder", "traces", "--rrfp.no-meter-activations",
                           dump=str(tmp_path), module="torchtitan.train")
-    assert code == 0, out[-3000:]
+    assert code == 0, failure_excerpt(out)
     assert_one_rank_prints(out)
     assert "ScheduleRRFP with hint ZBVZeroBubble (v placement)" in out
     assert sorted(logged_losses(out)) == [1, 2]
@@ -494,7 +516,7 @@ def test_log_rank_chooses_the_ranks_that_print(monkeypatch, caplog):
 def test_variable_shape_data_paths_train_and_their_loss_falls(job, tmp_path):
     code, out = run_titan(2, "--training.steps", "6", "--rrfp.meter_every", "1",
                           dump=str(tmp_path), job=job)
-    assert code == 0, out[-3000:]
+    assert code == 0, failure_excerpt(out)
     losses = logged_losses(out)
     assert sorted(losses) == list(range(1, 7))
     assert float(losses[6]) < float(losses[1]) - 2.0
@@ -514,7 +536,7 @@ def test_variable_length_microbatches_train_as_the_fixed_schedule_on_padded_ones
                               "--parallelism.pipeline_parallel_schedule", schedule,
                               "--rrfp.meter_every", "1",
                               dump=str(tmp_path / schedule), job="documents")
-        assert code == 0, out[-3000:]
+        assert code == 0, failure_excerpt(out)
         values = tensorboard_values(tmp_path / schedule)
         runs[schedule] = values[LOSS] + values[GRAD_NORM]
     assert len(set(values["rrfp/peak_activation_bytes/pp0"])) > 1, values  # RRFP's run

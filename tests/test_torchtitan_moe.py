@@ -12,7 +12,7 @@ import inspect
 import pytest
 import torch
 
-from tests.test_torchtitan import check, only_0_2, parse, run_titan, VERSION
+from tests.test_torchtitan import check, failure_excerpt, only_0_2, parse, run_titan, VERSION
 from torchtitan_ext.cpu import histc, MOE_CPU_PATCHES, moe_cpu_path, TorchWithIntegerHistc
 from torchtitan_ext.schedules import connected_groups
 
@@ -137,7 +137,7 @@ def test_the_moe_job_trains_bitwise_as_the_fixed_schedule(tmp_path):
                               "--parallelism.pipeline_parallel_schedule", schedule,
                               "--checkpoint.enable", "--checkpoint.interval", str(steps),
                               dump=str(dump), job="moe", timeout=400)
-        assert code == 0, out[-3000:]
+        assert code == 0, f"{schedule}: {failure_excerpt(out)}"
         assert ("ScheduleRRFP with hint Interleaved1F1B" in out) == schedule.startswith("RRFP")
         parameters[schedule] = checkpoint_parameters(dump)
     fixed, rrfp = parameters["Interleaved1F1B"], parameters["RRFP-Interleaved1F1B"]

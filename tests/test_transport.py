@@ -13,6 +13,7 @@ import subprocess
 import sys
 import threading
 import time
+import weakref
 
 import pytest
 import torch
@@ -90,6 +91,46 @@ def test_a_healthy_close_completes_the_sends_in_flight_before_shutting_down():
     while not torch.equal(received, torch.arange(4.0)) and time.perf_counter() < deadline:
         time.sleep(0.01)
     assert torch.equal(received, torch.arange(4.0)), "the message was dropped"
+
+
+def _open_sockets() -> int:
+    fds = []
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            fds.append(os.readlink(f"/proc/self/fd/{fd}"))
+        except OSError:  # the listing's own descriptor, closed by now
+            pass
+    return sum(target.startswith("socket:") for target in fds)
+
+
+def test_a_closed_transport_lets_its_channels_groups_go():
+    """Once closed with no thread left, the transport holds no channel: a real gloo
+    channel's group is destroyed on the closing thread and its connection closes then,
+    not whenever the interpreter frees it at exit."""
+    store, edge = dist.HashStore(), Edge(0, 1)
+    groups: list = [None, None]
+
+    def connect(rank: int) -> None:
+        groups[rank] = make_channel_group("gloo", store, rank, datetime.timedelta(seconds=60))
+    joining = [threading.Thread(target=connect, args=(rank,)) for rank in (0, 1)]
+    for thread in joining:
+        thread.start()
+    for thread in joining:
+        thread.join(60.0)
+    transport = _transport([Channel(edge, 0, 1, 0, "gloo", groups[0])])
+    consumer = Channel(edge, 0, 1, 1, "gloo", groups[1])
+    producer_group = weakref.ref(groups[0])
+    groups[0] = None
+    transport.send(edge, 0, [torch.arange(4.0)])
+    received = torch.zeros(4)
+    consumer.recv(received).wait()
+    transport.finish_sends(60.0)
+    assert torch.equal(received, torch.arange(4.0))
+    sockets = _open_sockets()
+    assert transport.close(timeout=10.0, send_timeout=60.0) == []
+    assert producer_group() is None, "the closed transport still holds its channel's group"
+    # The producer's end closes at once (the consumer's, on gloo's I/O thread, soon after).
+    assert _open_sockets() <= sockets - 1, "the producer's connection is still open"
 
 
 def test_a_healthy_close_whose_send_does_not_complete_aborts_and_says_which():

@@ -273,3 +273,16 @@ def build_schedule(schedule_name: str, settings: RRFP, stages, n_microbatches: i
         f"{settings.buffer_limit!r}, launch depth {schedule.launch_depth}, "
         f"{n_microbatches} microbatches. {schedule.limit_summary} (rrfp.buffer_limit)")
     return schedule
+
+
+def close_schedule(schedule) -> None:
+    """At the trainer's close (both versions): a ScheduleRRFP's own ``close``, so that its
+    threads stop and its channels' groups are destroyed before torchtitan's teardown and
+    torch's ``destroy_process_group``, not whenever the interpreter frees them at exit
+    (gloo's I/O thread would serve their connections while the process exits). Raises
+    what ``close`` raises (a send of the last step that failed or did not complete)."""
+    if isinstance(schedule, ScheduleRRFP):
+        schedule.close()
+        from torchtitan.tools.logging import logger
+
+        logger.info("rrfp: closed the pipeline schedule (threads stopped, channels released)")

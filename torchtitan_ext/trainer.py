@@ -14,7 +14,8 @@ Trainer plus:
 * ScheduleRRFP's stats next to torchtitan's metrics (console, TensorBoard, traces);
 * with ``rrfp.variable_shapes``, each microbatch cut to its own content before the
   trainer's own pre-split ``pp_schedule.step(arg_mbs=...)`` call;
-* on a machine without an accelerator: torchtitan on the CPU (``torchtitan_ext.cpu``).
+* on a machine without an accelerator: torchtitan on the CPU (``torchtitan_ext.cpu``);
+* at ``close``, ScheduleRRFP's own ``close`` first (threads stopped, channels released).
 """
 
 from __future__ import annotations
@@ -40,7 +41,7 @@ from torchtitan_ext.cpu import force_sum_reductions, use_cpu  # noqa: E402
 from torchtitan_ext.data import split_by_content  # noqa: E402
 from torchtitan_ext.log_ranks import log_ranks, print_only_on, warn_if_loss_hidden  # noqa: E402
 from torchtitan_ext.pipelining import with_rrfp  # noqa: E402
-from torchtitan_ext.schedules import hint_of, torch_view_name, validate  # noqa: E402
+from torchtitan_ext.schedules import close_schedule, hint_of, torch_view_name, validate  # noqa: E402
 from torchtitan_ext.stats_logging import log_step_stats  # noqa: E402
 
 TORCHTITAN_LOSS_ADVICE = "Pipeline Parallel loss is not visible"
@@ -149,6 +150,14 @@ class RRFPTrainer(Trainer):
         pad_to = None if variable else (inputs.shape[1], extra_kwargs["patches"].shape[1])
         cut = split_by_content(inputs, labels, extra_kwargs, 1, pad_to=pad_to)
         return cut.args[0][0], cut.targets[0], cut.kwargs[0]
+
+    def close(self) -> None:
+        """ScheduleRRFP's ``close`` first (``torchtitan_ext.schedules.close_schedule``),
+        then torchtitan's."""
+        try:
+            close_schedule(getattr(self, "pp_schedule", None))
+        finally:
+            super().close()
 
     def train(self):
         if self._on_cpu:

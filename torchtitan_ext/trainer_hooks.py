@@ -15,6 +15,7 @@ copy of ``torchtitan.train``, so both copies are hooked:
   metrics at each metrics step (``torchtitan_ext.stats_logging``).
 * ``forward_backward_step``: with ``[rrfp] variable_shapes``, microbatches each as long as
   their own content (``torchtitan_ext.data``).
+* ``close``: ScheduleRRFP's own ``close`` first (``torchtitan_ext.schedules.close_schedule``).
 """
 
 from __future__ import annotations
@@ -36,7 +37,7 @@ from rrfp import ScheduleRRFP
 from torchtitan_ext.cpu import force_sum_reductions
 from torchtitan_ext.log_ranks import log_ranks, print_only_on, warn_if_loss_hidden
 from torchtitan_ext.data import split_by_content
-from torchtitan_ext.schedules import n_microbatches, rrfp_settings, validate
+from torchtitan_ext.schedules import close_schedule, n_microbatches, rrfp_settings, validate
 from torchtitan_ext.stats_logging import log_step_stats
 
 _HOOKED = "_rrfp_hooks_installed"
@@ -66,6 +67,7 @@ def _hook(module: ModuleType, on_cpu: bool) -> None:
     torch_init_distributed = trainer_class.init_distributed
     torch_train = trainer_class.train
     torch_forward_backward_step = trainer_class.forward_backward_step
+    torch_close = trainer_class.close
 
     @functools.wraps(torch_init_distributed)
     def init_distributed(trainer):
@@ -101,9 +103,17 @@ def _hook(module: ModuleType, on_cpu: bool) -> None:
         return torch_forward_backward_step(trainer, input_dict=input_dict, labels=labels,
                                            global_valid_tokens=global_valid_tokens)
 
+    @functools.wraps(torch_close)
+    def close(trainer):
+        try:
+            close_schedule(getattr(trainer, "pp_schedule", None))
+        finally:
+            torch_close(trainer)
+
     trainer_class.init_distributed = init_distributed
     trainer_class.train = train
     trainer_class.forward_backward_step = forward_backward_step
+    trainer_class.close = close
     module.ensure_pp_loss_visible = ensure_pp_loss_visible
 
 
