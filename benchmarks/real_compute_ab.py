@@ -1,8 +1,8 @@
 """RRFP's defaults against torch's fixed schedules on real compute: torchtitan llama3 debug, CPU.
 
     python -m benchmarks.real_compute_ab            # writes results/real_compute_ab.md (6-12 min)
-    python -m benchmarks.real_compute_ab --rounds 5 --no-busiest
-                                    # the defaults only: results/real_compute_ab_defaults.md
+    python -m benchmarks.real_compute_ab --rounds 10 --no-busiest
+                                    # the defaults only: results/real_compute_ab_defaults.md (~10 min)
 
 **Measured, real compute** (no emulated time): torchtitan 0.2.2's llama3 debug model
 (``train_configs/llama3_debug_cpu.toml``: 8 microbatches of 1 x 128 tokens, AdamW), trained
@@ -106,7 +106,8 @@ def main(argv: list[str] | None = None) -> None:
     lines = [
         "# RRFP's defaults vs torch's fixed schedules, real compute (torchtitan llama3 debug, CPU)",
         "",
-        f"Regenerate with `python -m benchmarks.real_compute_ab` (the module docstring has the "
+        f"Regenerate with `python -m benchmarks.real_compute_ab --rounds {args.rounds}"
+        f"{'' if args.busiest else ' --no-busiest'}` (the module docstring has the "
         f"method). Median tokens/s of steps {FIRST_TIMED_STEP}-{STEPS} per run, "
         f"{args.rounds} alternating rounds, 2 processes x 1 thread; machine: "
         f"{os.cpu_count()} CPUs shared with other jobs (in parentheses: the 1-minute load "
