@@ -21,8 +21,8 @@ have the names and defaults of the ``[rrfp]`` TOML section (``torchtitan_ext.con
 * ``rrfp_llama3_8b`` / ``rrfp_llama3_8b_zbv``: GPU starting points (PP 4 x TP 2 x FSDP,
   Interleaved1F1B hint; PP 4 x FSDP, ZBV hint). Not run by this project: they need the
   Llama 3.1 8B tokenizer in ``./assets/hf/Llama-3.1-8B`` and the c4 dataset;
-* ``rrfp_deepseek_v3_16b``: GPU starting point, DeepSeek-V3 16B, PP 4 x EP 8 x FSDP on 32
-  or more GPUs (``train_configs/deepseek_v3_16b_rrfp.toml``). Not run by this project: it
+* ``rrfp_deepseek_v3_16b``: GPU starting point, DeepSeek-V3 16B, PP 2 x EP 8 x FSDP 8 on
+  16 GPUs (``train_configs/deepseek_v3_16b_rrfp.toml``). Not run by this project: it
   needs the DeepSeek-V3 tokenizer in ``./assets/hf/deepseek-moe-16b-base`` and c4.
 """
 
