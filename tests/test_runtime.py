@@ -207,7 +207,10 @@ def test_microbatches_split_off_one_batch_count_their_own_bytes_while_held():
     limits = [1, 2, 4]
     ranks = run_local_world(2, workers.chunked_input_bytes, limits, timeout=120)
     per_microbatch = 2 * workers.BATCH_PER_MICROBATCH * workers.DIM * 8
-    assert [ranks[0][limit][1] for limit in limits] == [1, 2, 4]
+    held = [ranks[0][limit][1] for limit in limits]
+    # Rank 0 holds its 1F1B warm-up (2) wherever the limit allows it; whether it runs more
+    # forwards before a gradient arrives depends on timing (a loaded machine held 3 at 4).
+    assert held[:2] == [1, 2] and 2 <= held[2] <= 4, held
     assert [ranks[1][limit][1] for limit in limits] == [1, 1, 1]
     for rank, result in enumerate(ranks):
         for limit, (measured, held) in result.items():
