@@ -149,30 +149,45 @@ def rrfp_deepseek_v3_ep_cpu() -> RRFPTrainer.Config:
     return config
 
 
+def _gpu_starting_point(model_spec, *, hf_assets_path: str, dump_folder: str, optimizer,
+                        lr_scheduler: LRSchedulersContainer.Config, training: TrainingConfig,
+                        parallelism: ParallelismConfig) -> RRFPTrainer.Config:
+    """What the GPU starting points share: c4, TensorBoard every 10 steps, selective
+    activation checkpointing, a checkpoint every 500 steps, and RRFP at the hint's memory
+    ("hint+2" trades memory for speed) with a stall timeout for large steps."""
+    return RRFPTrainer.Config(
+        model_spec=model_spec,
+        hf_assets_path=hf_assets_path,
+        dump_folder=dump_folder,
+        loss=CrossEntropyLoss.Config(global_vocab_size=decoder_vocab_size(model_spec)),
+        optimizer=optimizer,
+        lr_scheduler=lr_scheduler,
+        training=training,
+        dataloader=HuggingFaceTextDataLoader.Config(dataset="c4"),
+        metrics=RRFPMetricsProcessor.Config(log_freq=10, enable_tensorboard=True),
+        parallelism=parallelism,
+        rrfp=RRFP(buffer_limit="hint", stall_timeout=600, log_stats=True),
+        activation_checkpoint=SelectiveAC.Config(),
+        checkpoint=CheckpointManager.Config(enable=True, folder="checkpoint", interval=500),
+    )
+
+
 def rrfp_llama3_8b() -> RRFPTrainer.Config:
     """llama3 8B, RRFP (Interleaved1F1B hint) x TP 2 x FSDP on 8 or more GPUs (as
     ``train_configs/llama3_8b_rrfp.toml``). Not run by this project."""
-    model_spec = model_registry("8B")
-    return RRFPTrainer.Config(
-        model_spec=model_spec,
+    return _gpu_starting_point(
+        model_registry("8B"),
         hf_assets_path="./assets/hf/Llama-3.1-8B",
         dump_folder="./outputs/llama3_8b_rrfp",
-        loss=CrossEntropyLoss.Config(global_vocab_size=decoder_vocab_size(model_spec)),
         optimizer=default_adamw(lr=3e-4),
         lr_scheduler=LRSchedulersContainer.Config(warmup_steps=200),
         training=TrainingConfig(local_batch_size=16, seq_len=8192, max_norm=1.0, steps=1000,
                                 disable_cuda_graphs=True),  # torchtitan: none with PP yet
-        dataloader=HuggingFaceTextDataLoader.Config(dataset="c4"),
-        metrics=RRFPMetricsProcessor.Config(log_freq=10, enable_tensorboard=True),
         parallelism=ParallelismConfig(pipeline_parallel_degree=4,
                                       pipeline_parallel_schedule="RRFP",
                                       pipeline_parallel_microbatch_size=1,
                                       data_parallel_shard_degree=-1,
                                       tensor_parallel_degree=2),
-        # No activation memory beyond the hint's; "hint+2" trades memory for speed.
-        rrfp=RRFP(buffer_limit="hint", stall_timeout=600, log_stats=True),
-        activation_checkpoint=SelectiveAC.Config(),
-        checkpoint=CheckpointManager.Config(enable=True, folder="checkpoint", interval=500),
     )
 
 
@@ -190,25 +205,18 @@ def rrfp_deepseek_v3_16b() -> RRFPTrainer.Config:
     """DeepSeek-V3 16B, RRFP (Interleaved1F1B hint) over 2 pipeline ranks x 2 stages, EP 8 x
     FSDP 8 inside each stage, on 16 GPUs (as ``train_configs/deepseek_v3_16b_rrfp.toml``).
     Not run by this project."""
-    model_spec = deepseek_v3_registry("16B")
-    return RRFPTrainer.Config(
-        model_spec=model_spec,
+    return _gpu_starting_point(
+        deepseek_v3_registry("16B"),
         hf_assets_path="./assets/hf/deepseek-moe-16b-base",
         dump_folder="./outputs/deepseek_v3_16b_rrfp",
-        loss=CrossEntropyLoss.Config(global_vocab_size=decoder_vocab_size(model_spec)),
         optimizer=default_adamw(lr=2.2e-4),
         lr_scheduler=LRSchedulersContainer.Config(warmup_steps=100, decay_ratio=0.8,
                                                   decay_type="cosine", min_lr_factor=0.1),
         training=TrainingConfig(local_batch_size=8, seq_len=4096, max_norm=1.0, steps=1000,
                                 disable_cuda_graphs=True),  # torchtitan: none with PP yet
-        dataloader=HuggingFaceTextDataLoader.Config(dataset="c4"),
-        metrics=RRFPMetricsProcessor.Config(log_freq=10, enable_tensorboard=True),
         parallelism=ParallelismConfig(pipeline_parallel_degree=2,
                                       pipeline_parallel_schedule="RRFP",
                                       pipeline_parallel_microbatch_size=1,
                                       data_parallel_shard_degree=-1,
                                       expert_parallel_degree=8),
-        rrfp=RRFP(buffer_limit="hint", stall_timeout=600, log_stats=True),
-        activation_checkpoint=SelectiveAC.Config(),
-        checkpoint=CheckpointManager.Config(enable=True, folder="checkpoint", interval=500),
     )
