@@ -20,7 +20,12 @@ and arrival times (for an input not yet sent, the earliest it could arrive): wha
 captures when its estimates are exact. The ``informed`` column runs it knowing all that has
 happened on every rank and every true duration, but the step's latencies only as an
 unordered set: what the rule captures when latency cannot be foreseen (with no latency, as
-under jitter and multimodal, it is ``clairvoyant``). Seeds other than 0-4
+under jitter and multimodal, it is ``clairvoyant``). ``foresight-critical`` ranks ready
+actions as the default ``critical`` does, by the longest chain of work behind each, but
+costs the chains by the step's true durations and latencies; ``informed-critical`` costs
+them by all that has happened on every rank (an action whose microbatch has ended its
+forward on that stage: that forward's duration times its kind's cost): what ``critical``'s
+rule captures with perfect foresight, and with all knowledge a rank could be given. Seeds other than 0-4
 (``--first-seed``) check a policy on steps its defaults were not chosen on. Every figure
 is simulated.
 """
@@ -36,6 +41,7 @@ from collections.abc import Mapping, Sequence
 from benchmarks.pages import result_path, write_page
 from rrfp.arbiter import resolve_buffer_limits
 from rrfp.hints import build_hint
+from rrfp.sim.foresight import FORESIGHT_CRITICAL, INFORMED_CRITICAL
 from rrfp.sim.optimum import optimum
 from rrfp.sim.study import compare
 from rrfp.sim.workloads import make_timing, WORKLOADS as ALL_WORKLOADS
@@ -45,11 +51,13 @@ CACHE = "optimum.json"
 WORKLOADS = ("jitter", "multimodal", "spikes")
 LIMITS = ("hint", "hint+2")
 POLICIES = (None, "hint", "lookahead", "arrival", "critical", "window", "BF", "clairvoyant",
-            "informed")
+            "informed", FORESIGHT_CRITICAL, INFORMED_CRITICAL)
 """None: what ScheduleRRFP picks at that limit. ``clairvoyant``: lookahead's rule knowing
 every duration and when every message arrives or, not yet sent, could arrive at the
 earliest; ``informed``: the same rule knowing all but which latency each message to come
-draws (yardsticks no rank can run)."""
+draws; ``foresight-critical``: critical's ranking by every true duration and latency;
+``informed-critical``: critical's ranking by all that has happened on every rank
+(yardsticks no rank can run)."""
 RUNNABLE = ("default", "hint", "lookahead", "arrival", "critical", "window", "BF")
 PER_STEP_BEST = "best runnable per step"
 """The column of the best of the ``RUNNABLE`` policies on each step, chosen after the fact:

@@ -19,11 +19,14 @@ from rrfp.arbiter import Arbiter, MemoryLimits
 from rrfp.hints import _Action, Edge, Hint
 from rrfp.loop import Arrival, Completion, DEFAULT_LAUNCH_DEPTH, StepLoop
 from rrfp.policy import History, make_policy, Policy, POLICIES
-from rrfp.sim.foresight import ClairvoyantFit, InformedFit, median_transit, Transit
+from rrfp.sim.foresight import (
+    ClairvoyantFit, EstimatedChains, EstimatedCritical, FORESIGHT_CRITICAL, foresight_chains,
+    INFORMED_CRITICAL, informed_chains, InformedFit, median_transit, Transit)
 from rrfp.graph import step_graph, StepGraph
 from rrfp.stats import Span
 
-SIM_POLICIES = (*POLICIES, ClairvoyantFit.name, InformedFit.name)
+SIM_POLICIES = (*POLICIES, ClairvoyantFit.name, InformedFit.name, FORESIGHT_CRITICAL,
+                INFORMED_CRITICAL)
 """What ``simulate`` runs: the runtime's policies and the simulator-only yardsticks."""
 Duration = Callable[[_Action], float]
 """Seconds (or any time unit) the compute of an action takes."""
@@ -77,7 +80,10 @@ class _Simulation:
         """Messages delivered: when each arrived."""
         self.ends: dict[_Action, float] = {}
         """When each launched action ends (fixed at its launch)."""
+        self.ran: dict[_Action, float] = {}
+        """How long each action that has ended ran."""
         self._graph: StepGraph | None = None
+        self._chains: dict[str, EstimatedChains] = {}
 
     def push(self, time: float, rank: int, payload: object) -> None:
         heapq.heappush(self._events, (time, self._seq, rank, payload))
@@ -148,6 +154,15 @@ class _Simulation:
     def completed(self, action: _Action) -> None:
         """Nothing to free in simulated time."""
 
+    def chains(self, yardstick: str) -> EstimatedChains:
+        """The chains ``yardstick`` (FORESIGHT_CRITICAL or INFORMED_CRITICAL) ranks by,
+        one for every rank of the step."""
+        if yardstick not in self._chains:
+            self._chains[yardstick] = (foresight_chains(self.duration, self.latency)
+                                       if yardstick == FORESIGHT_CRITICAL
+                                       else informed_chains(self.ran))
+        return self._chains[yardstick]
+
     def run(self, loops: Mapping[int, StepLoop]) -> None:
         steps: dict[int, Iterator[float]] = {r: loop.run() for r, loop in loops.items()}
 
@@ -170,6 +185,7 @@ class _Simulation:
                 _, _, rank, payload = heapq.heappop(self._events)
                 touched.add(rank)
                 if isinstance(payload, _Completing):
+                    self.ran[payload.action] = payload.end - payload.start
                     self.devices[rank].finish(payload)
                 elif payload is not None:
                     edge, mb = payload  # type: ignore[misc]
@@ -240,8 +256,10 @@ def simulate(
     ``histories``: per rank, what earlier steps showed (``SimResult.histories`` of the
     previous step), for the ``"lookahead"`` and ``"critical"`` policies. ``policy`` may
     also be ``"clairvoyant"`` (``ClairvoyantFit``: a yardstick that sees the simulation's
-    future) or ``"informed"`` (``InformedFit``: one that sees all of it but the latencies
-    still to come). ``launch_depth``: actions a device may hold launched but incomplete
+    future), ``"informed"`` (``InformedFit``: one that sees all of it but the latencies
+    still to come), ``"foresight-critical"`` or ``"informed-critical"`` (``critical``'s
+    ranking by the true durations and latencies, or by all that has happened:
+    ``rrfp.sim.foresight``). ``launch_depth``: actions a device may hold launched but incomplete
     (``math.inf``: no bound); ``launch_cost``: CPU time of each launch, in the unit of
     ``duration``; ``reorder_ahead``: see ``StepLoop``.
     """
@@ -286,6 +304,8 @@ def _policy(name: str, sim: _Simulation, rank: int, history: History) -> Policy:
         transit = median_transit(sim.latency_draws(), sim.clock(rank))
         return InformedFit(sim.clock(rank), sim.duration,
                            lambda message: sim.earliest_arrival(message, transit))
+    if name in (FORESIGHT_CRITICAL, INFORMED_CRITICAL):
+        return EstimatedCritical(name, sim.chains(name))
     return make_policy(name, history=history, clock=sim.clock(rank))
 
 

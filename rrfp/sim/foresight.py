@@ -4,14 +4,16 @@ from __future__ import annotations
 
 import bisect
 import statistics
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Hashable, Iterable, Mapping
 from typing import TYPE_CHECKING
 
-from rrfp.hints import _Action, Edge
-from rrfp.policy import Lookahead
+from rrfp.graph import Latency, step_graph, StepGraph
+from rrfp.hints import _Action, Edge, F
+from rrfp.policy import CriticalPath, DEFAULT_COSTS, Lookahead
 
 if TYPE_CHECKING:
-    from rrfp.arbiter import ArbiterView, Node
+    from rrfp.arbiter import ArbiterView, MemoryLimits, Node
+    from rrfp.hints import Hint
 
 Transit = Callable[[tuple[Edge, int], float], float]
 """When a message sent at the given time arrives."""
@@ -71,3 +73,67 @@ def median_transit(latencies: Iterable[float], clock: Callable[[], float]) -> Tr
         longer = ordered[bisect.bisect_left(ordered, on_the_way):]
         return sent_at + (statistics.median_high(longer) if longer else on_the_way)
     return arrival
+
+
+class EstimatedChains:
+    """The longest chain of work behind each action of a step, costed by estimates that
+    may change as the step runs (re-costed when ``revision()`` changes). One per
+    simulation, shared by its ranks: the estimates are the same on every rank."""
+
+    def __init__(self, estimate: Callable[[_Action], float], latency: Latency | None,
+                 revision: Callable[[], Hashable]):
+        self._estimate, self._latency, self._revision = estimate, latency, revision
+        self._graph: StepGraph | None = None
+        self._costed_at: Hashable = object()
+        self._tails: dict[_Action, float] = {}
+
+    def tails(self, hint: Hint, limits: MemoryLimits) -> dict[_Action, float]:
+        if self._graph is None:
+            self._graph = step_graph(hint, self._latency, limits=limits, stream_order=True)
+        revision = self._revision()
+        if revision != self._costed_at:
+            self._costed_at = revision
+            self._tails = self._graph.longest_path(self._estimate)[1]
+        return self._tails
+
+
+class EstimatedCritical(CriticalPath):
+    """``critical``'s ranking, its chains costed by ``chains`` instead of the rank's own
+    per-kind means. Not a policy a rank could run."""
+
+    def __init__(self, name: str, chains: EstimatedChains):
+        super().__init__(None)
+        self.name = name
+        self._chains = chains
+        self._ranked: dict[_Action, float] | None = None
+
+    def _priorities(self, arbiter: ArbiterView) -> list[float]:
+        tails = self._chains.tails(arbiter.hint, arbiter.memory_limits)
+        if tails is not self._ranked:
+            self._ranked = tails
+            self._priority = [round(tails.get(n.action, -1.0), 6) for n in arbiter.nodes]
+        return self._priority
+
+
+FORESIGHT_CRITICAL = "foresight-critical"
+"""``critical``'s ranking by the step's true durations and link latencies, all known from
+its start."""
+INFORMED_CRITICAL = "informed-critical"
+"""``critical``'s ranking by all that has happened on every rank: an action not yet run
+whose microbatch has ended its forward on that stage is expected to take that forward's
+true duration times its kind's cost (the workload models scale a microbatch's I and W like
+its forward), any other its kind's cost (a mean forward is the models' time unit)."""
+
+
+def foresight_chains(duration: Callable[[_Action], float],
+                     latency: Latency | None) -> EstimatedChains:
+    return EstimatedChains(duration, latency, revision=lambda: None)
+
+
+def informed_chains(ended: Mapping[_Action, float]) -> EstimatedChains:
+    """``ended``: a live view of the run time of each action that has ended (on any rank);
+    it only grows during a step, so its size says when it changed."""
+    def estimate(action: _Action) -> float:
+        forward = _Action(action.stage_index, F, action.microbatch_index)
+        return DEFAULT_COSTS[action.computation_type.value] * ended.get(forward, 1.0)
+    return EstimatedChains(estimate, None, revision=lambda: len(ended))
