@@ -252,6 +252,8 @@ class CriticalPath:
     def __init__(self, history: History | None):
         self.history = history
         self._priority: list[float] = []
+        self._ranked_by: dict[_Action, float] | None = None
+        self._step_tails: dict[_Action, float] | None = None
 
     def choose(self, ready: Sequence[Node], arbiter: ArbiterView) -> Node | None:
         return min(ready, key=self._ranking(arbiter))
@@ -273,7 +275,17 @@ class CriticalPath:
         return key
 
     def _priorities(self, arbiter: ArbiterView) -> list[float]:
-        if not self._priority and arbiter.nodes:
+        tails = self._tails(arbiter)
+        if tails is not self._ranked_by:
+            self._ranked_by = tails
+            # Rounded so that equal chains tie whatever the order of the additions.
+            # REDUCE_GRAD is not in the graph: the arbiter runs it as soon as it is ready.
+            self._priority = [round(tails.get(n.action, -1.0), 6) for n in arbiter.nodes]
+        return self._priority
+
+    def _tails(self, arbiter: ArbiterView) -> dict[_Action, float]:
+        """The longest chain of work behind each action (a new dict whenever it changes)."""
+        if self._step_tails is None:
             costs = _measured_costs(self.history, arbiter.hint.stages_on(arbiter.rank))
             if costs is None:
                 costs = tuple(sorted(DEFAULT_COSTS.items()))
@@ -286,11 +298,8 @@ class CriticalPath:
                                             for a, b in zip(kept, costs)):
                     costs = kept
                 self.history.priority_costs = costs  # type: ignore[union-attr]
-            tails = _critical_tails(arbiter.hint, arbiter.memory_limits, costs)
-            # Rounded so that equal chains tie whatever the order of the additions.
-            # REDUCE_GRAD is not in the graph: the arbiter runs it as soon as it is ready.
-            self._priority = [round(tails.get(n.action, -1.0), 6) for n in arbiter.nodes]
-        return self._priority
+            self._step_tails = _critical_tails(arbiter.hint, arbiter.memory_limits, costs)
+        return self._step_tails
 
 
 def _measured_costs(history: History | None,

@@ -88,6 +88,7 @@ class EstimatedChains:
         self._tails: dict[_Action, float] = {}
 
     def tails(self, hint: Hint, limits: MemoryLimits) -> dict[_Action, float]:
+        """A new dict whenever it is re-costed."""
         if self._graph is None:
             self._graph = step_graph(hint, self._latency, limits=limits, stream_order=True)
         revision = self._revision()
@@ -105,14 +106,9 @@ class EstimatedCritical(CriticalPath):
         super().__init__(None)
         self.name = name
         self._chains = chains
-        self._ranked: dict[_Action, float] | None = None
 
-    def _priorities(self, arbiter: ArbiterView) -> list[float]:
-        tails = self._chains.tails(arbiter.hint, arbiter.memory_limits)
-        if tails is not self._ranked:
-            self._ranked = tails
-            self._priority = [round(tails.get(n.action, -1.0), 6) for n in arbiter.nodes]
-        return self._priority
+    def _tails(self, arbiter: ArbiterView) -> dict[_Action, float]:
+        return self._chains.tails(arbiter.hint, arbiter.memory_limits)
 
 
 FORESIGHT_CRITICAL = "foresight-critical"
