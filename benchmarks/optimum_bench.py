@@ -25,8 +25,8 @@ actions as the default ``critical`` does, by the longest chain of work behind ea
 costs the chains by the step's true durations and latencies; ``informed-critical`` costs
 them by all that has happened on every rank (an action whose microbatch has ended its
 forward on that stage: that forward's duration times its kind's cost): what ``critical``'s
-rule captures with perfect foresight, and with all knowledge a rank could be given. Seeds other than 0-4
-(``--first-seed``) check a policy on steps its defaults were not chosen on. Every figure
+rule captures with perfect foresight, and with all knowledge a rank could be given. Seeds
+other than 0-4 (``--first-seed``) check a policy on steps its defaults were not chosen on. Every figure
 is simulated.
 """
 

@@ -360,9 +360,9 @@ def default_policy(hint: Hint, limits: MemoryLimits) -> str:
     compute jitter). With memory slack on every rank, one stage per rank: the
     critical-path order captured 82%/79%/75% of the best known gain at hint+2 (1F1B, 8
     ranks, 5 seeds; jitter, multimodal, heavy-tailed latency) where the arrival order
-    captured 58%/66%/67% (docs/optimum.md; 61%/74% on 20 held-out seeds of jitter and bursty
-    latency, where the same ranking with perfect foresight took 71%/73%). Several stages per rank (Interleaved1F1B):
-    lookahead, the only policy that did not fall below 0.995x of the fixed schedule there
+    captured 58%/66%/67% (docs/optimum.md; 61%/74% on 20 held-out seeds of jitter and
+    bursty latency, where the same ranking with perfect foresight took 71%/73%). Several
+    stages per rank (Interleaved1F1B): lookahead, the only policy that did not fall below 0.995x of the fixed schedule there
     (8 x 32, hint+2, correlated costs, 10 seeds: lookahead 1.000x min, the hint's order
     0.994x, critical 0.985x, window 0.995x, arrival 0.986x), at the price of most of the
     gain the hint's order takes elsewhere; the same for DualPipeV. ZBVZeroBubble and

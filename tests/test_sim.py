@@ -617,8 +617,10 @@ def test_informed_critical_costs_the_chains_by_the_forwards_that_have_ended():
     chains = informed_chains(ran)
 
     def chains_by(forward_of: dict) -> dict:
-        return graph.longest_path(lambda a: DEFAULT_COSTS[a.computation_type.value] * forward_of.get(
-            (a.stage_index, a.microbatch_index), 1.0))[1]
+        def cost(a):
+            scale = forward_of.get((a.stage_index, a.microbatch_index), 1.0)
+            return DEFAULT_COSTS[a.computation_type.value] * scale
+        return graph.longest_path(cost)[1]
 
     before = chains.tails(hint, limits)
     assert before == chains_by({})

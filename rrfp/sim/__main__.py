@@ -120,9 +120,9 @@ def build_parser() -> argparse.ArgumentParser:
                       help=f"buffer limit, as ScheduleRRFP's buffer_limit: {BUFFER_LIMIT_HELP} "
                            "(default: %(default)s)")
     rrfp.add_argument("--policy", type=_policy,
-                      help=f"{policy_help(SIM_POLICIES)} (clairvoyant, informed, foresight-critical and "
-                           "informed-critical: the simulator's yardsticks, which see what no "
-                           "rank can)")
+                      help=f"{policy_help(SIM_POLICIES)} (clairvoyant, informed, "
+                           "foresight-critical and informed-critical: the simulator's "
+                           "yardsticks, which see what no rank can)")
     rrfp.add_argument("--launch-depth", type=_launch_depth, default=DEFAULT_LAUNCH_DEPTH,
                       help=f"{LAUNCH_DEPTH_HELP} (default: %(default)s, as ScheduleRRFP)")
     rrfp.add_argument("--launch-cost", type=_non_negative, default=0.0,

@@ -16,7 +16,7 @@ from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 
 from rrfp.arbiter import Arbiter, MemoryLimits
-from rrfp.hints import _Action, Edge, Hint
+from rrfp.hints import _Action, Edge, F, Hint
 from rrfp.loop import Arrival, Completion, DEFAULT_LAUNCH_DEPTH, StepLoop
 from rrfp.policy import History, make_policy, Policy, POLICIES
 from rrfp.sim.foresight import (
@@ -80,8 +80,8 @@ class _Simulation:
         """Messages delivered: when each arrived."""
         self.ends: dict[_Action, float] = {}
         """When each launched action ends (fixed at its launch)."""
-        self.ran: dict[_Action, float] = {}
-        """How long each action that has ended ran."""
+        self.forwards_ran: dict[_Action, float] = {}
+        """How long each forward that has ended ran."""
         self._graph: StepGraph | None = None
         self._chains: dict[str, EstimatedChains] = {}
 
@@ -160,7 +160,7 @@ class _Simulation:
         if yardstick not in self._chains:
             self._chains[yardstick] = (foresight_chains(self.duration, self.latency)
                                        if yardstick == FORESIGHT_CRITICAL
-                                       else informed_chains(self.ran))
+                                       else informed_chains(self.forwards_ran))
         return self._chains[yardstick]
 
     def run(self, loops: Mapping[int, StepLoop]) -> None:
@@ -185,7 +185,8 @@ class _Simulation:
                 _, _, rank, payload = heapq.heappop(self._events)
                 touched.add(rank)
                 if isinstance(payload, _Completing):
-                    self.ran[payload.action] = payload.end - payload.start
+                    if payload.action.computation_type == F:
+                        self.forwards_ran[payload.action] = payload.end - payload.start
                     self.devices[rank].finish(payload)
                 elif payload is not None:
                     edge, mb = payload  # type: ignore[misc]
@@ -259,8 +260,8 @@ def simulate(
     future), ``"informed"`` (``InformedFit``: one that sees all of it but the latencies
     still to come), ``"foresight-critical"`` or ``"informed-critical"`` (``critical``'s
     ranking by the true durations and latencies, or by all that has happened:
-    ``rrfp.sim.foresight``). ``launch_depth``: actions a device may hold launched but incomplete
-    (``math.inf``: no bound); ``launch_cost``: CPU time of each launch, in the unit of
+    ``rrfp.sim.foresight``). ``launch_depth``: actions a device may hold launched but
+    incomplete (``math.inf``: no bound); ``launch_cost``: CPU time of each launch, in the unit of
     ``duration``; ``reorder_ahead``: see ``StepLoop``.
     """
     sim = _Simulation(hint, duration, latency, launch_cost)

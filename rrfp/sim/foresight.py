@@ -126,10 +126,10 @@ def foresight_chains(duration: Callable[[_Action], float],
     return EstimatedChains(duration, latency, revision=lambda: None)
 
 
-def informed_chains(ended: Mapping[_Action, float]) -> EstimatedChains:
-    """``ended``: a live view of the run time of each action that has ended (on any rank);
-    it only grows during a step, so its size says when it changed."""
+def informed_chains(forwards_ran: Mapping[_Action, float]) -> EstimatedChains:
+    """``forwards_ran``: a live view of the run time of each forward that has ended (on any
+    rank); it only grows during a step, so its size says when it changed."""
     def estimate(action: _Action) -> float:
         forward = _Action(action.stage_index, F, action.microbatch_index)
-        return DEFAULT_COSTS[action.computation_type.value] * ended.get(forward, 1.0)
-    return EstimatedChains(estimate, None, revision=lambda: len(ended))
+        return DEFAULT_COSTS[action.computation_type.value] * forwards_ran.get(forward, 1.0)
+    return EstimatedChains(estimate, None, revision=lambda: len(forwards_ran))
