@@ -424,7 +424,7 @@ def transport_checks(rank: int, world: int, device: torch.device) -> bool:
                 if cuda:
                     _spin(device, kernel, per_ms)
                 else:
-                    from rrfp.hints import _Action, F
+                    from rrfp.actions import _Action, F
                     device_thread.launch(_Action(1, F, 0), lambda: time.sleep(kernel))
                 transport.post_receive(edge, 0, [buffer])
                 (at,) = _await(transport, edge, 1)

@@ -39,7 +39,7 @@ import time
 from collections.abc import Mapping, Sequence
 
 from benchmarks.pages import result_path, write_page
-from rrfp.arbiter import resolve_buffer_limits
+from rrfp.limits import resolve_buffer_limits
 from rrfp.hints import build_hint
 from rrfp.sim.foresight import FORESIGHT_CRITICAL, INFORMED_CRITICAL
 from rrfp.sim.optimum import optimum

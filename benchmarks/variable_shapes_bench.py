@@ -48,7 +48,7 @@ from torchtitan.components.loss import IGNORE_INDEX
 
 from benchmarks.pages import write_page
 from rrfp import ScheduleRRFP
-from rrfp.arbiter import resolve_buffer_limits
+from rrfp.limits import resolve_buffer_limits
 from rrfp.hints import build_hint
 from rrfp.local import run_local_world
 from rrfp.memory import ActivationMeter, MeteredModule

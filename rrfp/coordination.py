@@ -39,7 +39,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from rrfp.arbiter import Arbiter
-from rrfp.hints import _Action
+from rrfp.actions import _Action
 from rrfp.loop import PipelineStallError
 
 COORDINATIONS = ("leader", "agree")

@@ -24,7 +24,7 @@ from collections.abc import Callable
 
 import torch
 
-from rrfp.hints import _Action
+from rrfp.actions import _Action
 from rrfp.loop import Completion
 
 

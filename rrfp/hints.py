@@ -4,9 +4,13 @@ A hint is what each pipeline rank would run under a fixed schedule: an ordered l
 torch ``_Action`` s per rank. RRFP treats it as a ranking, not a contract, but two things
 in it are binding because both ends of every channel must agree on them in advance:
 
-* the order of each *stream*: per stage, its forwards (F), its input-gradient backwards
-  (B or I: they send gradients upstream), and its weight-gradient accumulations (B or W);
+* the order of each *stream* (``rrfp.plan``): per stage, its forwards (F), its
+  input-gradient backwards (B or I: they send gradients upstream), and its weight-gradient
+  accumulations (B or W);
 * the stage-to-rank placement.
+
+What a step of the hint means (dependencies, messages, release points, the memory it
+holds) is derived from the orders once, by ``rrfp.plan.lower`` (``Hint.plan``).
 
 Sources: a torch schedule name or class, a CSV in torch's compute-only format, a
 ``{rank: [_Action | None, ...]}`` dict, or the paper's rules ``"BF"`` / ``"BFW"`` (whose
@@ -21,14 +25,10 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from functools import cached_property
 from types import SimpleNamespace
-from typing import Literal, NamedTuple, Union
+from typing import Literal, Union
 
 from torch.distributed.pipelining._utils import generate_stage_to_rank_mapping
-
-from rrfp._torch_compat import add_reduce_grad, is_bookkeeping
 from torch.distributed.pipelining.schedules import (
-    _Action,
-    _ComputationType,
     _PipelineSchedule,
     _validate_schedule,
     get_schedule_class,
@@ -40,18 +40,9 @@ from torch.distributed.pipelining.schedules import (
     ScheduleZBVZeroBubble,
 )
 
-F = _ComputationType.FORWARD
-B = _ComputationType.FULL_BACKWARD
-I = _ComputationType.BACKWARD_INPUT  # noqa: E741 (torch's own name for it)
-W = _ComputationType.BACKWARD_WEIGHT
-REDUCE_GRAD = _ComputationType.REDUCE_GRAD
-OVERLAP_F_B = _ComputationType.OVERLAP_F_B
-
-#: Kinds that send an input gradient upstream; they share one stream per stage.
-INPUT_GRAD_KINDS = frozenset({B, I})
-#: Kinds that accumulate into parameter ``.grad``; they share one stream per stage so the
-#: accumulation order (and so every gradient bit) matches the fixed schedule.
-WEIGHT_GRAD_KINDS = frozenset({B, W})
+from rrfp._torch_compat import add_reduce_grad, is_bookkeeping
+from rrfp.actions import _Action, _ComputationType, B, Edge, F, I, OVERLAP_F_B, W
+from rrfp.plan import lower, StepPlan
 
 Policy = Literal["hint", "BF", "BFW"]
 Layout = Literal["loop", "v", "custom"]
@@ -68,29 +59,6 @@ TORCH_SCHEDULE_NAMES = (
 )
 RULE_NAMES = ("BF", "BFW")
 HINT_NAMES = TORCH_SCHEDULE_NAMES + RULE_NAMES
-
-
-class Edge(NamedTuple):
-    """A directed stage-to-stage link: activations go up (src < dst), gradients down."""
-
-    src: int
-    dst: int
-
-    @property
-    def is_forward(self) -> bool:
-        return self.dst > self.src
-
-    def __str__(self) -> str:
-        kind = "activation" if self.is_forward else "gradient"
-        return f"{kind} {self.src}->{self.dst}"
-
-
-class _Held(NamedTuple):
-    rank_totals: dict[int, list[int]]
-    """Per rank: held by all its stages together after each prefix of its fixed order
-    (``0..len``)."""
-    stage_peaks: dict[int, int]
-    """Per stage: the most it holds at once."""
 
 
 @dataclass(frozen=True)
@@ -144,15 +112,6 @@ class Hint:
             },
         )
 
-    def stream(self, stage: int, kinds: frozenset[_ComputationType]) -> list[int]:
-        """Microbatches of ``stage``'s actions of ``kinds``, in hint order."""
-        rank = self.stage_to_rank[stage]
-        return [
-            a.microbatch_index  # type: ignore[misc]
-            for a in self.orders[rank]
-            if a.stage_index == stage and a.computation_type in kinds
-        ]
-
     def remote_edges(self) -> list[Edge]:
         """Edges whose two stages live on different ranks, in a canonical order."""
         edges = []
@@ -162,88 +121,10 @@ class Hint:
                 edges.append(Edge(s + 1, s))
         return edges
 
-    def message_order(self, edge: Edge) -> list[int]:
-        """Microbatches in the order the producer sends them over ``edge``."""
-        return self._message_orders[edge]
-
-    def message_position(self, edge: Edge, microbatch: int) -> int:
-        """Where ``microbatch`` comes in ``message_order(edge)``."""
-        return self._message_positions[(edge, microbatch)]
-
     @cached_property
-    def _message_positions(self) -> dict[tuple[Edge, int], int]:
-        return {(edge, mb): i for edge, order in self._message_orders.items()
-                for i, mb in enumerate(order)}
-
-    @cached_property
-    def _message_orders(self) -> dict[Edge, list[int]]:
-        orders = {}
-        for s in range(self.num_stages):
-            for dst, kinds in ((s + 1, frozenset({F})), (s - 1, INPUT_GRAD_KINDS)):
-                if 0 <= dst < self.num_stages:
-                    orders[Edge(s, dst)] = self.stream(s, kinds)
-        return orders
-
-    def peak_in_flight(self) -> dict[int, int]:
-        """Per stage, the fixed order's peak of microbatches held (from a microbatch's F
-        until its last backward piece)."""
-        return dict(self._held.stage_peaks)
-
-    def rank_peaks(self) -> dict[int, int]:
-        """Per rank, the fixed order's peak of microbatches held by all the rank's stages
-        together (the maximum over time of their sum, not the sum of their peaks)."""
-        return {r: self._future_peaks[r][0] for r in self.orders}
-
-    def future_rank_peak(self, rank: int) -> tuple[int, ...]:
-        """``[p]``: the most the rank's stages hold together from position ``p`` of its
-        fixed order on (positions ``0..len(order)``)."""
-        return self._future_peaks[rank]
-
-    @cached_property
-    def _held(self) -> _Held:
-        """Microbatches held under the fixed order. A microbatch's activations on a stage
-        are held from its F until its last backward piece: B, or W when backward is split
-        (after I the autograd state stays alive until W)."""
-        totals: dict[int, list[int]] = {}
-        peaks: dict[int, int] = {}
-        for rank, acts in self.orders.items():
-            per_stage = {s: 0 for s in self.stages_on(rank)}
-            peaks.update(per_stage)
-            totals[rank] = [0]
-            for a in acts:
-                s = a.stage_index
-                if a.computation_type == F:
-                    per_stage[s] += 1
-                    peaks[s] = max(peaks[s], per_stage[s])
-                elif a.computation_type in WEIGHT_GRAD_KINDS:  # the last backward piece
-                    per_stage[s] -= 1
-                totals[rank].append(sum(per_stage.values()))
-        return _Held(totals, peaks)
-
-    @cached_property
-    def _future_peaks(self) -> dict[int, tuple[int, ...]]:
-        future = {}
-        for rank, totals in self._held.rank_totals.items():
-            peaks, running = [], 0
-            for total in reversed(totals):
-                running = max(running, total)
-                peaks.append(running)
-            future[rank] = tuple(reversed(peaks))
-        return future
-
-    def streams_share_one_order(self) -> bool:
-        """Whether every stage's F and B/I streams list microbatches in one common order.
-
-        Then backpressure is deadlock-free for any limit >= 1 (take the earliest
-        in-flight microbatch: the stage after the furthest one that has run it can always
-        run it next). Otherwise the limit must not go below the hint's own peak.
-        """
-        common = self.stream(0, frozenset({F}))
-        return all(
-            self.stream(s, frozenset({F})) == common
-            and self.stream(s, INPUT_GRAD_KINDS) in (common, [])
-            for s in range(self.num_stages)
-        )
+    def plan(self) -> StepPlan:
+        """What one step of this hint means (``rrfp.plan.lower``), derived on first use."""
+        return lower(self)
 
     def format(self) -> str:
         return "\n".join(

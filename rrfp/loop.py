@@ -28,8 +28,8 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from rrfp.arbiter import Arbiter, describe
-from rrfp.hints import _Action, Edge
+from rrfp.actions import _Action, describe, Edge
+from rrfp.arbiter import Arbiter
 from rrfp.policy import History
 
 

@@ -13,12 +13,15 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from rrfp.arbiter import ArbiterView, MemoryLimits, Node, OwnOrder, Policy
+from rrfp.arbiter import ArbiterView, OwnOrder, Policy
 from rrfp.graph import step_graph
+from rrfp.limits import MemoryLimits
+from rrfp.plan import Node
 from rrfp.settings import POLICIES
 
 if TYPE_CHECKING:
-    from rrfp.hints import _Action, Edge, Hint
+    from rrfp.actions import _Action, Edge
+    from rrfp.hints import Hint
 
 __all__ = ["POLICIES", "Policy", "default_policy", "make_policy", "History"]
 
@@ -200,9 +203,9 @@ class Lookahead(HintLed):
         # The step may run ahead of earlier ones: also expect it one shortest-seen gap
         # after the message before it on the same edge, if that one has arrived.
         edge, mb = message
-        position = arbiter.hint.message_position(edge, mb)
+        position = arbiter.hint.plan.message_position(edge, mb)
         if position > 0:
-            previous = (edge, arbiter.hint.message_order(edge)[position - 1])
+            previous = (edge, arbiter.hint.plan.message_order(edge)[position - 1])
             before = arbiter.arrival_times.get(previous)
             gap = history.gaps.get(message)
             if before is not None and gap is not None:
@@ -379,7 +382,7 @@ def default_policy(hint: Hint, limits: MemoryLimits) -> str:
     """
     if hint.policy != "hint":
         return hint.policy
-    peaks, rank_peaks = hint.peak_in_flight(), hint.rank_peaks()
+    peaks, rank_peaks = hint.plan.stage_peaks, hint.plan.rank_peaks()
     below_hint = limits.first_stage_below(peaks) is not None
     if not below_hint and any(limits.per_rank[r] < peak + min(MIN_SLACK, peak)
                               for r, peak in rank_peaks.items()):

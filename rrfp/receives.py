@@ -6,12 +6,13 @@ with the number of microbatches (a user of torch's pipelining reported ~52 GiB o
 buffers on middle stages of a large MoE model). Here each incoming channel owns ``size``
 slots. Receives are posted in the channel's message order, each into a free slot, which is
 bound to its microbatch in the stage (the stage reads its input or gradient from there). A
-slot is free again once the action that last reads it has completed on the device:
+slot is free again once the action that last reads it has completed on the device, as
+the step's plan (``rrfp.plan``) says:
 
-* an activation received by stage s: its microbatch's last backward piece on s (B, or W
-  when backward is split), because autograd keeps the input for the weight gradients; in
-  a forward-only step, the forward;
-* a gradient received by stage s: the backward (B or I) that consumes it.
+* an activation received by stage s: its microbatch's release point on s (B, or W when
+  backward is split, because autograd keeps the input for the weight gradients; in a
+  forward-only step, the forward);
+* a gradient received by stage s: the backward (B or I) that receives it.
 
 An activation ring holds the stage's memory limit plus one slot: the stage holds at most
 that many microbatches, so the next message in channel order (the one its forward stream
@@ -46,7 +47,8 @@ from torch.distributed.pipelining._utils import _make_tensor_from_meta
 from torch.distributed.pipelining.stage import _PipelineStageBase
 
 from rrfp._torch_compat import bind_receive, unbind_receive
-from rrfp.hints import _Action, Edge, F, Hint, INPUT_GRAD_KINDS, WEIGHT_GRAD_KINDS
+from rrfp.actions import _Action, Edge, F
+from rrfp.plan import Node, RankPlan, StepPlan
 from rrfp.transport import Received, Transport
 
 HEADER_DIMS = 8
@@ -96,7 +98,6 @@ class _Ring:
     edge: Edge
     stage: _PipelineStageBase
     size: int
-    training: bool
     variable: bool
     sent_shapes: dict[tuple[int, int], list[torch.Size]]
     """Variable shapes: the shapes each (stage, microbatch) sent downstream, which its
@@ -124,14 +125,13 @@ class _Ring:
         recv = self.stage.args_recv_info if self.edge.is_forward else self.stage.grad_recv_info
         return recv[mb]
 
-    def releases(self, action: _Action) -> bool:
-        """Whether ``action`` is the last reader of its microbatch's slot."""
-        if action.stage_index != self.edge.dst or action.microbatch_index not in self.in_use:
+    def releases(self, node: Node) -> bool:
+        """Whether ``node`` is the last reader of its microbatch's slot."""
+        if node.stage != self.edge.dst or node.microbatch not in self.in_use:
             return False
-        ctype = action.computation_type
-        if not self.edge.is_forward:
-            return ctype in INPUT_GRAD_KINDS
-        return ctype in WEIGHT_GRAD_KINDS if self.training else ctype == F
+        if self.edge.is_forward:
+            return node.releases
+        return node.message == (self.edge, node.microbatch)
 
     def ensure_slots(self, header_device: torch.device | None = None) -> None:
         """Make the slots from the stage's receive metadata, unless they were made for
@@ -241,26 +241,30 @@ class ReceiveRings:
         self._active: list[_Ring] = []
         self._transport: Transport | None = None
         self._sent_shapes: dict[tuple[int, int], list[torch.Size]] = {}
+        self._plan: RankPlan | None = None
         self.peak_bytes = 0
         """Most bytes the rings held at once during the step."""
 
-    def start(self, transport: Transport, hint: Hint, stages: dict[int, _PipelineStageBase],
-              limits: dict[int, int], training: bool) -> None:
-        """Bind and post the first receives of every incoming channel of the step."""
+    def start(self, transport: Transport, plan: StepPlan,
+              stages: dict[int, _PipelineStageBase], limits: dict[int, int],
+              training: bool) -> None:
+        """Bind and post the first receives of every incoming channel of the step, whose
+        ``plan`` (of the training or forward-only hint) the rank runs ``stages`` of."""
         self._transport = transport
+        self._plan = plan.ranks[plan.stage_to_rank[next(iter(stages))]]
         self._active = []
         self._sent_shapes.clear()
         for edge in transport.channels:
             stage = stages.get(edge.dst)
             if stage is None or (not edge.is_forward and not training):
                 continue
-            order = hint.message_order(edge)
+            order = list(plan.message_order(edge))
             size = limits[edge.dst] + 1 if edge.is_forward else limits[edge.dst]
             size = max(1, min(size, len(order)))
             key = (edge, training)
             ring = self._rings.get(key)
             if ring is None or ring.size != size or ring.stage is not stage:
-                ring = self._rings[key] = _Ring(edge, stage, size, training, self.variable_shapes,
+                ring = self._rings[key] = _Ring(edge, stage, size, self.variable_shapes,
                                                 self._sent_shapes)
             ring.start(transport, order)
             self._active.append(ring)
@@ -294,8 +298,9 @@ class ReceiveRings:
         """``action`` completed on the device: free the slots it was the last to read, and
         post the next receives into them (with variable shapes, a completed forward also
         makes its gradient's shape known)."""
+        node = self._plan.node(action)  # type: ignore[union-attr]
         for ring in self._active:
-            if ring.releases(action):
+            if ring.releases(node):
                 ring.release(action.microbatch_index)
             elif (ring.variable and not ring.edge.is_forward and action.computation_type == F
                   and action.stage_index == ring.edge.dst):

@@ -30,22 +30,11 @@ from torch.distributed.pipelining.microbatch import _split_tensor, TensorChunkSp
 from torch.profiler import record_function
 
 from rrfp._torch_compat import clear_after_failure, release_sent_outputs
-from rrfp.arbiter import (Arbiter, ByteLimits, check_deadlock_free, check_limits,
-                          first_step_limits, fixed_peak_bytes, limits_within_bytes,
-                          MemoryLimits)
-from rrfp.hints import (
-    _Action,
-    B,
-    build_hint,
-    Edge,
-    F,
-    Hint,
-    HintSource,
-    I,
-    infer_layout,
-    REDUCE_GRAD,
-    W,
-)
+from rrfp.actions import _Action, B, Edge, F, I, REDUCE_GRAD, W
+from rrfp.arbiter import Arbiter, check_deadlock_free
+from rrfp.hints import build_hint, Hint, HintSource, infer_layout
+from rrfp.limits import (ByteLimits, check_limits, first_step_limits, fixed_peak_bytes,
+                         limits_within_bytes, MemoryLimits)
 from rrfp.coordination import (COORDINATIONS, CoordinationGroup, make_coordinator,
                                uncovered_sharded_parameter)
 from rrfp.device import CudaDevice, EmulatedDevice, HostDevice, Wakeup
@@ -308,8 +297,8 @@ class ScheduleRRFP(PipelineScheduleMulti):
             "%s, %s. %s", self.rank, self._hint.name, self.policy, self._hint.layout,
             {s: self.buffer_limits.per_stage[s] for s in local},
             self.buffer_limits.per_rank[self.rank],
-            {s: self._hint.peak_in_flight()[s] for s in local},
-            self._hint.rank_peaks()[self.rank], self.launch_depth, type(self._device).__name__,
+            {s: self._hint.plan.stage_peaks[s] for s in local},
+            self._hint.plan.rank_peaks()[self.rank], self.launch_depth, type(self._device).__name__,
             self.limit_summary,
         )
 
@@ -388,7 +377,7 @@ class ScheduleRRFP(PipelineScheduleMulti):
         )
         self._device.begin_step(origin, self._wakeup)
         try:
-            self._receives.start(self._transport, hint, self._stage_by_index,
+            self._receives.start(self._transport, hint.plan, self._stage_by_index,
                                  self.buffer_limits.per_stage, training=self._has_backward)
             for timeout in loop.run():
                 self._wait(timeout)
@@ -754,8 +743,8 @@ def limit_summary(spec: str | int, limits: MemoryLimits, hint: Hint, rank: int) 
     the measured gains are (docs/defaults.md): at the hint's memory
     RRFP mostly follows the hint, so speed needs memory slack; then one on the job's peak
     (the busiest rank's), in microbatches held."""
-    allowed, held = limits.per_rank[rank], hint.rank_peaks()[rank]
-    busiest, most = max(hint.rank_peaks().values()), max(limits.per_rank.values())
+    allowed, held = limits.per_rank[rank], hint.plan.rank_peaks()[rank]
+    busiest, most = max(hint.plan.rank_peaks().values()), max(limits.per_rank.values())
     job = (f" No rank may hold more than the fixed schedule's busiest rank ({busiest} "
            "microbatches), so the job's peak is unchanged." if most <= busiest else
            f" The busiest rank may hold {most} microbatches, {most - busiest} more than the "
@@ -957,7 +946,7 @@ def _step_stats(schedule: ScheduleRRFP, loop: StepLoop, executor: _StageExecutor
                 coordinator, end: float, sent: tuple[int, int]) -> StepStats:
     arbiter = loop.arbiter
     local = schedule.hint.stages_on(schedule.rank)
-    hint_peaks = arbiter.hint.peak_in_flight()
+    hint_peaks = arbiter.hint.plan.stage_peaks
     byte_limits = schedule.byte_limits
     spans = [Span(str(c.action), c.start, c.end, c.action.stage_index,
                   c.action.computation_type.value, c.action.microbatch_index)
@@ -975,8 +964,8 @@ def _step_stats(schedule: ScheduleRRFP, loop: StepLoop, executor: _StageExecutor
         buffer_limits=dict(arbiter.limits) if arbiter.limits else None,
         rank_buffer_limit=arbiter.rank_limit,
         hint_peak_in_flight={s: hint_peaks[s] for s in local},
-        hint_rank_peak=arbiter.hint.rank_peaks()[schedule.rank],
-        hint_busiest_rank_peak=max(arbiter.hint.rank_peaks().values()),
+        hint_rank_peak=arbiter.hint.plan.rank_peaks()[schedule.rank],
+        hint_busiest_rank_peak=max(arbiter.hint.plan.rank_peaks().values()),
         peak_in_flight=dict(arbiter.peak_in_flight),
         peak_rank_in_flight=arbiter.peak_held,
         peak_activation_bytes=None if schedule._step_meter is None else schedule._step_meter.peak,

@@ -47,7 +47,7 @@ class BufferLimit(NamedTuple):
     times the hint's own peak plus ``extra``, or (``busiest``) the bytes of the hint's
     busiest rank's peak, or a per-rank byte budget (``budget_bytes``; ``auto``: the
     device's free memory). The byte settings become microbatch limits once the first step
-    has measured each stage's bytes per microbatch (``rrfp.arbiter.limits_within_bytes``);
+    has measured each stage's bytes per microbatch (``rrfp.limits.limits_within_bytes``);
     ``of`` gives the limit before that: the hint's own peak (the first step runs at the
     hint's memory), or for ``busiest`` the busiest rank's peak in microbatches (what it
     means where every stage's microbatch saves the same bytes, as in the simulator)."""
@@ -58,6 +58,8 @@ class BufferLimit(NamedTuple):
     busiest: bool = False
     budget_bytes: int | None = None
     auto: bool = False
+    spec: str | int = ""
+    """How the user wrote it (for messages)."""
 
     @property
     def in_bytes(self) -> bool:
@@ -82,8 +84,14 @@ _UNDERSTOOD = ("use 'hint' (the fixed schedule's own peaks per stage and per ran
 def parse_buffer_limit(spec: object) -> BufferLimit:
     """``"hint"``, ``"hint+k"``, ``"Nx hint"``, ``"busiest"``, a byte budget (a number and
     a unit of ``BYTE_UNITS``, e.g. ``"12GiB"``, ``"1.5 GB"``), ``"auto"``, an int n >= 1, or
-    n written as a string (case and spaces do not matter). ``ValueError`` saying what to
-    write otherwise."""
+    n written as a string (case and spaces do not matter); a ``BufferLimit`` as it is.
+    ``ValueError`` saying what to write otherwise."""
+    if isinstance(spec, BufferLimit):
+        return spec
+    return _parsed_buffer_limit(spec)._replace(spec=spec)  # type: ignore[arg-type]
+
+
+def _parsed_buffer_limit(spec: object) -> BufferLimit:
     if isinstance(spec, bool) or not isinstance(spec, (int, str)):
         raise ValueError(f"buffer_limit must be a str or an int: {_UNDERSTOOD}; got {spec!r}")
     text = spec if isinstance(spec, int) else spec.replace(" ", "").lower()

@@ -73,8 +73,9 @@ from typing import NamedTuple
 import torch
 import torch.distributed as dist
 
+from rrfp.actions import Edge
 from rrfp.device import Wakeup
-from rrfp.hints import Edge, Hint
+from rrfp.hints import Hint
 from rrfp.loop import PipelineStallError
 
 logger = logging.getLogger(__name__)

@@ -7,11 +7,13 @@ import random
 
 import pytest
 
-from rrfp.arbiter import Arbiter, check_deadlock_free, MemoryLimits, resolve_buffer_limits
-from rrfp.hints import (
-    _Action, B, build_hint, Edge, F, HINT_NAMES, I, INPUT_GRAD_KINDS, W, WEIGHT_GRAD_KINDS)
+from rrfp.actions import _Action, B, Edge, F, I, INPUT_GRAD_KINDS, W, WEIGHT_GRAD_KINDS
+from rrfp.arbiter import Arbiter, check_deadlock_free
+from rrfp.hints import build_hint, HINT_NAMES
+from rrfp.limits import MemoryLimits, resolve_buffer_limits
 from rrfp.policy import make_policy, POLICIES
 from rrfp.sim.engine import simulate
+from tests.test_hints import microbatches_of
 from tests.workers import held_from_order
 
 FITTING = {"1F1B": (1, "loop"), "GPipe": (1, "loop"), "Interleaved1F1B": (2, "loop"),
@@ -83,10 +85,10 @@ def test_limits_count_until_the_last_backward_piece_and_per_rank():
     # ZBV on 2 ranks x 2 stages, 4 microbatches: rank 0 holds stages 0 and 3.
     hint = _hint("ZBVZeroBubble", 2, 2, 4, "v")
     limits = resolve_buffer_limits("hint", hint)
-    assert limits.per_stage == hint.peak_in_flight()
-    assert limits.per_rank == hint.rank_peaks()
+    assert limits.per_stage == hint.plan.stage_peaks
+    assert limits.per_rank == hint.plan.rank_peaks()
     # The per-rank peak is the most held at once, below the sum of the stages' peaks.
-    assert hint.rank_peaks()[0] <= sum(hint.peak_in_flight()[s] for s in (0, 3))
+    assert hint.plan.rank_peaks()[0] <= sum(hint.plan.stage_peaks[s] for s in (0, 3))
     # A split backward holds its microbatch until W, not until I: run rank 0's fixed order.
     arbiter = Arbiter(hint, rank=0, limits=limits, policy=make_policy("fixed"))
     for node in list(arbiter.nodes):
@@ -96,14 +98,14 @@ def test_limits_count_until_the_last_backward_piece_and_per_rank():
         arbiter.record_launch(node.action)
         change = {F: 1, I: 0, W: -1, B: -1}.get(node.action.computation_type, 0)
         assert arbiter.held == held + change, node.action
-    assert arbiter.peak_held == hint.rank_peaks()[0]
+    assert arbiter.peak_held == hint.plan.rank_peaks()[0]
 
 
 def test_limits_below_the_rank_peak_of_a_multi_stage_rank_are_refused():
     hint = _hint("Interleaved1F1B", 2, 2, 4)
     with pytest.raises(ValueError, match="holds stages .* needs to be deadlock-free"):
         resolve_buffer_limits(1, hint)
-    resolve_buffer_limits(max(hint.rank_peaks().values()), hint)
+    resolve_buffer_limits(max(hint.plan.rank_peaks().values()), hint)
 
 
 @pytest.mark.parametrize("spec", [0, -1, "hint-1", "twice", 2.5, True, None])
@@ -135,9 +137,9 @@ def test_no_deadlock_and_memory_bound_under_random_timings(name):
             except ValueError:
                 # Refused only below the hint's peaks, where that is not deadlock-free.
                 assert isinstance(limit, int)
-                assert (not hint.streams_share_one_order()
+                assert (not hint.plan.streams_share_one_order()
                         or any(len(hint.stages_on(r)) > 1 and limit < peak
-                               for r, peak in hint.rank_peaks().items()))
+                               for r, peak in hint.plan.rank_peaks().items()))
                 continue
             for policy in POLICIES:
                 if policy == "fixed" and any(
@@ -176,7 +178,7 @@ def test_no_deadlock_and_memory_bound_under_random_timings(name):
                             for kinds in (frozenset({F}), INPUT_GRAD_KINDS, WEIGHT_GRAD_KINDS):
                                 ran = [a.microbatch_index for a in realized
                                        if a.stage_index == stage and a.computation_type in kinds]
-                                assert ran == hint.stream(stage, kinds)
+                                assert ran == microbatches_of(hint, stage, kinds)
     assert runs >= 200
     assert deep[0] > 0  # launches behind earlier ones happened where the depth allowed them
 
@@ -229,7 +231,7 @@ def test_busiest_gives_every_rank_the_busiest_ranks_peak_and_no_more():
     # Interleaved1F1B on 4 ranks: the ranks' own peaks differ; "busiest" lifts every rank
     # to the largest, so no rank holds more than the fixed schedule's busiest one.
     hint = _hint("Interleaved1F1B", 4, 2, 8)
-    peaks = hint.rank_peaks()
+    peaks = hint.plan.rank_peaks()
     assert len(set(peaks.values())) > 1
     limits = resolve_buffer_limits("busiest", hint)
     assert set(limits.per_rank.values()) == {max(peaks.values())}

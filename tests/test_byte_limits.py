@@ -7,7 +7,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from rrfp.arbiter import fixed_peak_bytes, limits_within_bytes, resolve_buffer_limits
+from rrfp.limits import fixed_peak_bytes, limits_within_bytes, resolve_buffer_limits
 from rrfp.hints import build_hint
 from rrfp.local import run_local_world
 from rrfp.memory import free_device_bytes
@@ -82,10 +82,10 @@ def test_limits_within_bytes_fill_the_budget_from_the_hints_peaks():
     uneven = {0: 3 * UNIT, 1: UNIT, 2: UNIT, 3: UNIT}
     fixed = fixed_peak_bytes(hint, uneven)
     derived = limits_within_bytes(hint, uneven, {0: fixed[0], 1: fixed[0]})
-    assert derived.limits.per_stage[0] == hint.peak_in_flight()[0]
-    assert derived.limits.per_rank[0] == hint.rank_peaks()[0]
+    assert derived.limits.per_stage[0] == hint.plan.stage_peaks[0]
+    assert derived.limits.per_rank[0] == hint.plan.rank_peaks()[0]
     assert all(derived.allowed_bytes[r] <= fixed[0] for r in (0, 1))
-    assert derived.limits.per_rank[1] > hint.rank_peaks()[1]
+    assert derived.limits.per_rank[1] > hint.plan.rank_peaks()[1]
 
 
 def test_auto_reads_free_and_cached_memory_less_the_margin():

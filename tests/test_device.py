@@ -13,9 +13,11 @@ import time
 import pytest
 import torch
 
-from rrfp.arbiter import Arbiter, resolve_buffer_limits
+from rrfp.arbiter import Arbiter
+from rrfp.limits import resolve_buffer_limits
 from rrfp.device import CudaDevice, EmulatedDevice, HostDevice, Wakeup
-from rrfp.hints import _Action, build_hint, F
+from rrfp.actions import _Action, F
+from rrfp.hints import build_hint
 from rrfp.loop import StepLoop
 from rrfp.policy import make_policy
 

@@ -5,13 +5,20 @@ from __future__ import annotations
 import pytest
 from torch.distributed.pipelining.schedules import _Action, ScheduleInterleaved1F1B
 
-from rrfp.hints import B, build_hint, Edge, F, HINT_NAMES, I, REDUCE_GRAD, W, _torch_1f1b_order
+from rrfp.actions import B, Edge, F, I, REDUCE_GRAD, W
+from rrfp.hints import build_hint, HINT_NAMES, _torch_1f1b_order
 
 FITTING = {  # hint -> (stages per rank, placement) it needs
     "1F1B": (1, "loop"), "GPipe": (1, "loop"), "Interleaved1F1B": (2, "loop"),
     "LoopedBFS": (2, "loop"), "InterleavedZeroBubble": (2, "loop"),
     "ZBVZeroBubble": (2, "v"), "DualPipeV": (2, "v"), "BF": (2, "loop"), "BFW": (2, "v"),
 }
+
+
+def microbatches_of(hint, stage: int, kinds: frozenset) -> list[int]:
+    """``stage``'s microbatches of ``kinds`` in its rank's hint order, read off the order."""
+    return [a.microbatch_index for a in hint.orders[hint.stage_to_rank[stage]]
+            if a.stage_index == stage and a.computation_type in kinds]
 
 
 @pytest.mark.parametrize("name", HINT_NAMES)
@@ -23,11 +30,11 @@ def test_every_named_hint_runs_each_microbatch_once_per_kind(name, num_ranks):
                       n_microbatches=M, layout=layout)
     assert hint.layout == layout
     for stage in range(hint.num_stages):
-        assert sorted(hint.stream(stage, frozenset({F}))) == list(range(M))
-        backward = hint.stream(stage, frozenset({B, I}))
+        assert sorted(microbatches_of(hint, stage, frozenset({F}))) == list(range(M))
+        backward = microbatches_of(hint, stage, frozenset({B, I}))
         assert sorted(backward) == list(range(M))
-        weights = hint.stream(stage, frozenset({W}))
-        assert sorted(weights) == sorted(hint.stream(stage, frozenset({I})))
+        weights = microbatches_of(hint, stage, frozenset({W}))
+        assert sorted(weights) == sorted(microbatches_of(hint, stage, frozenset({I})))
         rank = hint.stage_to_rank[stage]
         reduces = [a for a in hint.orders[rank] if a.computation_type == REDUCE_GRAD
                    and a.stage_index == stage]
@@ -54,15 +61,15 @@ def test_rules_take_streams_and_memory_from_their_reference_schedule():
 
 def test_peaks_edges_and_message_orders():
     hint = build_hint("1F1B", num_ranks=4, num_stages=4, n_microbatches=8)
-    assert hint.peak_in_flight() == {0: 4, 1: 3, 2: 2, 3: 1}
-    assert hint.streams_share_one_order()
+    assert hint.plan.stage_peaks == {0: 4, 1: 3, 2: 2, 3: 1}
+    assert hint.plan.streams_share_one_order()
     v = build_hint("ZBVZeroBubble", num_ranks=2, num_stages=4, n_microbatches=4)
     # Stages 1 and 2 share rank 1: their edge passes tensors locally, with no channel.
     assert v.remote_edges() == [Edge(0, 1), Edge(1, 0), Edge(2, 3), Edge(3, 2)]
     bfs = build_hint("LoopedBFS", num_ranks=2, num_stages=4, n_microbatches=4)
-    assert bfs.message_order(Edge(0, 1)) == [0, 1, 2, 3]
-    assert bfs.message_order(Edge(1, 0)) == [3, 2, 1, 0]
-    assert not bfs.streams_share_one_order()
+    assert bfs.plan.message_order(Edge(0, 1)) == (0, 1, 2, 3)
+    assert bfs.plan.message_order(Edge(1, 0)) == (3, 2, 1, 0)
+    assert not bfs.plan.streams_share_one_order()
 
 
 def test_class_csv_and_dict_sources_give_the_same_hint(tmp_path):

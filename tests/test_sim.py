@@ -7,8 +7,9 @@ import re
 
 import pytest
 
-from rrfp.arbiter import resolve_buffer_limits
-from rrfp.hints import build_hint, F, HINT_NAMES, REDUCE_GRAD
+from rrfp.limits import resolve_buffer_limits
+from rrfp.actions import F, REDUCE_GRAD
+from rrfp.hints import build_hint, HINT_NAMES
 from rrfp.sim.engine import simulate
 from tests.test_arbiter import FITTING
 
@@ -335,7 +336,7 @@ def test_cli_gives_a_result_or_a_usage_error_for_every_limit_and_policy(capsys):
         for pp in (2, 3, 4):
             hint = build_hint(name, num_ranks=pp, num_stages=pp * per_rank, n_microbatches=8,
                               layout="v" if name.lower() in V_HINTS else "loop")
-            top = max(hint.peak_in_flight().values())
+            top = max(hint.plan.stage_peaks.values())
             for limit in [*map(str, range(1, top + 1)), "hint", "hint+1", "2x hint"]:
                 for policy in SIM_POLICIES:
                     try:
@@ -482,7 +483,7 @@ def test_clairvoyant_yardstick_runs_a_backward_early_only_where_it_ends_before_t
     """At the hint's memory under latency spikes the simulator-only yardstick must deviate
     (lookahead's rule without foresight, on a first step, cannot), and each deviation must
     end before the postponed forward's input came, so it never loses."""
-    from rrfp.hints import Edge
+    from rrfp.actions import Edge
     from rrfp.sim.study import compare, timing_for
 
     hint = build_hint("1F1B", num_ranks=8, num_stages=8, n_microbatches=32)

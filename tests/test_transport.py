@@ -21,7 +21,7 @@ import torch.distributed as dist
 
 from rrfp import transport as transport_module
 from rrfp.device import Wakeup
-from rrfp.hints import Edge
+from rrfp.actions import Edge
 from rrfp.transport import (Channel, ChannelMap, FailureBoard, make_channel_group,
                             PeerFailedError, ReceiveStreams, Transport)
 from tests import nccl_like

@@ -124,7 +124,7 @@ def random_send_delay(seed: int, max_s: float, slow: tuple[int, float] | None = 
     """``send_delay`` for ScheduleRRFP: a fresh random delay per message; with
     ``slow=(microbatch, seconds)``, that microbatch's activation from stage 0 to stage 1
     takes that much longer."""
-    from rrfp.hints import Edge
+    from rrfp.actions import Edge
 
     rng = random.Random(seed)
 
@@ -1458,7 +1458,8 @@ def agree_when_policies_differ(rank: int, world_size: int) -> dict:
     oppositely: they must still settle on one action, the hint's next."""
     from rrfp.arbiter import Arbiter
     from rrfp.coordination import AgreeOnProposals
-    from rrfp.hints import build_hint, Edge
+    from rrfp.actions import Edge
+    from rrfp.hints import build_hint
 
     class Opposite:
         name = "opposite"

@@ -25,9 +25,9 @@ from torch.distributed.pipelining.schedules import PipelineScheduleSingle
 from torch.distributed.tensor import DTensor
 
 from rrfp import ScheduleRRFP
-from rrfp.arbiter import first_step_limits
+from rrfp.limits import first_step_limits
 from rrfp.coordination import COORDINATIONS
-from rrfp.hints import build_hint, HINT_NAMES, rule_reference, RULE_NAMES
+from rrfp.hints import build_hint, HINT_NAMES, RULE_NAMES, rule_reference
 from rrfp.settings import parse_launch_depth, parse_policy
 from torchtitan_ext.config import RRFP
 

@@ -16,8 +16,8 @@ import os
 import statistics
 import time
 
-from rrfp.arbiter import resolve_buffer_limits
-from rrfp.hints import build_hint, Hint, HINT_NAMES, rule_reference, RULE_NAMES
+from rrfp.limits import resolve_buffer_limits
+from rrfp.hints import build_hint, Hint, HINT_NAMES, RULE_NAMES, rule_reference
 from rrfp.loop import DEFAULT_LAUNCH_DEPTH
 from rrfp.settings import (BUFFER_LIMIT_HELP, LAUNCH_DEPTH_HELP, parse_buffer_limit,
                            parse_launch_depth, parse_policy, policy_help)

@@ -15,14 +15,16 @@ import heapq
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 
-from rrfp.arbiter import Arbiter, MemoryLimits
-from rrfp.hints import _Action, Edge, F, Hint
+from rrfp.actions import _Action, Edge, F
+from rrfp.arbiter import Arbiter
+from rrfp.hints import Hint
+from rrfp.limits import MemoryLimits
 from rrfp.loop import Arrival, Completion, DEFAULT_LAUNCH_DEPTH, StepLoop
 from rrfp.policy import History, make_policy, Policy, POLICIES
 from rrfp.sim.foresight import (
     ClairvoyantFit, EstimatedChains, EstimatedCritical, FORESIGHT_CRITICAL, foresight_chains,
     INFORMED_CRITICAL, informed_chains, InformedFit, median_transit, Transit)
-from rrfp.graph import step_graph, StepGraph
+from rrfp.graph import step_graph
 from rrfp.stats import Span
 
 SIM_POLICIES = (*POLICIES, ClairvoyantFit.name, InformedFit.name, FORESIGHT_CRITICAL,
@@ -82,7 +84,6 @@ class _Simulation:
         """When each launched action ends (fixed at its launch)."""
         self.forwards_ran: dict[_Action, float] = {}
         """How long each forward that has ended ran."""
-        self._graph: StepGraph | None = None
         self._chains: dict[str, EstimatedChains] = {}
 
     def push(self, time: float, rank: int, payload: object) -> None:
@@ -110,9 +111,7 @@ class _Simulation:
         if message in self.delivered:
             return self.delivered[message]
         transit = transit or self.true_transit
-        if self._graph is None:
-            self._graph = step_graph(self.hint)
-        graph, ends, rank_of = self._graph, self.ends, self.hint.stage_to_rank
+        plan, ends, rank_of = self.hint.plan, self.ends, self.hint.stage_to_rank
 
         def arrival(sender: _Action, edge: Edge) -> float:
             sent = (edge, sender.microbatch_index)
@@ -124,13 +123,15 @@ class _Simulation:
         def earliest_end(action: _Action) -> float:
             if action in ends:
                 return ends[action]
-            inputs = [arrival(p, Edge(p.stage_index, action.stage_index))
-                      if rank_of[p.stage_index] != rank_of[action.stage_index]
-                      else earliest_end(p) for p, _ in graph.predecessors[action]]
+            rank_plan = plan.ranks[rank_of[action.stage_index]]
+            node = rank_plan.node(action)
+            inputs = [earliest_end(rank_plan.nodes[d].action) for d in node.deps]
+            if node.message is not None:
+                inputs.append(arrival(plan.sender(*node.message), node.message[0]))
             return max([self.now, *inputs]) + self.duration(action)
 
         edge, mb = message
-        return arrival(graph.sender(edge, mb), edge)
+        return arrival(self.hint.plan.sender(edge, mb), edge)
 
     def true_transit(self, message: tuple[Edge, int], sent_at: float) -> float:
         """When ``message``, sent at ``sent_at``, arrives."""
@@ -140,7 +141,7 @@ class _Simulation:
         """The latency of every message between ranks in the step (for the informed
         yardstick, which does not know which message has which)."""
         return [self.latency(edge, mb) if self.latency is not None else 0.0
-                for edge in self.hint.remote_edges() for mb in self.hint.message_order(edge)]
+                for edge in self.hint.remote_edges() for mb in self.hint.plan.message_order(edge)]
 
     def work(self, action: _Action, sends: list[Edge]) -> Callable[[], None]:
         """Run at the action's end: its messages leave then."""

@@ -8,11 +8,13 @@ from collections.abc import Callable, Hashable, Iterable, Mapping
 from typing import TYPE_CHECKING
 
 from rrfp.graph import Latency, step_graph, StepGraph
-from rrfp.hints import _Action, Edge, F
+from rrfp.actions import _Action, Edge, F
 from rrfp.policy import CriticalPath, DEFAULT_COSTS, Lookahead
 
 if TYPE_CHECKING:
-    from rrfp.arbiter import ArbiterView, MemoryLimits, Node
+    from rrfp.arbiter import ArbiterView
+    from rrfp.limits import MemoryLimits
+    from rrfp.plan import Node
     from rrfp.hints import Hint
 
 Transit = Callable[[tuple[Edge, int], float], float]

@@ -16,10 +16,11 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from rrfp.arbiter import MemoryLimits
-from rrfp.hints import _Action, B, Hint, W
-from rrfp.sim.engine import lower_bounds, simulate
+from rrfp.actions import _Action
 from rrfp.graph import Latency, step_graph
+from rrfp.hints import Hint
+from rrfp.limits import MemoryLimits
+from rrfp.sim.engine import lower_bounds, simulate
 
 SCALE = 1000
 """Time units per simulated unit (CP-SAT works on integers)."""
@@ -69,13 +70,11 @@ def optimum(hint: Hint, duration: Callable[[_Action], float], latency: Latency |
     for rank, acts in hint.orders.items():
         model.AddNoOverlap([interval[a] for a in acts if a in interval])
 
-    present = set(graph.actions)
     held = {}
     for a in graph.actions:
         if a.computation_type.value != "F":
             continue
-        s, m = a.stage_index, a.microbatch_index
-        release = _Action(s, B, m) if _Action(s, B, m) in present else _Action(s, W, m)
+        release = hint.plan.release_of(a.stage_index, a.microbatch_index)
         size = model.NewIntVar(0, horizon, f"held{a}")
         held[a] = model.NewIntervalVar(start[a], size, end[release], f"h{a}")
     for s, cap in limits.per_stage.items():

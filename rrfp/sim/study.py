@@ -6,7 +6,7 @@ import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from rrfp.arbiter import MemoryLimits, resolve_buffer_limits
+from rrfp.limits import MemoryLimits, resolve_buffer_limits
 from rrfp.hints import Hint
 from rrfp.loop import DEFAULT_LAUNCH_DEPTH
 from rrfp.policy import default_policy

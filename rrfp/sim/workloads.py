@@ -13,7 +13,7 @@ import os
 import random
 from dataclasses import asdict, dataclass, field
 
-from rrfp.hints import _Action, B, Edge, F, I, REDUCE_GRAD, W
+from rrfp.actions import _Action, B, Edge, F, I, REDUCE_GRAD, W
 
 WORKLOADS = ("uniform", "jitter", "multimodal", "straggler", "latency", "spikes", "encoder",
              "correlated", "slowrank", "bursty")
