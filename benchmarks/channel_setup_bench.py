@@ -4,7 +4,7 @@
 
 Every pipeline edge and direction gets a channel of its own (a 2-rank communicator).
 *rrfp* (now): only a channel's two ranks create it, under a deterministic name, and
-connect it with one message, in one canonical order (``rrfp.transport.create_channels``).
+connect it with one message, in one canonical order (``rrfp.channels.create_channels``).
 *new_group* (before): every rank of the world called ``dist.new_group`` for every channel
 of every pipeline, members or not. Measured per rank (maximum over ranks) with one
 pipeline of the whole world (PP = world) and with pipelines of 2 ranks (PP 2 x DP world/2),
@@ -24,7 +24,7 @@ import torch.distributed as dist
 from benchmarks.pages import write_page
 from rrfp.hints import build_hint
 from rrfp.local import run_local_world
-from rrfp.transport import create_channels
+from rrfp.channels import create_channels
 
 
 
@@ -47,7 +47,7 @@ def _rank_main(rank: int, world_size: int, pp: int) -> dict:
 
     dist.barrier()
     start = time.perf_counter()
-    channels = create_channels(hint, mine, torch.device("cpu"))
+    channels = create_channels(hint, mine, torch.device("cpu"), "gloo")
     new = time.perf_counter() - start
     dist.barrier()
     for channel in channels.values():

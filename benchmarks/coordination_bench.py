@@ -40,7 +40,7 @@ import torch
 import torch.distributed as dist
 
 from benchmarks.pages import write_page
-import rrfp.schedule
+import rrfp.runtime
 from rrfp import ScheduleRRFP
 from rrfp.arbiter import Arbiter
 from rrfp.coordination import make_coordinator
@@ -171,7 +171,7 @@ def _per_step(rank: int, world_size: int, parallel: str, commit: str) -> dict:
     for step in range(STEPS + 1):
         for name, (st, schedule) in runs.items():
             # The code before built its coordinator over the user's group at each step.
-            rrfp.schedule.make_coordinator = (
+            rrfp.runtime.make_coordinator = (
                 (lambda kind, _twin, timeout: before.make_coordinator(kind, group, timeout))
                 if name.endswith("@before") else make_coordinator)
             dist.barrier()

@@ -331,7 +331,7 @@ def _await(transport, edge, count: int, timeout: float = 60.0) -> list[float]:
     """Poll ``transport`` until ``count`` messages arrived on ``edge``; their host times."""
     seen, deadline = [], time.perf_counter() + timeout
     while len(seen) < count:
-        transport.check_peers()
+        transport.failures.check()
         seen += [time.perf_counter() for r in transport.collect() if r.edge == edge]
         if time.perf_counter() > deadline:
             raise TimeoutError(f"{count - len(seen)} messages on {edge} did not arrive")
@@ -345,7 +345,10 @@ def transport_checks(rank: int, world: int, device: torch.device) -> bool:
     they passed (the same on every rank)."""
     from rrfp.device import EmulatedDevice, Wakeup
     from rrfp.hints import build_hint
-    from rrfp.transport import create_channels, PeerFailedError, ReceiveStreams, Transport
+    from rrfp.channels import create_channels
+    from rrfp.errors import PeerFailedError
+    from rrfp.platform import platform_for, ReceiveStreams
+    from rrfp.transport import Transport
 
     cuda = device.type == "cuda"
     per_ms = cycles_per_ms() if cuda else 1.0
@@ -359,8 +362,9 @@ def transport_checks(rank: int, world: int, device: torch.device) -> bool:
     def make(hint_name: str, stages_per_rank: int) -> Transport:
         hint = build_hint(hint_name, num_ranks=world, num_stages=world * stages_per_rank,
                           n_microbatches=world * stages_per_rank, layout="loop")
-        return Transport(create_channels(hint, None, device), Wakeup(),
-                         receive_streams=ReceiveStreams(device))
+        platform = platform_for(device)
+        return Transport(create_channels(hint, None, device, platform.channel_backend),
+                         Wakeup(), receive_streams=platform.receive_streams())
 
     # Receive buffers come from torch.empty: no kernel writes them on the compute stream,
     # which a receive posted under the side stream does not wait for.
@@ -484,7 +488,7 @@ def transport_checks(rank: int, world: int, device: torch.device) -> bool:
     if rank == 0:
         time.sleep(0.5)  # the consumer is waiting by now
         failed_at = time.time()
-        transport.publish_failure("gpu_check: failed on purpose")
+        transport.failures.publish("gpu_check: failed on purpose")
         transport.close(30, failed=True)
         dist.broadcast_object_list([failed_at], src=0, group=pair)
     else:

@@ -36,15 +36,17 @@ from typing import Protocol
 
 import torch
 import torch.distributed as dist
+from torch.distributed.pipelining.stage import _PipelineStageBase
 from torch.distributed.tensor import DTensor
 
-from rrfp.arbiter import Arbiter
 from rrfp.actions import _Action
-from rrfp.loop import PipelineStallError
+from rrfp.arbiter import Arbiter
+from rrfp.channels import generation_store, make_channel_group
+from rrfp.errors import PipelineStallError
+from rrfp.failures import FailureBoard
 
 COORDINATIONS = ("leader", "agree")
 _NONE = -1
-_generations: dict[tuple[int, ...], int] = {}
 
 
 class CoordinationGroup:
@@ -54,14 +56,9 @@ class CoordinationGroup:
     others, so the generations match)."""
 
     def __init__(self, group: dist.ProcessGroup, timeout: float):
-        from rrfp.transport import make_channel_group
-
         self.global_ranks = tuple(dist.get_process_group_ranks(group))
         self.rank = self.global_ranks.index(dist.get_rank())
-        generation = _generations.get(self.global_ranks, 0)
-        _generations[self.global_ranks] = generation + 1
-        name = f"rrfp/coordination/{'-'.join(map(str, self.global_ranks))}/{generation}/"
-        store = dist.PrefixStore(name, dist.distributed_c10d._get_default_store())
+        name, store = generation_store("coordination", self.global_ranks)
         self.group = make_channel_group("gloo", store, self.rank,
                                         datetime.timedelta(seconds=timeout), group_name=name,
                                         global_ranks=self.global_ranks,
@@ -86,6 +83,7 @@ class CoordinationGroup:
 
 
 class Coordinator(Protocol):
+    name: str
     needs_choice: bool
     """Whether this rank's own choice matters (a follower only runs the leader's)."""
     waits_when_idle: bool
@@ -252,6 +250,47 @@ def uncovered_sharded_parameter(named_parameters: Iterable[tuple[str, torch.Tens
         if not set(ranks) <= covered:
             return name, ranks
     return None
+
+
+def refuse_uncovered_sharding(stages: Iterable[_PipelineStageBase],
+                              coordination_group: dist.ProcessGroup | None,
+                              board: FailureBoard, timeout: float) -> None:
+    """Refuse parameters sharded over a group that no coordination group covers, on
+    every rank of the pipeline.
+
+    Called at the first step with FSDP modules unsharded and before torch's shape
+    inference, whose forward would run the stages' first intra-stage collectives (an
+    expert-parallel all-to-all). A parameter still a DTensor there is sharded over a group
+    whose collectives run inside the stage's compute (tensor or expert parallel); its
+    ranks must run the same action sequence, which only a ``coordination_group`` over
+    them ensures; without one they would interleave actions differently and issue
+    mismatched collectives (a hang, or gloo's "collective mismatch" abort). The verdicts
+    are exchanged over the pipeline's ``board``, so a rank whose own stages shard nothing
+    (a dense stage next to MoE ones) refuses too, rather than waiting in shape inference
+    for a peer that stopped.
+    """
+    covered = set(dist.get_process_group_ranks(coordination_group)
+                  if coordination_group is not None else [dist.get_rank()])
+    uncovered = uncovered_sharded_parameter(
+        ((f"stage {stage.stage_index}'s {name!r}", p) for stage in stages
+         for name, p in stage.submod.named_parameters()), covered)
+    verdict = "" if uncovered is None else (
+        f"parameter {uncovered[0]} is a DTensor sharded over global ranks "
+        f"{uncovered[1]} (tensor or expert parallel), whose collectives run inside the "
+        "stage's compute, but "
+        + ("no coordination_group is given" if coordination_group is None
+           else f"the coordination_group covers only {sorted(covered)}")
+        + ": pass coordination_group=dist.new_group(<those ranks>, backend='gloo') "
+        "(one group spanning every such mesh of the stages) so that they run the "
+        "same actions")
+    verdicts = board.gather("intra-stage-collectives", verdict, timeout)
+    if verdict:
+        raise ValueError(verdict)
+    me = dist.get_rank()
+    refusing = sorted(rank for rank, said in verdicts.items() if said and rank != me)
+    if refusing:
+        raise ValueError(f"global rank {refusing[0]} of this pipeline refuses its stages, "
+                         f"so this rank cannot run either: {verdicts[refusing[0]]}")
 
 
 def make_coordinator(kind: str, group: CoordinationGroup | dist.ProcessGroup,

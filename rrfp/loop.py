@@ -30,16 +30,13 @@ from typing import Protocol
 
 from rrfp.actions import _Action, describe, Edge
 from rrfp.arbiter import Arbiter
+from rrfp.errors import PipelineStallError
 from rrfp.policy import History
 
 
 DEFAULT_LAUNCH_DEPTH = 2
 """Launched-but-incomplete actions a device may hold by default: one queued behind the
 running one hides the CPU's launch cost; see ``benchmarks/results/launch_depth.md``."""
-
-
-class PipelineStallError(RuntimeError):
-    """No action became ready within ``stall_timeout``: a peer never sent, or died."""
 
 
 @dataclass(frozen=True)

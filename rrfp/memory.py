@@ -20,7 +20,6 @@ import threading
 import weakref
 from collections import deque
 from collections.abc import Iterable, Iterator
-from typing import Any
 
 import torch
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass
@@ -30,24 +29,6 @@ DEFAULT_METER_EVERY = 100
 """``ScheduleRRFP`` meters its first training step and every this-many-th step: the meter
 costs CPU time per saved tensor (``benchmarks/results/memory.md``), which a step on real
 compute pays when its CPU launches the work (docs/memory.md has the figures)."""
-
-AUTO_MARGIN = 0.10
-"""``buffer_limit="auto"`` leaves this fraction of the device's total memory unbudgeted:
-for what grows after the measurement besides activations (allocator fragmentation,
-temporary buffers inside a forward or backward, other processes on the device)."""
-
-
-def free_device_bytes(device: torch.device, cuda: Any = torch.cuda,
-                      margin: float = AUTO_MARGIN) -> int:
-    """The bytes ``device`` can still give activations: what the driver reports free
-    (``torch.cuda.mem_get_info``) plus what torch's caching allocator holds reserved but
-    unused, less ``margin`` of the device's total memory. Called at the start of the second
-    step, when the first step's activations are gone and the optimizer's state (created
-    by its first step) is allocated. ``cuda``: the module to ask (tests pass a fake)."""
-    free, total = cuda.mem_get_info(device)
-    cached = cuda.memory_reserved(device) - cuda.memory_allocated(device)
-    return max(0, int(free + cached - margin * total))
-
 
 class ActivationMeter:
     """Live bytes of saved activations, and their peak."""

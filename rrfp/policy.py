@@ -348,37 +348,27 @@ before the default leaves lookahead."""
 
 
 HINT_ORDER_WITH_SLACK = ("InterleavedZeroBubble", "ZBVZeroBubble")
-"""Hints with several stages per rank whose own order, run readiness-first, never fell below
-0.995x of the fixed schedule with slack on every rank (8 x 32, 10 seeds; ZBVZeroBubble: every
-workload family at hint+2, 2x hint and 32; InterleavedZeroBubble: jitter, multimodal, spikes,
-encoder, correlated, slowrank at hint+2 and 32); the default runs it there. Not DualPipeV
-(0.988x, correlated, hint+2)."""
+"""Hints with several stages per rank whose own order, run readiness-first, stayed at or
+above the fixed schedule with slack on every rank in the sweep of
+benchmarks/results/limits.md, where lookahead did not: the default runs it there."""
 
 
 def default_policy(hint: Hint, limits: MemoryLimits) -> str:
     """The policy ScheduleRRFP uses for ``hint`` within ``limits`` when none is given.
 
-    Measured in the simulator (benchmarks/results): at the hint's own memory the
-    lookahead guard loses at most ~1% where plain readiness-first loses up to ~5% (1F1B,
-    compute jitter). With memory slack on every rank, one stage per rank: the
-    critical-path order captured 82%/79%/75% of the best known gain at hint+2 (1F1B, 8
-    ranks, 5 seeds; jitter, multimodal, heavy-tailed latency) where the arrival order
-    captured 58%/66%/67% (docs/optimum.md; 61%/74% on 20 held-out seeds of jitter and
-    bursty latency, where the same ranking with perfect foresight took 71%/73%). Several
-    stages per rank (Interleaved1F1B): lookahead, the only policy that did not fall below 0.995x of the fixed schedule there
-    (8 x 32, hint+2, correlated costs, 10 seeds: lookahead 1.000x min, the hint's order
-    0.994x, critical 0.985x, window 0.995x, arrival 0.986x), at the price of most of the
-    gain the hint's order takes elsewhere; the same for DualPipeV. ZBVZeroBubble and
-    InterleavedZeroBubble (``HINT_ORDER_WITH_SLACK``): the hint's order, min 0.999x where
-    lookahead fell to 0.994x (benchmarks/results/limits.md has both). Where some rank has
-    less than ``MIN_SLACK`` microbatches of slack (or, if its own peak is 1, none), every rank runs lookahead, as
-    at the hint's memory: e.g. at an int equal to the busiest rank's peak, or
-    ``"busiest"``, the critical order lost up to 4% (1F1B 8 x 32, limit 8, jitter: 0.983x
-    mean, 0.961x min, 5 seeds), and so did running lookahead only on the ranks without
-    slack (the same 0.983x: the loss comes from ranks with slack holding back the
-    backwards that a rank without slack waits for); at ``"hint+1"`` critical fell to
-    0.993x (jitter, 1 of 10 seeds). The sweep: benchmarks/results/limits.md. The BF/BFW
-    rules keep their own policy.
+    The rule (each choice is the one that never fell below the fixed schedule in the
+    simulator's sweeps, docs/defaults.md and benchmarks/results/limits.md, optimum.md):
+
+    * a BF/BFW hint keeps its own rule;
+    * at the hint's own memory, or where some rank has less than ``MIN_SLACK``
+      microbatches of slack (a rank whose own peak is 1: none), every rank runs
+      ``lookahead``, which follows the hint unless a deviation fits before the hint's next
+      input is expected (ranks with slack holding back backwards that a rank without slack
+      waits for would lose);
+    * with slack on every rank: ``critical`` for one stage per rank; for several stages
+      per rank the hint's own order for ``HINT_ORDER_WITH_SLACK`` and ``lookahead`` for
+      the others (Interleaved1F1B, DualPipeV), where the greedy orders fell below the
+      fixed schedule.
     """
     if hint.policy != "hint":
         return hint.policy
@@ -389,16 +379,10 @@ def default_policy(hint: Hint, limits: MemoryLimits) -> str:
         return "lookahead"  # the hint's own memory, or a rank with too little slack
     if hint.num_stages == hint.num_ranks:
         return "critical"
-    # ZBVZeroBubble and InterleavedZeroBubble: lookahead fell to 0.994x (ZBVZeroBubble, 2x
-    # hint and 32, spikes): its arrival estimates come from earlier steps, and a message
-    # whose upstream chain had a slow transfer in each of them came 2-3 forwards sooner
-    # than expected, so a forward ran into it (seed 9: ranks 0 and 1 early in the step,
-    # 1.4 forwards lost on every rank). The hint's order guesses nothing and stayed at
-    # 0.999x or above (HINT_ORDER_WITH_SLACK's sweep) with far more gain (spikes at 32: 1.140x / 1.309x
-    # mean against lookahead's 0.999x / 1.003x); critical fell to 0.983x (encoder).
-    # Elsewhere lookahead, which stayed at 1.000x where the hint's order fell to 0.994x
-    # (Interleaved1F1B, correlated, hint+2; critical 0.985x, window 0.995x, arrival 0.986x)
-    # and 0.988x (DualPipeV, correlated, hint+2).
+    # lookahead's arrival estimates come from earlier steps: on ZBVZeroBubble and
+    # InterleavedZeroBubble a message whose upstream chain had a slow transfer in each of
+    # them came sooner than expected, so a forward ran into it; the hint's order guesses
+    # nothing there.
     return "hint" if hint.name in HINT_ORDER_WITH_SLACK else "lookahead"
 
 

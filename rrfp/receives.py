@@ -39,17 +39,22 @@ no buffer of an unfinished step stays reachable from torch's descriptors (see
 
 from __future__ import annotations
 
+import logging
 from collections import deque
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 import torch
 from torch.distributed.pipelining._utils import _make_tensor_from_meta
-from torch.distributed.pipelining.stage import _PipelineStageBase
+from torch.distributed.pipelining.stage import _DTensorMeta, _PipelineStageBase
 
 from rrfp._torch_compat import bind_receive, unbind_receive
 from rrfp.actions import _Action, Edge, F
 from rrfp.plan import Node, RankPlan, StepPlan
+from rrfp.platform import Platform
 from rrfp.transport import Received, Transport
+
+logger = logging.getLogger(__name__)
 
 HEADER_DIMS = 8
 """Most dimensions a header describes per tensor."""
@@ -60,13 +65,10 @@ def header_size(tensors: int) -> int:
     return 1 + tensors * (1 + HEADER_DIMS)
 
 
-def shape_header(tensors: list[torch.Tensor], device: torch.device) -> torch.Tensor:
-    """The header sent ahead of a message: its tensors' shapes (int64, on ``device``).
-
-    On CUDA it is copied from pinned memory without blocking, behind the work already on
-    the stream (a blocking copy would wait for that work)."""
-    cuda = device.type == "cuda"
-    header = torch.zeros(header_size(len(tensors)), dtype=torch.int64, pin_memory=cuda)
+def shape_header(tensors: list[torch.Tensor]) -> torch.Tensor:
+    """The header sent ahead of a message: its tensors' shapes (int64, on the host; the
+    platform uploads it where headers travel on the device, ``Platform.upload``)."""
+    header = torch.zeros(header_size(len(tensors)), dtype=torch.int64)
     header[0] = len(tensors)
     for i, tensor in enumerate(tensors):
         if tensor.dim() > HEADER_DIMS:
@@ -75,17 +77,11 @@ def shape_header(tensors: list[torch.Tensor], device: torch.device) -> torch.Ten
         at = 1 + i * (1 + HEADER_DIMS)
         header[at] = tensor.dim()
         header[at + 1:at + 1 + tensor.dim()] = torch.tensor(tensor.shape, dtype=torch.int64)
-    return header.to(device, non_blocking=True) if cuda else header
+    return header
 
 
-def header_shapes(header: torch.Tensor, copy_stream: torch.cuda.Stream | None) -> list[torch.Size]:
-    """The shapes a received header describes. A header on CUDA is read on ``copy_stream``
-    (its receive has completed), so the read does not wait for the compute stream."""
-    if copy_stream is not None:
-        with torch.cuda.stream(copy_stream):
-            values = header.to("cpu").tolist()
-    else:
-        values = header.tolist()
+def header_shapes(values: list[int]) -> list[torch.Size]:
+    """The shapes a received header's values (``Platform.read``) describe."""
     shapes = []
     for i in range(values[0]):
         at = 1 + i * (1 + HEADER_DIMS)
@@ -119,7 +115,6 @@ class _Ring:
     """Variable shapes: the microbatch whose header is posted, not yet arrived."""
     forwards_done: set[int] = field(default_factory=set)
     """Variable shapes, gradient rings: microbatches whose forward has completed here."""
-    copy_stream: torch.cuda.Stream | None = None
 
     def infos(self, mb: int):
         recv = self.stage.args_recv_info if self.edge.is_forward else self.stage.grad_recv_info
@@ -150,8 +145,6 @@ class _Ring:
         device = header_device or self.stage.device  # the host with gloo header channels
         self.headers = [torch.zeros(header_size(tensors), dtype=torch.int64, device=device)
                         for _ in range(self.size)] if self.variable and self.edge.is_forward else []
-        if self.variable and device.type == "cuda" and self.copy_stream is None:
-            self.copy_stream = torch.cuda.Stream(device)
 
     def start(self, transport: Transport, order: list[int]) -> None:
         self.ensure_slots(transport.header_device(self.stage.device))
@@ -181,14 +174,14 @@ class _Ring:
             else:
                 self._post_payload(transport, mb, self.sent_shapes[(self.edge.dst, mb)])
 
-    def header_arrived(self, transport: Transport, mb: int) -> None:
+    def header_arrived(self, transport: Transport, platform: Platform, mb: int) -> None:
         """The shapes of microbatch ``mb``'s message came: receive the message itself, then
         the next header."""
         if mb != self.awaiting_header:
             raise AssertionError(f"header of microbatch {mb} on {self.edge} out of order")
         self.awaiting_header = None
         self._post_payload(transport, mb,
-                           header_shapes(self.headers[self.in_use[mb]], self.copy_stream))
+                           header_shapes(platform.read(self.headers[self.in_use[mb]])))
         self.post(transport)
 
     def _post_payload(self, transport: Transport, mb: int, shapes: list[torch.Size]) -> None:
@@ -235,8 +228,9 @@ def _present(slot: tuple[torch.Tensor | None, ...]) -> list[torch.Tensor]:
 class ReceiveRings:
     """The rings of one rank's incoming channels for one step."""
 
-    def __init__(self, variable_shapes: bool) -> None:
+    def __init__(self, variable_shapes: bool, platform: Platform) -> None:
         self.variable_shapes = variable_shapes
+        self._platform = platform
         self._rings: dict[tuple[Edge, bool], _Ring] = {}
         self._active: list[_Ring] = []
         self._transport: Transport | None = None
@@ -279,7 +273,8 @@ class ReceiveRings:
                 messages.append(arrival)
                 continue
             ring = next(r for r in self._active if r.edge == arrival.edge)
-            ring.header_arrived(self._transport, arrival.microbatch)  # type: ignore[arg-type]
+            ring.header_arrived(self._transport, self._platform,  # type: ignore[arg-type]
+                                arrival.microbatch)
             self.peak_bytes = max(self.peak_bytes, self._bytes())
         return messages
 
@@ -313,3 +308,23 @@ class ReceiveRings:
 
     def _bytes(self) -> int:
         return sum(ring.nbytes for ring in self._active)
+
+
+def check_variable_shapes(stages: Iterable[_PipelineStageBase]) -> None:
+    """Variable shapes: received DTensor activations are rebuilt with the global shape
+    found by shape inference, which varies, so they are refused; torch's per-microbatch
+    metadata checks (TORCH_DISTRIBUTED_DEBUG=DETAIL) compare every microbatch with the
+    first one, so they are turned off, saying so."""
+    for stage in stages:
+        for infos in (stage.args_recv_info.get(0, ()), stage.grad_recv_info.get(0, ())):
+            for info in infos:
+                if isinstance(getattr(info, "tensor_meta", None), _DTensorMeta):
+                    raise ValueError(
+                        f"variable_shapes: stage {stage.stage_index} receives a DTensor "
+                        "activation or gradient, whose global shape torch's stages fix at "
+                        "shape inference; use variable_shapes=False (pad to one shape)")
+        if stage._runtime_validate:
+            logger.warning("stage %d: torch's per-microbatch shape checks are off "
+                           "(variable_shapes: microbatches differ from the first)",
+                           stage.stage_index)
+            stage._runtime_validate = False

@@ -196,7 +196,7 @@ class StoreP2PGroup:
 
 
 def factory(blocking_abort: bool = False, fail_send_at: dict | None = None):
-    """A ``group_factory`` for ``rrfp.transport.create_channels`` making these groups;
+    """A ``group_factory`` for ``rrfp.channels.create_channels`` making these groups;
     ``fail_send_at``: ``{(global src, global dst): n}`` plants a send error on a channel."""
     made: list[StoreP2PGroup] = []
 

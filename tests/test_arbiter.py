@@ -184,7 +184,7 @@ def test_no_deadlock_and_memory_bound_under_random_timings(name):
 
 
 def test_the_log_says_what_the_limit_allows_and_where_the_gains_are():
-    from rrfp.schedule import limit_summary
+    from rrfp.limit_plan import GAINS_PAGE, limit_summary
 
     hint = build_hint("1F1B", num_ranks=4, num_stages=4, n_microbatches=8)
     for spec, says in (("hint", "allows no activation memory beyond the fixed schedule's (4 "
@@ -195,7 +195,8 @@ def test_the_log_says_what_the_limit_allows_and_where_the_gains_are():
                            "the 4 the fixed schedule holds")):
         summary = limit_summary(spec, resolve_buffer_limits(spec, hint), hint, rank=0)
         assert says in summary, summary
-        assert ("1.03-1.17x" in summary) == (spec != 2), summary
+        # Where the measured gains are: a page, not figures that would go stale here.
+        assert (GAINS_PAGE in summary) == (spec != 2), summary
 
 
 def test_policies_depend_on_the_arbiter_never_the_other_way():

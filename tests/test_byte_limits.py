@@ -10,7 +10,7 @@ import pytest
 from rrfp.limits import fixed_peak_bytes, limits_within_bytes, resolve_buffer_limits
 from rrfp.hints import build_hint
 from rrfp.local import run_local_world
-from rrfp.memory import free_device_bytes
+from rrfp.platform import free_device_bytes
 from rrfp.settings import parse_buffer_limit
 from tests import budget_workers
 

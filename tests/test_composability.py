@@ -97,7 +97,7 @@ def test_data_parallel_set_ups_rrfp_cannot_keep_in_lockstep_are_refused(case, ex
 
 
 def test_ddp_gradients_are_reduced_in_buckets_of_at_most_the_cap():
-    from rrfp.schedule import gradient_buckets
+    from rrfp.data_parallel import gradient_buckets
 
     grads = [torch.zeros(n) for n in (10, 20, 30, 100, 5, 5)]  # float32: 4 bytes each
     buckets = gradient_buckets(grads, cap_bytes=160)

@@ -19,11 +19,14 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from rrfp import transport as transport_module
+from rrfp import channels as channels_module
 from rrfp.device import Wakeup
 from rrfp.actions import Edge
-from rrfp.transport import (Channel, ChannelMap, FailureBoard, make_channel_group,
-                            PeerFailedError, ReceiveStreams, Transport)
+from rrfp.channels import Channel, ChannelMap, make_channel_group
+from rrfp.errors import PeerFailedError
+from rrfp.failures import FailureBoard
+from rrfp.platform import ReceiveStreams
+from rrfp.transport import Transport
 from tests import nccl_like
 
 
@@ -309,7 +312,7 @@ def test_nccl_channels_are_named_and_built_with_recoverable_error_handling(monke
     _RecordingNCCL.made.clear()
     monkeypatch.setattr(dist, "ProcessGroupNCCL", _RecordingNCCL, raising=False)
     monkeypatch.setattr(dist, "ProcessGroup", _Group)
-    for name in transport_module.ASYNC_ERROR_HANDLING:
+    for name in channels_module.ASYNC_ERROR_HANDLING:
         monkeypatch.delenv(name, raising=False)
     if preset is not None:
         monkeypatch.setenv("TORCH_NCCL_ASYNC_ERROR_HANDLING", preset)
@@ -353,7 +356,7 @@ def _gloo_io_threads() -> int:
 _MAKE_CHANNELS = """
 import datetime, os, sys, threading, time
 import torch.distributed as dist
-from rrfp.transport import make_channel_group
+from rrfp.channels import make_channel_group
 from tests.test_transport import _gloo_io_threads
 if sys.argv[1] == "world":
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)

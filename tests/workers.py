@@ -21,9 +21,9 @@ from rrfp import PipelineStallError, ScheduleRRFP
 from rrfp._torch_compat import forward_states_held
 from rrfp.device import EmulatedDevice
 from rrfp.emulation import EmulatedDeviceTime
-from rrfp.schedule import DEFAULT_LAUNCH_DEPTH
+from rrfp.loop import DEFAULT_LAUNCH_DEPTH
 from rrfp.stats import StepStats
-from rrfp.transport import make_channel_group
+from rrfp.channels import make_channel_group
 
 DIM = 8
 BATCH_PER_MICROBATCH = 2
@@ -1167,7 +1167,7 @@ def lazily_connected_channels(rank: int, world_size: int, connect: bool) -> dict
     import functools
 
     import rrfp.schedule
-    from rrfp.transport import create_channels
+    from rrfp.channels import create_channels
 
     def lazy(name, store, channel_rank, timeout, **naming):
         return LazilyConnectedGroup(store, channel_rank, timeout_s=3.0)
@@ -1406,7 +1406,7 @@ def messages_per_step(rank: int, world_size: int, variable: bool) -> dict:
     import functools
 
     import rrfp.schedule
-    from rrfp.transport import create_channels, make_channel_group
+    from rrfp.channels import create_channels, make_channel_group
 
     sends: list = []
 
@@ -1659,18 +1659,20 @@ def _channels_of(kind: str, **fake):
     """Make ScheduleRRFP build its channels as ``kind`` says: ``"gloo"`` (rrfp's own) or
     ``"nccl-like"`` (``tests.nccl_like``: polled, local abort, sends that complete only
     once the peer receives). Returns the fake factory (or None)."""
-    import functools
 
     import rrfp.schedule
-    from rrfp.transport import create_channels
+    from rrfp.channels import create_channels
     from tests import nccl_like
 
     if kind == "gloo":
         rrfp.schedule.create_channels = create_channels
         return None
     made = nccl_like.factory(**fake)
-    rrfp.schedule.create_channels = functools.partial(create_channels, group_factory=made,
-                                                      backend="nccl")
+
+    def nccl_like_channels(hint, group, device, backend, **options):
+        return create_channels(hint, group, device, "nccl", group_factory=made, **options)
+
+    rrfp.schedule.create_channels = nccl_like_channels
     return made
 
 
@@ -1722,7 +1724,7 @@ def failure_reaches_every_rank(rank: int, world_size: int, kind: str, how: str) 
     an error, on gloo the send call raises). Channels: ``kind`` (``_channels_of``). Every
     rank records what it raised and when; then each builds a new schedule in the same
     process, whose step must be bitwise torch's GPipe."""
-    from rrfp.transport import Channel
+    from rrfp.channels import Channel
 
     M = 6
     failing = {"forward": 0, "loss": world_size - 1, "send": 1}[how]

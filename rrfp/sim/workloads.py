@@ -11,6 +11,7 @@ import json
 import math
 import os
 import random
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 
 from rrfp.actions import _Action, B, Edge, F, I, REDUCE_GRAD, W
@@ -127,35 +128,76 @@ def make_timing(workload: str, num_stages: int, n_microbatches: int, seed: int,
     """Draw one step's timings from a workload model."""
     if workload not in WORKLOADS:
         raise ValueError(f"unknown workload {workload!r}: use one of {list(WORKLOADS)} or a replay file")
-    rng = random.Random(f"{workload}/{num_stages}/{n_microbatches}/{seed}")
-    S, M = num_stages, n_microbatches
+    draws = _Draws(random.Random(f"{workload}/{num_stages}/{n_microbatches}/{seed}"),
+                   num_stages, n_microbatches)
+    cost = _compute_cost(workload, draws, params)
+    latency, gradient_latency = _link_latency(workload, draws, params)
+    # I and W of a microbatch scale like its forward (same tokens, same images), with
+    # their own noise under jitter.
+    scale = ((lambda: draws.noise(params.jitter_sigma)) if workload == "jitter"
+             else (lambda: 1.0))
+    return Timing(
+        forward=cost,
+        backward_input=[[c * scale() for c in row] for row in cost],
+        backward_weight=[[c * scale() for c in row] for row in cost],
+        activation_latency=latency,
+        gradient_latency=gradient_latency,
+    )
 
-    def table(value) -> list[list[float]]:
-        return [[value(s, m) for m in range(M)] for s in range(S)]
 
-    def noise(sigma: float) -> float:  # mean-1 lognormal
-        return math.exp(rng.gauss(-sigma * sigma / 2, sigma))
+class _Draws:
+    """A step's random draws, in one order (the pages regenerate only if it stays)."""
 
-    zero = table(lambda s, m: 0.0)
-    cost = table(lambda s, m: 1.0)
-    latency = zero
+    def __init__(self, rng: random.Random, num_stages: int, n_microbatches: int):
+        self.rng, self.S, self.M = rng, num_stages, n_microbatches
+
+    def table(self, value: Callable[[int, int], float]) -> list[list[float]]:
+        return [[value(s, m) for m in range(self.M)] for s in range(self.S)]
+
+    def noise(self, sigma: float) -> float:  # mean-1 lognormal
+        return math.exp(self.rng.gauss(-sigma * sigma / 2, sigma))
+
+
+def _compute_cost(workload: str, draws: _Draws, params: WorkloadParams) -> list[list[float]]:
+    """Each (stage, microbatch)'s forward, in mean forwards (1 where compute is uniform)."""
+    rng, S, M, table, noise = draws.rng, draws.S, draws.M, draws.table, draws.noise
     if workload == "jitter":
-        cost = table(lambda s, m: noise(params.jitter_sigma))
-    elif workload == "multimodal":
+        return table(lambda s, m: noise(params.jitter_sigma))
+    if workload == "multimodal":
         vision = max(1, round(S * params.vision_stage_fraction))
         images = [rng.randint(0, params.max_images) for _ in range(M)]
         mean_images = params.max_images / 2
         # Vision stages scale with the images of the microbatch (mean cost 1); text stages
         # carry a little noise of their own.
-        cost = table(lambda s, m: (0.1 + 0.9 * images[m] / mean_images) if s < vision
+        return table(lambda s, m: (0.1 + 0.9 * images[m] / mean_images) if s < vision
                      else noise(0.1))
-    elif workload == "straggler":
+    if workload == "straggler":
         slow_stage = rng.randrange(S)
-        cost = table(lambda s, m: params.straggler_slowdown
+        return table(lambda s, m: params.straggler_slowdown
                      if s == slow_stage and rng.random() < params.straggler_probability else 1.0)
-    elif workload == "latency":
-        latency = table(lambda s, m: params.latency_mean * noise(params.latency_sigma))
-    elif workload == "spikes":
+    if workload == "encoder":
+        # Stage 0 holds the encoder; each stage's actions carry a little noise of their own.
+        return table(lambda s, m: (params.encoder_slowdown if s == 0 else 1.0) * noise(0.1))
+    if workload == "correlated":
+        length = [noise(params.correlated_sigma) for _ in range(M)]
+        return table(lambda s, m: length[m] * noise(0.1))
+    if workload == "slowrank":
+        slow_stage = rng.randrange(S)
+        return table(lambda s, m: (params.slow_rank_slowdown if s == slow_stage else 1.0)
+                     * noise(0.1))
+    return table(lambda s, m: 1.0)
+
+
+def _link_latency(workload: str, draws: _Draws, params: WorkloadParams
+                  ) -> tuple[list[list[float]], list[list[float]]]:
+    """(activation, gradient) latency of each (stage, microbatch)'s message, in mean
+    forwards (0 where links are not modelled)."""
+    rng, S, M, table, noise = draws.rng, draws.S, draws.M, draws.table, draws.noise
+    if workload == "latency":
+        def drawn(s: int, m: int) -> float:
+            return params.latency_mean * noise(params.latency_sigma)
+        return table(drawn), table(drawn)
+    if workload == "spikes":
         low, high = params.spike_min_slowdown, params.spike_max_slowdown
         p = params.spike_probability
         base = params.latency_mean / (1 - p + p * (low + high) / 2)
@@ -163,19 +205,8 @@ def make_timing(workload: str, num_stages: int, n_microbatches: int, seed: int,
         def spiky(s: int, m: int) -> float:
             slow = rng.uniform(low, high) if rng.random() < p else 1.0
             return base * slow * noise(0.3)
-
-        latency = table(spiky)
-    elif workload == "encoder":
-        # Stage 0 holds the encoder; each stage's actions carry a little noise of their own.
-        cost = table(lambda s, m: (params.encoder_slowdown if s == 0 else 1.0) * noise(0.1))
-    elif workload == "correlated":
-        length = [noise(params.correlated_sigma) for _ in range(M)]
-        cost = table(lambda s, m: length[m] * noise(0.1))
-    elif workload == "slowrank":
-        slow_stage = rng.randrange(S)
-        cost = table(lambda s, m: (params.slow_rank_slowdown if s == slow_stage else 1.0)
-                     * noise(0.1))
-    elif workload == "bursty":
+        return table(spiky), table(spiky)
+    if workload == "bursty":
         p, length, slow = params.burst_probability, params.burst_length, params.burst_slowdown
         # Share of transfers in a burst: bursts start at rate p and last `length` on average.
         share = p * length / (1 + p * length)
@@ -192,22 +223,6 @@ def make_timing(workload: str, num_stages: int, n_microbatches: int, seed: int,
                     left = max(left - 1, 0)
                 rows.append(row)
             return rows
-
-        latency = bursts()
-    gradient_latency = latency
-    if workload == "latency":
-        gradient_latency = table(lambda s, m: params.latency_mean * noise(params.latency_sigma))
-    elif workload == "spikes":
-        gradient_latency = table(spiky)
-    elif workload == "bursty":
-        gradient_latency = bursts()
-    # I and W of a microbatch scale like its forward (same tokens, same images), with
-    # their own noise under jitter.
-    scale = (lambda: noise(params.jitter_sigma)) if workload == "jitter" else (lambda: 1.0)
-    return Timing(
-        forward=cost,
-        backward_input=[[c * scale() for c in row] for row in cost],
-        backward_weight=[[c * scale() for c in row] for row in cost],
-        activation_latency=latency,
-        gradient_latency=gradient_latency,
-    )
+        return bursts(), bursts()
+    zero = table(lambda s, m: 0.0)
+    return zero, zero

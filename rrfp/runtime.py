@@ -1,0 +1,223 @@
+"""One rank's side of a pipeline across steps: the step's phases, and what a failure does.
+
+``ScheduleRRFP`` keeps torch's API and builds a ``PipelineRuntime`` from its arguments:
+the hint, the platform's device, the transport and receive rings, the memory limits, the
+coordination group's twin, the byte meter. ``run`` is one step, in named phases: settle the
+limits, choose the meter, build the step's arbiter, executor and loop, run the loop to
+its end, and learn from it; a step that fails tells the other ranks (``rrfp.failures``),
+aborts the channels and leaves the runtime refusing further steps (DESIGN.md invariant 8).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+
+import torch.distributed as dist
+from torch.distributed.pipelining.stage import _PipelineStageBase
+
+from rrfp._torch_compat import clear_after_failure
+from rrfp.arbiter import Arbiter
+from rrfp.coordination import Coordinator, CoordinationGroup, make_coordinator
+from rrfp.device import Wakeup
+from rrfp.errors import PeerFailedError, PipelineStallError
+from rrfp.executor import LossFn, Reduction, StageExecutor, StepInputs
+from rrfp.failures import FAILURE_POLL_S
+from rrfp.hints import Hint
+from rrfp.limit_plan import LimitPlan
+from rrfp.loop import Arrival, Device, StepLoop
+from rrfp.memory import ActivationMeter
+from rrfp.platform import Platform
+from rrfp.policy import History, make_policy
+from rrfp.receives import ReceiveRings
+from rrfp.stats import StepStats
+from rrfp.step_stats import step_stats
+from rrfp.transport import Transport
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class Metering:
+    """When the byte meter runs: the first training step and every ``every``-th."""
+
+    meter: ActivationMeter | None
+    """None: never (``meter_activations=False``)."""
+    every: int
+
+
+@dataclass
+class Coordination:
+    """How the ranks of an intra-stage collective group settle on each action."""
+
+    kind: str
+    """``"leader"`` or ``"agree"`` (``rrfp.coordination.COORDINATIONS``)."""
+    twin: CoordinationGroup | None
+    """The private twin of the group (None: no group of more than one rank)."""
+
+
+class PipelineRuntime:
+    """One rank's pipeline runtime: everything a step needs that outlives the step."""
+
+    def __init__(self, hint: Hint, rank: int, stages: dict[int, _PipelineStageBase], *,
+                 platform: Platform, device: Device, wakeup: Wakeup, transport: Transport,
+                 receives: ReceiveRings, limits: LimitPlan, coordination: Coordination,
+                 metering: Metering, stall_timeout: float, launch_depth: float,
+                 reorder_ahead: bool):
+        self.hint, self.rank, self.stages = hint, rank, stages
+        self._forward_only = hint.forward_only()
+        self.platform, self.device, self.wakeup = platform, device, wakeup
+        self.transport, self.receives, self.limits = transport, receives, limits
+        self.coordination, self.metering = coordination, metering
+        self.stall_timeout, self.launch_depth = stall_timeout, launch_depth
+        self.reorder_ahead = reorder_ahead
+        self.history = History()
+        self.steps_run = 0
+        self.last_step_stats: StepStats | None = None
+        self.activation_bytes_per_microbatch: dict[int, int] | None = None
+        """Per local stage, the most bytes one microbatch's forward saved for backward in
+        the last metered training step (None before one)."""
+        self._failure: str | None = None
+
+    def refuse_if_failed(self) -> None:
+        if self._failure is not None:
+            raise RuntimeError(
+                f"this ScheduleRRFP cannot run another step ({self._failure}); its channels "
+                "are closed: build a new ScheduleRRFP on every rank of the pipeline, which "
+                "connects fresh ones")
+
+    def run(self, inputs: StepInputs, *, training: bool, loss: LossFn | None,
+            reduction: Reduction, pp_group: dist.ProcessGroup | None) -> dict:
+        """One step; returns the last stage's losses by microbatch (empty elsewhere)."""
+        if training and self.limits.waiting_for_bytes and (
+                self.activation_bytes_per_microbatch is not None):
+            self.limits.settle(self.activation_bytes_per_microbatch, pp_group,
+                               self.platform.device, self.platform.free_bytes)
+        meter = self._meter_for_this_step()
+        origin = time.perf_counter()
+
+        def clock() -> float:
+            return time.perf_counter() - origin
+
+        hint = self.hint if training else self._forward_only
+        policy = (make_policy(self.limits.policy, history=self.history, clock=clock)
+                  if training else make_policy("hint"))  # forward only: plain readiness-first
+        arbiter = Arbiter(hint, self.rank, limits=self.limits.limits if training else None,
+                          policy=policy)
+        executor = StageExecutor(self.stages, inputs, loss, reduction, self.transport,
+                                 self.receives, self.platform, clock, meter)
+        coordinator = (make_coordinator(self.coordination.kind, self.coordination.twin,
+                                        self.stall_timeout)
+                       if self.coordination.twin is not None else None)
+        loop = StepLoop(
+            arbiter, self.device, executor,
+            arrivals=lambda: [Arrival(r.edge, r.microbatch, r.seen - origin)
+                              for r in self.receives.arrived(self.transport.collect())],
+            clock=clock, launch_depth=self.launch_depth, reorder_ahead=self.reorder_ahead,
+            stall_timeout=self.stall_timeout,
+            describe_rank=f"pipeline rank {self.rank} (global rank {dist.get_rank()})",
+            describe_peer=lambda peer: f"global rank {self.transport.channels.global_ranks[peer]}",
+            coordinator=coordinator, block=self.wait)
+        try:
+            self._run_loop(loop, origin, hint, training, coordinator)
+            if training and meter is not None:
+                self.activation_bytes_per_microbatch = {
+                    s: executor.saved_per_microbatch.get(s, 0) for s in self.stages}
+        finally:
+            self.last_step_stats = step_stats(
+                loop, executor, coordinator, clock(), self.transport.take_sent(),
+                rank=self.rank, device=self.device, meter=meter, limits=self.limits,
+                activation_bytes_per_microbatch=self.activation_bytes_per_microbatch,
+                receive_buffer_bytes=self.receives.peak_bytes, step=self.steps_run)
+            self.steps_run += 1
+        if training:
+            loop.teach(self.history)
+        return executor.losses
+
+    def _meter_for_this_step(self) -> ActivationMeter | None:
+        meter = self.metering.meter
+        if meter is None or (self.steps_run % self.metering.every
+                             and self.activation_bytes_per_microbatch is not None):
+            return None
+        meter.reset(p for stage in self.stages.values() for p in stage.submod.parameters())
+        return meter
+
+    def _run_loop(self, loop: StepLoop, origin: float, hint: Hint, training: bool,
+                  coordinator: Coordinator | None) -> None:
+        """Run the step's loop to its end, its sends completed; on failure, tell the other
+        ranks (or name the peer whose failure broke this step) and abandon the step."""
+        self.device.begin_step(origin, self.wakeup)
+        try:
+            self.receives.start(self.transport, hint.plan, self.stages,
+                                self.limits.limits.per_stage, training=training)
+            for timeout in loop.run():
+                self.wait(timeout)
+            if coordinator is not None:
+                coordinator.finish()
+            self.transport.finish_sends(self.stall_timeout)
+            self.receives.finish()
+        except PeerFailedError as e:
+            self._abandon(e)
+            raise self._peer_failed(e, loop) from e
+        except BaseException as e:
+            # A peer's failure may be what broke this step (a closed gloo connection): say
+            # so, naming it; otherwise this rank failed first, and tells the others.
+            try:
+                self.transport.failures.check(force=True)
+            except PeerFailedError as peer:
+                self._abandon(peer)
+                raise self._peer_failed(peer, loop) from e
+            self.transport.failures.publish(
+                f"pipeline rank {self.rank} (global rank {dist.get_rank()}) failed its step: "
+                f"{type(e).__name__}: {e}")
+            self._abandon(e)
+            if isinstance(e, TimeoutError):
+                raise PipelineStallError(f"pipeline rank {self.rank}: {e}") from e
+            raise
+
+    def _peer_failed(self, error: PeerFailedError, loop: StepLoop) -> PeerFailedError:
+        """``error``, saying also what this rank was waiting for."""
+        return PeerFailedError(
+            f"pipeline rank {self.rank} (global rank {dist.get_rank()}) stops its step: "
+            f"{error}\nit was waiting for:\n" + "\n".join(loop.waiting()), error.failed_rank)
+
+    def wait(self, timeout: float) -> None:
+        """Wait up to ``timeout`` for an arrival or a completion; meanwhile check, every
+        ``FAILURE_POLL_S``, whether another rank of the pipeline failed (then raise
+        ``PeerFailedError`` naming it: on NCCL nothing else would tell this rank)."""
+        end = time.perf_counter() + timeout
+        while True:
+            self.transport.failures.check()
+            left = end - time.perf_counter()
+            if left <= 0 or self.wakeup.wait(min(left, FAILURE_POLL_S)):
+                return
+
+    def _abandon(self, error: BaseException) -> None:
+        """After a failed step (its failure already published, or a peer's seen): abort
+        the channels, all at once, so that pending receives fail (on gloo the peers' too),
+        and stop the device; free the unfinished microbatches' activations; refuse
+        further steps."""
+        self._failure = f"a step failed with {type(error).__name__} on pipeline rank {self.rank}"
+        try:
+            self.close(failed=True)
+        except RuntimeError as e:  # the step's own error is the one to raise
+            logger.warning("pipeline rank %d: %s", self.rank, e)
+            return  # a thread still running may read the stages' caches
+        # Their graphs, and what those saved, go now rather than at the stages' next step.
+        self.receives.finish()
+        for stage in self.stages.values():
+            clear_after_failure(stage)
+
+    def close(self, failed: bool = False, timeout: float = 10.0) -> None:
+        """Stop the threads and close the channels (see ``ScheduleRRFP.close``)."""
+        self._failure = self._failure or "the schedule was closed"
+        try:
+            alive = self.transport.close(timeout, failed=failed,
+                                         send_timeout=self.stall_timeout)
+        finally:
+            device_alive = self.device.close(timeout)
+        alive += device_alive
+        if alive:
+            raise RuntimeError(f"threads still running after close(): {[t.name for t in alive]}")
+

@@ -1,0 +1,1 @@
+"""Harness code shared by the tests and the benchmarks (never used by the runtime)."""
