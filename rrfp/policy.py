@@ -17,13 +17,13 @@ from rrfp.arbiter import ArbiterView, OwnOrder, Policy
 from rrfp.graph import step_graph
 from rrfp.limits import MemoryLimits
 from rrfp.plan import Node
-from rrfp.settings import POLICIES
+from rrfp.settings import add_policy_name, POLICIES, policy_names
 
 if TYPE_CHECKING:
     from rrfp.actions import _Action, Edge
     from rrfp.hints import Hint
 
-__all__ = ["POLICIES", "Policy", "default_policy", "make_policy", "History"]
+__all__ = ["POLICIES", "Policy", "default_policy", "make_policy", "History", "register_policy"]
 
 
 class HintLed:
@@ -386,27 +386,46 @@ def default_policy(hint: Hint, limits: MemoryLimits) -> str:
     return "hint" if hint.name in HINT_ORDER_WITH_SLACK else "lookahead"
 
 
+PolicyFactory = Callable[["History | None", "Callable[[], float] | None"], Policy]
+"""``(history, clock) -> policy``: what a step's policy is made from (``clock``: seconds
+since the step start; both may be None where the caller has none)."""
+
+_FACTORIES: dict[str, PolicyFactory] = {
+    "hint": lambda history, clock: HintOrder(),
+    "BF": lambda history, clock: BackwardFirst("BF"),
+    "BFW": lambda history, clock: BackwardFirst("BFW"),
+    "fixed": lambda history, clock: FixedOrder(),
+    "window": lambda history, clock: ForwardWindow(),
+    "arrival": lambda history, clock: ArrivalOrder(),
+    "critical": lambda history, clock: CriticalPath(history),
+    "lookahead": lambda history, clock: Lookahead(history, _needs(clock, "lookahead")),
+}
+
+
+def register_policy(name: str, factory: PolicyFactory) -> None:
+    """Add a policy: ``ScheduleRRFP(policy=name)``, the torchtitan ``policy`` setting and
+    the simulator accept ``name`` from then on (in every process that registered it), and
+    ``make_policy`` builds it from ``factory``. A policy picks among the ready actions the
+    arbiter gives it (``rrfp.arbiter.Policy``), so it cannot break correctness, only speed."""
+    add_policy_name(name)
+    _FACTORIES[name.strip()] = factory
+
+
+def _needs(clock: Callable[[], float] | None, policy: str) -> Callable[[], float]:
+    if clock is None:
+        raise ValueError(f"the {policy} policy needs a clock")
+    return clock
+
+
 def make_policy(name: str, *, history: History | None = None,
                 clock: Callable[[], float] | None = None) -> Policy:
-    """A fresh policy for one step.
+    """A fresh policy for one step (``name`` as ``rrfp.settings.parse_policy`` returns it).
 
-    ``history`` (and, for ``"lookahead"``, ``clock``: seconds since the step start) feed
-    ``"lookahead"`` and ``"critical"``.
+    ``history`` and ``clock`` (seconds since the step start) feed the policies that decide
+    by what earlier steps showed (``"lookahead"``, ``"critical"``).
     """
-    if name == "hint":
-        return HintOrder()
-    if name in ("BF", "BFW"):
-        return BackwardFirst(name)
-    if name == "fixed":
-        return FixedOrder()
-    if name == "window":
-        return ForwardWindow()
-    if name == "arrival":
-        return ArrivalOrder()
-    if name == "critical":
-        return CriticalPath(history)
-    if name == "lookahead":
-        if clock is None:
-            raise ValueError("the lookahead policy needs a clock")
-        return Lookahead(history, clock)
-    raise ValueError(f"unknown arbitration policy {name!r}: use one of {list(POLICIES)}")
+    factory = _FACTORIES.get(name)
+    if factory is None:
+        raise ValueError(f"unknown arbitration policy {name!r}: use one of "
+                         f"{list(policy_names())}")
+    return factory(history, clock)

@@ -13,7 +13,24 @@ from collections.abc import Sequence
 from typing import NamedTuple
 
 POLICIES = ("hint", "fixed", "BF", "BFW", "window", "lookahead", "arrival", "critical")
-"""The arbitration policies (``rrfp.policy`` implements them)."""
+"""The arbitration policies ``rrfp.policy`` implements."""
+
+_REGISTERED: list[str] = []
+"""Names of the policies added with ``rrfp.policy.register_policy``."""
+
+
+def policy_names() -> tuple[str, ...]:
+    """Every policy a user may name: the built-in ones and the registered ones."""
+    return (*POLICIES, *_REGISTERED)
+
+
+def add_policy_name(name: str) -> None:
+    """Accept ``name`` as a policy (``rrfp.policy.register_policy`` calls it)."""
+    if not name.strip() or any(known.lower() == name.strip().lower()
+                               for known in policy_names()):
+        raise ValueError(f"policy name {name!r} is empty or already taken: "
+                         f"{list(policy_names())}")
+    _REGISTERED.append(name.strip())
 
 BUFFER_LIMIT_HELP = (
     "activations held (from a microbatch's forward until its last backward piece), per "
@@ -126,11 +143,12 @@ def _parsed_buffer_limit(spec: object) -> BufferLimit:
     raise ValueError(f"buffer_limit={spec!r} is not understood: {_UNDERSTOOD}")
 
 
-def parse_policy(name: str | None, names: Sequence[str] = POLICIES) -> str | None:
-    """A policy's name as ``names`` spell it, matched case-insensitively (as hint names
-    are); None or an empty name: the default (None)."""
+def parse_policy(name: str | None, names: Sequence[str] | None = None) -> str | None:
+    """A policy's name as ``names`` (default: ``policy_names()``) spell it, matched
+    case-insensitively (as hint names are); None or an empty name: the default (None)."""
     if name is None or not name.strip():
         return None
+    names = policy_names() if names is None else names
     for known in names:
         if known.lower() == name.strip().lower():
             return known
