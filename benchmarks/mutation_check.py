@@ -41,10 +41,9 @@ class Mutation:
 MUTATIONS = [
     Mutation(
         "hint_as_hint+2", "buffer_limit='hint' holds no more than the hint, per stage and rank",
-        "rrfp/schedule.py",
-        "self.buffer_limits = resolve_buffer_limits(buffer_limit, self._hint,",
-        "self.buffer_limits = resolve_buffer_limits(\"hint+2\" if buffer_limit == \"hint\" "
-        "else buffer_limit, self._hint,",
+        "rrfp/limit_plan.py",
+        "first_step_limits(self.setting, hint,",
+        "first_step_limits(\"hint+2\" if self.setting.spec == \"hint\" else self.setting, hint,",
         ("tests/test_runtime.py::test_measured_activation_bytes_stay_within_what_the_limit_allows",)),
     Mutation(
         "rings_at_microbatch_count", "receive buffers grow with the limit, not the microbatches",
@@ -63,9 +62,9 @@ MUTATIONS = [
          "|1F1B-vs-1F1B or BFW-vs-ZBV")),
     Mutation(
         "policy_is_fixed_order", "readiness-first reorders, and stays bitwise the fixed schedule",
-        "rrfp/schedule.py",
-        "policy = make_policy(self.policy, history=self._history, clock=clock)",
-        "policy = make_policy(\"fixed\", history=self._history, clock=clock)",
+        "rrfp/runtime.py",
+        "make_policy(self.limits.policy, history=self.history, clock=clock)",
+        "make_policy(\"fixed\", history=self.history, clock=clock)",
         ("tests/test_runtime.py::test_bitwise_equal_to_torch_schedule_with_and_without_delays",
          "tests/test_runtime.py::test_outputs_and_eval_match_torch",
          "tests/test_composability.py::test_compiled_stages_match_the_uncompiled_fixed_schedule_"
@@ -102,20 +101,20 @@ MUTATIONS = [
          "activation",)),
     Mutation(
         "ddp_one_bucket", "DDP gradients are reduced in buckets of at most bucket_bytes_cap",
-        "rrfp/schedule.py",
+        "rrfp/data_parallel.py",
         "for bucket in gradient_buckets([p.grad for p in params], module.bucket_bytes_cap):",
         "for bucket in [[p.grad for p in params]]:",
         ("tests/test_composability.py::test_ddp_reduces_in_buckets_no_larger_than_its_bucket_cap",
          "tests/test_composability.py::test_ddp_gradients_are_reduced_in_buckets_of_at_most_the_cap")),
     Mutation(
         "fsdp_reshards_after_forward", "FSDP modules stay unsharded for the whole step",
-        "rrfp/schedule.py", "module.set_reshard_after_forward(False, recurse=False)",
+        "rrfp/data_parallel.py", "module.set_reshard_after_forward(False, recurse=False)",
         "module.set_reshard_after_forward(True, recurse=False)",
         ("tests/test_composability.py::test_fsdp_unshards_for_the_whole_step_and_reduce_scatters_"
          "at_reduce_grad_in_stage_order",)),
     Mutation(
         "fsdp_no_unshard_at_step_start", "FSDP modules are unsharded at step start, in stage "
-        "order", "rrfp/schedule.py",
+        "order", "rrfp/data_parallel.py",
         "handles = [module.unshard(async_op=True) for module in fsdp_modules]",
         "handles = []",
         ("tests/test_composability.py::test_fsdp_unshards_for_the_whole_step_and_reduce_scatters_"
@@ -128,18 +127,35 @@ MUTATIONS = [
         ("tests/test_memory.py",)),
     Mutation(
         "dtensor_variable_shapes_accepted", "variable_shapes refuses DTensor activations",
-        "rrfp/schedule.py",
+        "rrfp/receives.py",
         "if isinstance(getattr(info, \"tensor_meta\", None), _DTensorMeta):",
         "if False:",
         ("tests/test_composability.py::test_variable_shapes_refuse_dtensor_activations",)),
     Mutation(
         "torchtitan_grads_scaled_slightly", "RRFP in torchtitan logs the fixed schedule's "
         "losses (a gradient off by one part in 10^7)", "rrfp/schedule.py",
-        "schedule._n_microbatches if schedule.scale_grads else 1)",
-        "schedule._n_microbatches if schedule.scale_grads else 1.0000001)",
+        "self._n_microbatches if self.scale_grads else 1)",
+        "self._n_microbatches if self.scale_grads else 1.0000001)",
         ("tests/test_torchtitan.py::test_rrfp_trains_exactly_as_the_fixed_schedule"
          "|pp-1f1b",)),
 ]
+
+
+def target_problems(mutations: list[Mutation] = MUTATIONS, root: str = ROOT) -> list[str]:
+    """Why each mutation could not be applied to ``root`` as it stands: its file missing, or
+    its text not there exactly once (the code moved on: update the mutation)."""
+    problems = []
+    for mutation in mutations:
+        path = os.path.join(root, mutation.path)
+        if not os.path.isfile(path):
+            problems.append(f"{mutation.name}: {mutation.path} does not exist")
+            continue
+        with open(path) as f:
+            count = f.read().count(mutation.old)
+        if count != 1:
+            problems.append(f"{mutation.name}: the text to mutate occurs {count} times in "
+                            f"{mutation.path} (expected once)")
+    return problems
 
 
 def _copy_tree(dest: str) -> None:
@@ -220,6 +236,11 @@ def main(argv: list[str] | None = None) -> int:
     unknown = set(args.only or ()) - {m.name for m in MUTATIONS}
     if unknown:
         parser.error(f"unknown mutations {sorted(unknown)}")
+    problems = target_problems(chosen)
+    if problems:
+        # Every target is checked before any runs: a rotten one stops nothing silently.
+        raise SystemExit("mutations that no longer fit the code (update them):\n"
+                         + "\n".join(problems))
     rows = []
     caught_all = True
     for mutation in chosen:
