@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Sequence
-from typing import NamedTuple
+from dataclasses import dataclass, field, replace
 
 POLICIES = ("hint", "fixed", "BF", "BFW", "window", "lookahead", "arrival", "critical")
 """The arbitration policies ``rrfp.policy`` implements."""
@@ -59,7 +59,8 @@ BYTE_UNITS = {"b": 1, "kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "tib": 1 <
 """The units a byte budget may be written in (case-insensitive): binary and decimal."""
 
 
-class BufferLimit(NamedTuple):
+@dataclass(frozen=True)
+class BufferLimit:
     """A parsed ``buffer_limit``: ``value`` microbatches, or (``value`` None) ``factor``
     times the hint's own peak plus ``extra``, or (``busiest``) the bytes of the hint's
     busiest rank's peak, or a per-rank byte budget (``budget_bytes``; ``auto``: the
@@ -75,8 +76,8 @@ class BufferLimit(NamedTuple):
     busiest: bool = False
     budget_bytes: int | None = None
     auto: bool = False
-    spec: str | int = ""
-    """How the user wrote it (for messages)."""
+    spec: str | int = field(default="", compare=False)
+    """How the user wrote it (for messages; two spellings of one limit are equal)."""
 
     @property
     def in_bytes(self) -> bool:
@@ -105,7 +106,7 @@ def parse_buffer_limit(spec: object) -> BufferLimit:
     ``ValueError`` saying what to write otherwise."""
     if isinstance(spec, BufferLimit):
         return spec
-    return _parsed_buffer_limit(spec)._replace(spec=spec)  # type: ignore[arg-type]
+    return replace(_parsed_buffer_limit(spec), spec=spec)  # type: ignore[arg-type]
 
 
 def _parsed_buffer_limit(spec: object) -> BufferLimit:
