@@ -53,7 +53,8 @@ from rrfp.loop import Arrival, DEFAULT_LAUNCH_DEPTH, PipelineStallError, StepLoo
 from rrfp.memory import ActivationMeter, DEFAULT_METER_EVERY, free_device_bytes
 from rrfp.policy import default_policy, History, make_policy
 from rrfp.receives import ReceiveRings, shape_header
-from rrfp.settings import parse_buffer_limit, parse_launch_depth, parse_policy
+from rrfp.settings import (check_limit_can_be_measured, parse_buffer_limit, parse_launch_depth,
+                           parse_meter_every, parse_policy, parse_stall_timeout)
 from rrfp.stats import Span, StepStats
 from rrfp.transport import (create_channels, FAILURE_POLL_S, PeerFailedError, ReceiveStreams,
                             SendDelay, Transport)
@@ -178,8 +179,7 @@ class ScheduleRRFP(PipelineScheduleMulti):
             stages, (list, tuple)) else [stages]
         if not stages:
             raise ValueError("ScheduleRRFP needs at least one stage")
-        if not stall_timeout > 0:
-            raise ValueError(f"stall_timeout must be > 0 seconds, got {stall_timeout}")
+        stall_timeout = parse_stall_timeout(stall_timeout)
         stage_device = stages[0].device
         if send_delay is not None and stage_device.type == "cuda":
             raise ValueError(
@@ -187,18 +187,9 @@ class ScheduleRRFP(PipelineScheduleMulti):
                 "current CUDA stream is not the compute stream, so it could send an output "
                 "before the compute stream wrote it; use it with CPU stages")
         limit_spec = parse_buffer_limit(buffer_limit)
-        if limit_spec.in_bytes and not meter_activations:
-            raise ValueError(
-                f"buffer_limit={buffer_limit!r} is counted in bytes, which the first step "
-                "measures with the activation meter: leave meter_activations on (it meters "
-                "only every meter_every-th step), or give the limit in microbatches")
-        if limit_spec.auto and stage_device.type != "cuda":
-            raise ValueError(
-                f"buffer_limit='auto' reads the free memory of a CUDA device; these stages are "
-                f"on {stage_device}: give a byte budget per rank (e.g. '512MiB') or 'busiest'")
-        if isinstance(meter_every, bool) or not isinstance(meter_every, int) or meter_every < 1:
-            raise ValueError(f"meter_every must be an int >= 1 (1: meter every step), got "
-                             f"{meter_every!r}")
+        check_limit_can_be_measured(buffer_limit, meter_activations=meter_activations,
+                                    device_type=stage_device.type)
+        meter_every = parse_meter_every(meter_every)
         if device is not None and stage_device.type != "cpu":
             raise ValueError(f"the emulated device runs CPU stages; these stages are on "
                              f"{stage_device}: pass device=None to run on their stream")
@@ -254,7 +245,7 @@ class ScheduleRRFP(PipelineScheduleMulti):
         self._history = History()
         check_deadlock_free(self._hint)
         self._forward_only_hint = self._hint.forward_only()
-        self.stall_timeout = float(stall_timeout)
+        self.stall_timeout = stall_timeout
 
         self.stage_index_to_group_rank = dict(self._hint.stage_to_rank)
         for stage in stages:
