@@ -40,7 +40,8 @@ from rrfp.platform import Platform, platform_for
 from rrfp.policy import History
 from rrfp.receives import check_variable_shapes, ReceiveRings
 from rrfp.runtime import Coordination, Metering, PipelineRuntime
-from rrfp.settings import BufferLimit, parse_buffer_limit, parse_launch_depth, parse_policy
+from rrfp.settings import (check_limit_can_be_measured, parse_launch_depth, parse_meter_every,
+                           parse_policy, parse_stall_timeout)
 from rrfp.stats import StepStats
 from rrfp.transport import SendDelay, Transport
 
@@ -142,19 +143,20 @@ class ScheduleRRFP(PipelineScheduleMulti):
             stages, (list, tuple)) else [stages]
         if not stages:
             raise ValueError("ScheduleRRFP needs at least one stage")
+        stall_timeout = parse_stall_timeout(stall_timeout)
         platform = platform_for(stages[0].device)
-        setting = parse_buffer_limit(buffer_limit)
-        _check_arguments(platform, setting, coordination=coordination,
-                         stall_timeout=stall_timeout, send_delay=send_delay, device=device,
-                         meter_activations=meter_activations, meter_every=meter_every)
+        _check_arguments(platform, buffer_limit, coordination=coordination,
+                         send_delay=send_delay, device=device,
+                         meter_activations=meter_activations)
+        meter_every = parse_meter_every(meter_every)
         super().__init__(stages=stages, n_microbatches=n_microbatches, loss_fn=loss_fn,
                          args_chunk_spec=args_chunk_spec, kwargs_chunk_spec=kwargs_chunk_spec,
                          output_merge_spec=output_merge_spec, scale_grads=scale_grads)
         self._hint = _placed_hint(hint, stages, self.rank, self.pp_group_size,
                                   self._num_stages, n_microbatches)
-        limits = LimitPlan(setting, self._hint, self.rank, policy)
+        limits = LimitPlan(buffer_limit, self._hint, self.rank, policy)
         check_deadlock_free(self._hint)
-        self.stall_timeout = float(stall_timeout)
+        self.stall_timeout = stall_timeout
         self.stage_index_to_group_rank = dict(self._hint.stage_to_rank)
         for stage in stages:
             stage.stage_index_to_group_rank = self.stage_index_to_group_rank
@@ -342,34 +344,21 @@ class ScheduleRRFP(PipelineScheduleMulti):
                          losses=losses, return_outputs=return_outputs)
 
 
-def _check_arguments(platform: Platform, limit: BufferLimit, *, coordination: str,
-                     stall_timeout: float, send_delay: SendDelay | None,
-                     device: EmulatedDevice | None, meter_activations: bool,
-                     meter_every: object) -> None:
+def _check_arguments(platform: Platform, buffer_limit: object, *, coordination: str,
+                     send_delay: SendDelay | None, device: EmulatedDevice | None,
+                     meter_activations: bool) -> None:
     """``ValueError`` for arguments that do not fit each other or the stages' platform."""
     if coordination not in COORDINATIONS:
         raise ValueError(f"unknown coordination {coordination!r}: use one of "
                          f"{list(COORDINATIONS)}")
-    if not stall_timeout > 0:
-        raise ValueError(f"stall_timeout must be > 0 seconds, got {stall_timeout}")
     if send_delay is not None and not platform.on_host:
         raise ValueError(
             "send_delay emulates link latency for CPU studies: its sender thread's "
             "current CUDA stream is not the compute stream, so it could send an output "
             "before the compute stream wrote it; use it with CPU stages")
-    if limit.in_bytes and not meter_activations:
-        raise ValueError(
-            f"buffer_limit={limit.spec!r} is counted in bytes, which the first step "
-            "measures with the activation meter: leave meter_activations on (it meters "
-            "only every meter_every-th step), or give the limit in microbatches")
-    if limit.auto and platform.free_bytes is None:
-        raise ValueError(
-            f"buffer_limit='auto' reads the free memory of a CUDA device; these stages are "
-            f"on {platform.device}: give a byte budget per rank (e.g. '512MiB') or "
-            "'busiest'")
-    if isinstance(meter_every, bool) or not isinstance(meter_every, int) or meter_every < 1:
-        raise ValueError(f"meter_every must be an int >= 1 (1: meter every step), got "
-                         f"{meter_every!r}")
+    check_limit_can_be_measured(buffer_limit, meter_activations=meter_activations,
+                                free_memory_known=platform.free_bytes is not None,
+                                device=platform.device)
     if device is not None and not platform.on_host:
         raise ValueError(f"the emulated device runs CPU stages; these stages are on "
                          f"{platform.device}: pass device=None to run on their stream")

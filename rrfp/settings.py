@@ -147,9 +147,12 @@ def _parsed_buffer_limit(spec: object) -> BufferLimit:
 def parse_policy(name: str | None, names: Sequence[str] | None = None) -> str | None:
     """A policy's name as ``names`` (default: ``policy_names()``) spell it, matched
     case-insensitively (as hint names are); None or an empty name: the default (None)."""
+    names = policy_names() if names is None else names
+    if name is not None and not isinstance(name, str):
+        raise ValueError(f"policy must be a str: one of {list(names)} (case-insensitive), or "
+                         f"none for the default; got {name!r}")
     if name is None or not name.strip():
         return None
-    names = policy_names() if names is None else names
     for known in names:
         if known.lower() == name.strip().lower():
             return known
@@ -169,3 +172,35 @@ def parse_launch_depth(depth: object) -> int | None:
         raise ValueError(f"launch_depth must be an int >= 1, or None, 0 or 'none' for no "
                          f"bound, got {depth!r}")
     return depth or None
+
+
+def parse_stall_timeout(seconds: object) -> float:
+    """Seconds without any ready action before a step raises: a number > 0."""
+    if isinstance(seconds, bool) or not isinstance(seconds, (int, float)) or not seconds > 0:
+        raise ValueError(f"stall_timeout must be a number of seconds > 0, got {seconds!r}")
+    return float(seconds)
+
+
+def parse_meter_every(every: object) -> int:
+    """Meter the activations every this-many-th step: an int >= 1."""
+    if isinstance(every, bool) or not isinstance(every, int) or every < 1:
+        raise ValueError(f"meter_every must be an int >= 1 (1: meter every step), got {every!r}")
+    return every
+
+
+def check_limit_can_be_measured(spec: object, *, meter_activations: bool,
+                                free_memory_known: bool, device: object) -> None:
+    """ValueError where ``buffer_limit=spec`` needs what the run lacks: a limit in bytes
+    the activation meter (the first step measures the bytes), ``'auto'`` a device that
+    tells its free memory (``free_memory_known``; ``device``: the stages', for the
+    message)."""
+    limit = parse_buffer_limit(spec)
+    if limit.in_bytes and not meter_activations:
+        raise ValueError(
+            f"buffer_limit={limit.spec!r} is counted in bytes, which the first step measures "
+            "with the activation meter: leave meter_activations on (it meters only every "
+            "meter_every-th step), or give the limit in microbatches")
+    if limit.auto and not free_memory_known:
+        raise ValueError(
+            f"buffer_limit='auto' reads the free memory of a CUDA device; these stages are "
+            f"on {device}: give a byte budget per rank (e.g. '512MiB') or 'busiest'")

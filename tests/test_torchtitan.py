@@ -23,6 +23,7 @@ import torchtitan  # noqa: F401
 from tests import workers  # noqa: E402
 
 from torchtitan_ext.log_ranks import log_ranks, print_only_on, warn_if_loss_hidden  # noqa: E402
+from rrfp.hints import HINT_NAMES  # noqa: E402
 from rrfp.local import run_local_world  # noqa: E402
 from rrfp.settings import BufferLimit, parse_buffer_limit  # noqa: E402
 from torchtitan_ext.schedules import (  # noqa: E402
@@ -62,9 +63,11 @@ def dump_args(dump: str) -> list[str]:
 
 def run_titan(nproc: int, *overrides: str, dump: str, module: str = "torchtitan_ext.train",
               timeout: float = 300, env: dict[str, str] | None = None,
-              job: str = "main") -> tuple[int, str]:
+              job: str = "main", config_file: str | None = None) -> tuple[int, str]:
+    """torchrun ``job`` (on torchtitan 0.2.2: ``config_file`` instead, if given)."""
+    job_given = job_args(job) if config_file is None else ["--job.config_file", config_file]
     cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}",
-           "--standalone", "-m", module, *job_args(job), *dump_args(dump),
+           "--standalone", "-m", module, *job_given, *dump_args(dump),
            "--rrfp.trace_folder", "", *overrides]
     environment = {key: value for key, value in os.environ.items() if key != "LOG_RANK"}
     # A session of its own, so a hang kills torchrun's workers too.
@@ -119,9 +122,22 @@ def assert_one_rank_prints(output: str) -> None:
 
 def parse(*overrides: str, job: str = "main"):
     """The job's configuration, as torchtitan parses it from the command line."""
+    return parse_args(*job_args(job), *overrides)
+
+
+def parse_args(*args: str):
     from torchtitan.config import ConfigManager
 
-    return ConfigManager().parse_args([*job_args(job), *overrides])
+    return ConfigManager().parse_args(list(args))
+
+
+def toml_with_rrfp_lines(*lines: str) -> str:
+    """The main job's TOML file (0.2.2), its ``[rrfp]`` table's ``buffer_limit`` line
+    replaced by ``lines``."""
+    with open(os.path.join(ROOT, JOBS["main"][0])) as f:
+        text = f.read()
+    assert 'buffer_limit = "hint"\n' in text
+    return text.replace('buffer_limit = "hint"\n', "".join(f"{line}\n" for line in lines))
 
 
 def n_layers(config) -> int:
@@ -169,7 +185,14 @@ def test_schedule_names():
     (["--rrfp.launch_depth", "-1"], "rrfp.launch_depth: launch_depth must be an int >= 1"),
     (["--rrfp.policy", "fixed", "--rrfp.buffer_limit", "1"], "policy='fixed' runs hint"),
     (["--parallelism.pipeline_parallel_degree", "1"], "pipeline_parallel_degree >= 2"),
-    (["--rrfp.coordination", "vote"], "is not one of"),
+    (["--rrfp.coordination", "vote"], r"rrfp.coordination: coordination='vote' is not one of "
+                                      r"\['leader', 'agree'\]"),
+    (["--rrfp.stall_timeout", "-5"],
+     "rrfp.stall_timeout: stall_timeout must be a number of seconds > 0, got -5.0"),
+    (["--rrfp.stall_timeout", "0"], "rrfp.stall_timeout: stall_timeout must be a number"),
+    (["--rrfp.meter_every", "0"], r"rrfp.meter_every: meter_every must be an int >= 1"),
+    (["--rrfp.buffer_limit", "1GiB", "--rrfp.no-meter-activations"],
+     "rrfp.buffer_limit: buffer_limit='1GiB' is counted in bytes, .* leave meter_activations on"),
     (["--parallelism.context_parallel_degree", "2"],
      r"cannot run with parallelism.context_parallel_degree=2: .* set "
      r"parallelism.context_parallel_degree = 1, or use torch's fixed schedule "
@@ -220,6 +243,89 @@ def test_good_configs_pass_validation():
     check(parse("--parallelism.expert_parallel_degree", "2", job="moe"))
     check(parse("--parallelism.pipeline_parallel_schedule", "Interleaved1F1B",
                 "--parallelism.context_parallel_degree", "2"))
+
+
+def test_every_rrfp_setting_is_checked_before_anything_is_built():
+    """Each field of ``RRFP`` given a value of no accepted kind (as a TOML file can: its
+    values are not converted) is refused naming the field and what it accepts; and the
+    checks ScheduleRRFP makes of its device: 'auto' reads a CUDA device's free memory."""
+    import dataclasses
+
+    from rrfp.hints import build_hint
+    from torchtitan_ext.config import RRFP
+    from torchtitan_ext.schedules import check_settings
+
+    hint = build_hint("Interleaved1F1B", num_ranks=2, num_stages=4, n_microbatches=8)
+    check_settings(RRFP(), hint, "cpu")
+    accepted = {"buffer_limit": "use 'hint'", "policy": "one of", "coordination": "not one of",
+                "launch_depth": "an int >= 1", "variable_shapes": "true or false",
+                "meter_activations": "true or false", "meter_every": "an int >= 1",
+                "stall_timeout": "a number of seconds > 0", "log_stats": "true or false",
+                "trace_folder": "a folder"}
+    assert set(accepted) == {f.name for f in dataclasses.fields(RRFP)}
+    for name, says in accepted.items():
+        with pytest.raises(ValueError) as refused:
+            check_settings(dataclasses.replace(RRFP(), **{name: 1.5j}), hint, "cuda")
+        assert str(refused.value).startswith(f"rrfp.{name}: "), refused.value
+        assert says in str(refused.value), refused.value
+    with pytest.raises(ValueError, match="rrfp.buffer_limit: buffer_limit='auto' reads the "
+                       "free memory of a CUDA device; these stages are on cpu"):
+        check_settings(RRFP(buffer_limit="auto"), hint, "cpu")
+    check_settings(RRFP(buffer_limit="auto"), hint, "cuda")
+
+
+@only_0_2
+@pytest.mark.parametrize("line,message", [
+    ('meter_every = "5"', "rrfp.meter_every: meter_every must be an int >= 1 (1: meter every "
+                          "step), got '5'"),
+    ('variable_shapes = "no"', "rrfp.variable_shapes: variable_shapes must be true or false, "
+                               "got 'no'"),
+])
+def test_toml_values_of_the_wrong_kind_are_refused(line, message, tmp_path):
+    config_file = tmp_path / "train.toml"
+    config_file.write_text(toml_with_rrfp_lines(line))
+    with pytest.raises(ValueError, match=re.escape(message)):
+        check(parse_args("--job.config_file", str(config_file)))
+
+
+def test_unknown_setting_names_are_named_with_the_nearest_setting(tmp_path):
+    from torchtitan_ext.setting_names import unknown_options, unknown_toml_keys
+
+    assert unknown_options(["--rrfp.buffer_limit", "4", "--rrfp.no-meter-activations",
+                            "--rrfp.stall-timeout=9", "--training.steps", "2"]) is None
+    assert unknown_options(["--rrfp.bufer_limit", "4"]).startswith(
+        "unknown option --rrfp.bufer_limit (did you mean --rrfp.buffer_limit?); the rrfp "
+        "settings are buffer_limit, policy, coordination, launch_depth, variable_shapes, "
+        "meter_activations, meter_every, stall_timeout, log_stats, trace_folder")
+    assert unknown_options(["--rrfp.no-meter-activation", "--rrfp.xyz=1"]).startswith(
+        "unknown options --rrfp.no-meter-activation (did you mean "
+        "--rrfp.no-meter-activations?), --rrfp.xyz;")
+    config_file = tmp_path / "train.toml"
+    config_file.write_text(toml_with_rrfp_lines('bufer_limit = "hint"'))
+    assert unknown_toml_keys(["--job.config_file", str(config_file)]) == (
+        f"unknown setting 'bufer_limit' (did you mean 'buffer_limit'?) in the [rrfp] table "
+        f"of {config_file}; the settings are buffer_limit, policy, coordination, "
+        "launch_depth, variable_shapes, meter_activations, meter_every, stall_timeout, "
+        "log_stats, trace_folder")
+    assert unknown_toml_keys([f"--job.config-file={os.path.join(ROOT, JOBS['main'][0])}"]) is None
+
+
+def test_a_torchtitan_that_cannot_run_here_says_what_to_install():
+    from torchtitan_ext.train import launch_problem
+    from torchtitan_ext.version import torch_mismatch
+
+    assert torch_mismatch("0.3.0", "2.13.0+cpu") == (
+        "rrfp: torchtitan 0.3.0 needs torch >= 2.14, and torch 2.13.0+cpu is installed: pip "
+        "install 'torch>=2.14' (rrfp's titan03 extra), or pip install 'torchtitan==0.2.2' "
+        "(rrfp's titan extra: TOML jobs, which run on this torch)")
+    for titan, torch in (("0.3.0", "2.14.1"), ("0.3.0", "2.15.0"), ("0.2.2", "2.13.0+cpu")):
+        assert torch_mismatch(titan, torch) is None
+    toml = ["--job.config_file", "train.toml"]
+    config_function = ["--module", "torchtitan_ext", "--config", "rrfp_llama3_debug_cpu"]
+    assert launch_problem((0, 2), toml) is None and launch_problem((0, 3), config_function) is None
+    assert "--module torchtitan_ext --config rrfp_llama3_debug_cpu" in launch_problem((0, 3), toml)
+    assert "--job.config_file train_configs/" in launch_problem((0, 2), config_function)
+    assert "titan extra" in launch_problem(None, toml)
 
 
 def test_the_rrfp_settings_have_the_same_names_and_defaults_in_both_versions():
@@ -454,13 +560,55 @@ def test_validation_under_rrfp_equals_the_fixed_schedules(tmp_path):
     assert runs["RRFP"] == runs["Interleaved1F1B"]
 
 
+def assert_stopped_with_one_line(code: int, out: str, line: str) -> None:
+    """The job stopped before anything was built, ``line`` printed once in all (by rank
+    0) and no traceback of a rank (torchrun's own report of the failed worker remains)."""
+    assert code != 0
+    assert [printed for printed in out.splitlines() if printed.startswith("rrfp")] == [line], (
+        failure_excerpt(out))
+    assert "Building" not in out  # neither the device mesh nor the model
+    # One traceback: torchrun's, raising its report.
+    assert out.count("Traceback (most recent call last)") == 1, failure_excerpt(out)
+    assert "ChildFailedError" in out.split("Traceback (most recent call last)")[1]
+
+
 @pytest.mark.parametrize("module", ["torchtitan_ext.train", "torchtitan.train"])
 def test_bad_config_stops_before_training_with_a_clear_message(module, tmp_path):
     code, out = run_titan(2, "--parallelism.pipeline_parallel_schedule", "RRFP-Zigzag",
                           dump=str(tmp_path), module=module)
-    assert code != 0
-    assert "rrfp: bad configuration: unknown RRFP schedule 'RRFP-Zigzag'" in out
-    assert "Training starts" not in out
+    assert_stopped_with_one_line(code, out, (
+        "rrfp: bad configuration: unknown RRFP schedule 'RRFP-Zigzag': use 'RRFP' (the "
+        f"Interleaved1F1B hint) or one of {[f'RRFP-{name}' for name in HINT_NAMES]}"))
+
+
+SETTINGS_LIST = ("buffer_limit, policy, coordination, launch_depth, variable_shapes, "
+                 "meter_activations, meter_every, stall_timeout, log_stats, trace_folder")
+
+
+def test_a_bad_setting_value_stops_the_job_with_one_line(tmp_path):
+    code, out = run_titan(2, "--rrfp.stall_timeout", "-5", dump=str(tmp_path))
+    assert_stopped_with_one_line(code, out, (
+        "rrfp: bad configuration: rrfp.stall_timeout: stall_timeout must be a number of "
+        "seconds > 0, got -5.0"))
+
+
+def test_an_unknown_rrfp_option_stops_the_job_naming_the_nearest(tmp_path):
+    code, out = run_titan(2, "--rrfp.bufer_limit", "4", dump=str(tmp_path),
+                          module="torchtitan.train" if TITAN_0_3 else "torchtitan_ext.train")
+    assert_stopped_with_one_line(code, out, (
+        "rrfp: bad configuration: unknown option --rrfp.bufer_limit (did you mean "
+        f"--rrfp.buffer_limit?); the rrfp settings are {SETTINGS_LIST}"))
+
+
+@only_0_2
+def test_an_unknown_rrfp_key_in_the_toml_stops_the_job_naming_the_nearest(tmp_path):
+    config_file = tmp_path / "train.toml"
+    config_file.write_text(toml_with_rrfp_lines('bufer_limit = "hint"'))
+    code, out = run_titan(2, dump=str(tmp_path), config_file=str(config_file))
+    assert_stopped_with_one_line(code, out, (
+        "rrfp: bad configuration: unknown setting 'bufer_limit' (did you mean "
+        f"'buffer_limit'?) in the [rrfp] table of {config_file}; the settings are "
+        f"{SETTINGS_LIST}"))
 
 
 def test_stock_torchtitan_train_runs_rrfp(tmp_path):
@@ -474,6 +622,8 @@ def test_stock_torchtitan_train_runs_rrfp(tmp_path):
     assert code == 0, failure_excerpt(out)
     assert_one_rank_prints(out)
     assert "ScheduleRRFP with hint ZBVZeroBubble (v placement)" in out
+    # RRFP's line alone (torchtitan 0.3 also logs one for the placement schedule it builds).
+    assert out.count("Using pipeline schedule") == 1, failure_excerpt(out)
     assert sorted(logged_losses(out)) == [1, 2]
     assert re.search(STATS_LINE.format(
         step=2, label="", activations="activations not measured"), out)

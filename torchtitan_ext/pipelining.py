@@ -13,15 +13,31 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import logging
 from collections.abc import Callable
 
 from torch.distributed.pipelining.schedules import PipelineScheduleMulti, PipelineScheduleSingle
 
-from torchtitan_ext.config import RRFP
-from torchtitan_ext.schedules import build_schedule, hint_of, microbatches_of, placement_schedule
 from torchtitan_ext.version import CONFIG_FN_INSTEAD, require
 
 require((0, 3), "torchtitan_ext.pipelining", CONFIG_FN_INSTEAD)
+
+from torchtitan.tools.logging import logger  # noqa: E402
+
+from torchtitan_ext.config import RRFP  # noqa: E402
+from torchtitan_ext.schedules import (  # noqa: E402
+    build_schedule, hint_of, microbatches_of, placement_schedule)
+
+
+TORCHTITAN_SCHEDULE_LINE = "Using pipeline schedule "
+"""The start of the line torchtitan logs for the torch schedule it builds, here the
+placement schedule's, which ScheduleRRFP replaces (``build_schedule`` logs its own):
+``HideTorchtitanScheduleLine`` drops it; a test fails if torchtitan's line changes."""
+
+
+class HideTorchtitanScheduleLine(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not record.getMessage().startswith(TORCHTITAN_SCHEDULE_LINE)
 
 
 def torch_schedule_stages(schedule) -> list:
@@ -44,8 +60,13 @@ def rrfp_pipelining(model, *, parallelism, training, loss_fn, model_pipelining: 
                                 loss_fn=loss_fn, **kwargs)
     placement = dataclasses.replace(parallelism,
                                     pipeline_parallel_schedule=placement_schedule(hint_of(name)))
-    torch_schedule, model_parts, has_first, has_last = model_pipelining(
-        model, parallelism=placement, training=training, loss_fn=loss_fn, **kwargs)
+    hidden = HideTorchtitanScheduleLine()
+    logger.addFilter(hidden)
+    try:
+        torch_schedule, model_parts, has_first, has_last = model_pipelining(
+            model, parallelism=placement, training=training, loss_fn=loss_fn, **kwargs)
+    finally:
+        logger.removeFilter(hidden)
 
     # torchtitan's losses return (loss, metrics); schedules take the loss alone.
     def scalar_loss(*args, **loss_kwargs):

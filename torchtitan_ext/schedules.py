@@ -25,10 +25,12 @@ from torch.distributed.pipelining.schedules import PipelineScheduleSingle
 from torch.distributed.tensor import DTensor
 
 from rrfp import ScheduleRRFP
-from rrfp.limits import first_step_limits
 from rrfp.coordination import COORDINATIONS
-from rrfp.hints import build_hint, HINT_NAMES, RULE_NAMES, rule_reference
-from rrfp.settings import parse_launch_depth, parse_policy
+from rrfp.hints import build_hint, Hint, HINT_NAMES, rule_reference, RULE_NAMES
+from rrfp.limits import first_step_limits
+from rrfp.platform import platform_for
+from rrfp.settings import (check_limit_can_be_measured, parse_launch_depth, parse_meter_every,
+                           parse_policy, parse_stall_timeout)
 from torchtitan_ext.config import RRFP
 
 PREFIX = "RRFP"
@@ -180,23 +182,64 @@ def validate(job_config, n_layers: int) -> None:
         logger.warning(
             f"Number of microbatches ({microbatches}) is less than the total number "
             f"of stages ({built.num_stages}) which may result in a bubble in the pipeline.")
-    settings = rrfp_settings(job_config)
-    # The parsers ScheduleRRFP applies to the same values (which it is given as written),
-    # run here so that a bad one stops before training, naming its field.
+    check_settings(rrfp_settings(job_config), built, device_type())
+
+
+def device_type() -> str:
+    """The type of device torchtitan puts the stages on (``torchtitan_ext.cpu.use_cpu``
+    sets it to ``"cpu"`` on a machine without an accelerator)."""
+    from torchtitan.tools import utils
+
+    return utils.device_type
+
+
+def check_settings(settings: RRFP, hint: Hint, device_type: str) -> None:
+    """ValueError naming the first ``rrfp`` setting that ScheduleRRFP would refuse over
+    ``hint`` on ``device_type`` stages, or that is not of its field's type (TOML values are
+    not converted), with what it accepts. ScheduleRRFP is given the values as written and
+    parses them with the same parsers (``rrfp.settings``): run here, a bad one stops before
+    anything is built."""
     checks = {
+        "variable_shapes": lambda: a_flag("variable_shapes", settings.variable_shapes),
+        "meter_activations": lambda: a_flag("meter_activations", settings.meter_activations),
+        "log_stats": lambda: a_flag("log_stats", settings.log_stats),
         "policy": lambda: parse_policy(settings.policy),
         "launch_depth": lambda: parse_launch_depth(settings.launch_depth),
-        "buffer_limit": lambda: first_step_limits(
-            settings.buffer_limit, built, fixed_order=parse_policy(settings.policy) == "fixed"),
+        "buffer_limit": lambda: check_buffer_limit(settings, hint, device_type),
+        "coordination": lambda: one_of("coordination", settings.coordination, COORDINATIONS),
+        "stall_timeout": lambda: parse_stall_timeout(settings.stall_timeout),
+        "meter_every": lambda: parse_meter_every(settings.meter_every),
+        "trace_folder": lambda: a_folder("trace_folder", settings.trace_folder),
     }
     for field_name, check in checks.items():
         try:
             check()
         except ValueError as e:
             raise ValueError(f"rrfp.{field_name}: {e}") from None
-    if settings.coordination not in COORDINATIONS:
-        raise ValueError(f"rrfp.coordination={settings.coordination!r} is not one of "
-                         f"{list(COORDINATIONS)}")
+
+
+def check_buffer_limit(settings: RRFP, hint: Hint, device_type: str) -> None:
+    """The limits of the first step over ``hint``, and what a limit in bytes needs."""
+    first_step_limits(settings.buffer_limit, hint,
+                      fixed_order=parse_policy(settings.policy) == "fixed")
+    check_limit_can_be_measured(
+        settings.buffer_limit, meter_activations=settings.meter_activations,
+        free_memory_known=platform_for(device_type).free_bytes is not None, device=device_type)
+
+
+def a_flag(name: str, value: object) -> None:
+    if not isinstance(value, bool):
+        raise ValueError(f"{name} must be true or false, got {value!r}")
+
+
+def a_folder(name: str, value: object) -> None:
+    if not isinstance(value, str):
+        raise ValueError(f"{name} must be a folder (a string; empty: none), got {value!r}")
+
+
+def one_of(name: str, value: object, allowed) -> None:
+    if value not in allowed:
+        raise ValueError(f"{name}={value!r} is not one of {list(allowed)}")
 
 
 INTRA_STAGE_MESH_DIMS = ("tp", "ep", "etp")

@@ -6,7 +6,10 @@ torchtitan 0.2.2 (TOML)::
 
 torchtitan's own Trainer, with ``torchtitan_ext.register`` imported first: the same as
 stock ``torchrun -m torchtitan.train`` with ``[experimental] custom_import =
-"torchtitan_ext.register"``.
+"torchtitan_ext.register"``, except that an unknown ``[rrfp]`` setting (in the TOML or as
+``--rrfp.<name>``) stops with the nearest name (``torchtitan_ext.setting_names``) before
+torchtitan parses the command line, which stock ``torchtitan.train`` does before it
+imports anything of torchtitan_ext.
 
 torchtitan 0.3 (config functions)::
 
@@ -14,12 +17,45 @@ torchtitan 0.3 (config functions)::
 
 the same as stock ``torchrun -m torchtitan.train`` with those arguments (the config's
 ``RRFPTrainer`` brings everything; see ``torchtitan_ext.config_registry``).
+
+A command for the other torchtitan, or a torchtitan that cannot run on the installed
+torch, stops with one line naming what to run or install instead.
 """
 
-from torchtitan_ext.version import torchtitan_version
+import sys
+
+from torchtitan_ext.stop import stop_job
+from torchtitan_ext.version import (
+    CONFIG_FN_INSTEAD, stop_unless_torch_fits, TOML_INSTEAD, torchtitan_version)
+
+
+def launch_problem(version: tuple[int, int] | None, args: list[str]) -> str | None:
+    """The line that says what to run or install instead, when ``args`` cannot run on
+    torchtitan ``version`` (None: not installed); None when they can."""
+    if version is None:
+        return ("rrfp: torchtitan is not installed: install rrfp's titan extra (torchtitan "
+                "0.2.2, TOML jobs; in a clone: pip install -e '.[titan]') or its titan03 "
+                "extra (torchtitan 0.3, config functions, torch >= 2.14)")
+    config_function = any(arg == "--module" or arg.startswith("--module=") for arg in args)
+    if version == (0, 3) and not config_function:
+        return (f"rrfp: torchtitan 0.3 is installed; {TOML_INSTEAD}; or pip install "
+                "'torchtitan==0.2.2' (rrfp's titan extra) for TOML jobs")
+    if version == (0, 2) and config_function:
+        return (f"rrfp: torchtitan 0.2 is installed; {CONFIG_FN_INSTEAD}; or pip install "
+                "'torchtitan>=0.3,<0.4' 'torch>=2.14' (rrfp's titan03 extra) for config "
+                "functions")
+    return None
+
 
 if __name__ == "__main__":
+    stop_unless_torch_fits()
+    problem = launch_problem(torchtitan_version(), sys.argv[1:])
+    if problem is not None:
+        stop_job(problem)
     if torchtitan_version() == (0, 2):
+        from torchtitan_ext.setting_names import stop_on_unknown_settings
+
+        stop_on_unknown_settings(sys.argv[1:], toml=True)
         import torchtitan_ext.register  # noqa: F401  (registers RRFP and hooks the Trainer)
         from torchtitan.train import main, Trainer
 

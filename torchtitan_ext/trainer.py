@@ -43,6 +43,7 @@ from torchtitan_ext.log_ranks import log_ranks, print_only_on, warn_if_loss_hidd
 from torchtitan_ext.pipelining import with_rrfp  # noqa: E402
 from torchtitan_ext.schedules import close_schedule, hint_of, torch_view_name, validate  # noqa: E402
 from torchtitan_ext.stats_logging import log_step_stats  # noqa: E402
+from torchtitan_ext.stop import stop_job  # noqa: E402
 
 TORCHTITAN_LOSS_ADVICE = "Pipeline Parallel loss is not visible"
 """The start of torchtitan's ``ensure_pp_loss_visible`` warning, which asks for
@@ -122,7 +123,7 @@ class RRFPTrainer(Trainer):
         try:
             check(config)
         except ValueError as e:
-            raise SystemExit(f"rrfp: bad configuration: {e}") from None
+            stop_job(f"rrfp: bad configuration: {e}")
         parallel_dims = super().init_distributed()
         loss_rank = metrics_rank(parallel_dims, config.parallelism.pipeline_parallel_schedule)
         print_only_on(log_ranks(loss_rank), dist.get_rank())

@@ -39,6 +39,7 @@ from torchtitan_ext.log_ranks import log_ranks, print_only_on, warn_if_loss_hidd
 from torchtitan_ext.data import split_by_content
 from torchtitan_ext.schedules import close_schedule, n_microbatches, rrfp_settings, validate
 from torchtitan_ext.stats_logging import log_step_stats
+from torchtitan_ext.stop import stop_job
 
 _HOOKED = "_rrfp_hooks_installed"
 
@@ -76,7 +77,7 @@ def _hook(module: ModuleType, on_cpu: bool) -> None:
         try:
             validate(job_config, model_args[job_config.model.flavor].n_layers)
         except ValueError as e:
-            raise SystemExit(f"rrfp: bad configuration: {e}") from None
+            stop_job(f"rrfp: bad configuration: {e}")
         parallel_dims = torch_init_distributed(trainer)
         loss_rank = metrics._get_metrics_rank(parallel_dims, job_config)
         print_only_on(log_ranks(loss_rank), dist.get_rank())
