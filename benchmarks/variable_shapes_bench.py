@@ -4,13 +4,13 @@
 
 With torchtitan 0.3 installed it writes ``results/variable_shapes_0_3.md``: the same
 method on torchtitan 0.3's llama3 (``Decoder``; causal SDPA as in the CPU jobs) and its
-``rrfp_multimodal`` (``torchtitan_ext.multimodal``), split by torchtitan 0.3's own
+``rrfp_multimodal`` (``torchtitan_ext.titan_0_3.multimodal``), split by torchtitan 0.3's own
 functions, every run called as torchtitan 0.3 calls schedules, with pre-split
 microbatches (``step(arg_mbs=..., kwarg_mbs=..., target_mbs=...)``).
 
 **Measured, real compute** (no emulated time): 2 CPU processes, one thread each (pipeline
 of 2 ranks x 2 stages, Interleaved1F1B), torchtitan's llama3 debug model split as
-torchtitan splits it, batches of 8 samples in 8 microbatches from ``torchtitan_ext.data``:
+torchtitan splits it, batches of 8 samples in 8 microbatches from ``torchtitan_ext.common.data``:
 
 * *documents*: one document per sample (34-102 tokens);
 * *multimodal*: the same plus 0-40 image patches per sample, encoded on the first stage
@@ -55,9 +55,9 @@ from rrfp.memory import ActivationMeter, MeteredModule
 from rrfp.receives import HEADER_DIMS, shape_header
 from rrfp.sim.engine import simulate
 from rrfp.sim.workloads import Timing
-from torchtitan_ext.assets import TOKENIZER_DIR
-from torchtitan_ext.data import DocumentDataset, MAX_PATCHES, split_by_content
-from torchtitan_ext.version import torchtitan_version
+from torchtitan_ext.common.assets import TOKENIZER_DIR
+from torchtitan_ext.common.data import DocumentDataset, MAX_PATCHES, split_by_content
+from torchtitan_ext.common.version import torchtitan_version
 
 TITAN_0_3 = torchtitan_version() == (0, 3)
 
@@ -70,7 +70,7 @@ def _model(multimodal: bool) -> torch.nn.Module:
         return _model_0_3(multimodal)
     from torchtitan.models.llama3 import llama3_args, Transformer
 
-    from torchtitan_ext.models import MultimodalArgs, MultimodalTransformer
+    from torchtitan_ext.titan_0_2.models import MultimodalArgs, MultimodalTransformer
 
     args = copy.copy(llama3_args["debugmodel"])
     args.max_seq_len = TEXT_LEN + (MAX_PATCHES if multimodal else 0)
@@ -87,7 +87,7 @@ def _model_0_3(multimodal: bool) -> torch.nn.Module:
     from torchtitan.models.llama3 import model_registry
 
     from torchtitan_ext.config_registry import causal_sdpa
-    from torchtitan_ext.multimodal import multimodal_registry
+    from torchtitan_ext.titan_0_3.multimodal import multimodal_registry
 
     spec = causal_sdpa(multimodal_registry() if multimodal else model_registry("debugmodel"))
     torch.manual_seed(0)
@@ -109,7 +109,7 @@ def _stage_modules(model: torch.nn.Module, rank: int) -> list[tuple[int, torch.n
         return [(index, _split_module(model, names[index])) for index in (rank, rank + 2)]
     from torchtitan.distributed.pipeline_parallel import generate_llm_fqn_per_model_part
 
-    from torchtitan_ext.models import first_stage_modules
+    from torchtitan_ext.titan_0_2.models import first_stage_modules
 
     names = first_stage_modules(model, generate_llm_fqn_per_model_part(4, 6, 1, 1))
     stages = []

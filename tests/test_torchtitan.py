@@ -22,13 +22,13 @@ import torchtitan  # noqa: F401
 
 from tests import workers  # noqa: E402
 
-from torchtitan_ext.log_ranks import log_ranks, print_only_on, warn_if_loss_hidden  # noqa: E402
+from torchtitan_ext.common.log_ranks import log_ranks, print_only_on, warn_if_loss_hidden  # noqa: E402
 from rrfp.hints import HINT_NAMES  # noqa: E402
 from rrfp.local import run_local_world  # noqa: E402
 from rrfp.settings import BufferLimit, parse_buffer_limit  # noqa: E402
-from torchtitan_ext.schedules import (  # noqa: E402
+from torchtitan_ext.common.schedules import (  # noqa: E402
     hint_of, placement_schedule, schedule_arguments, validate)
-from torchtitan_ext.version import torchtitan_version  # noqa: E402
+from torchtitan_ext.common.version import torchtitan_version  # noqa: E402
 
 VERSION = torchtitan_version()
 TITAN_0_2, TITAN_0_3 = VERSION == (0, 2), VERSION == (0, 3)
@@ -153,7 +153,7 @@ def check(config) -> None:
     if TITAN_0_2:
         validate(config, n_layers(config))
     else:
-        from torchtitan_ext.trainer import check as check_0_3
+        from torchtitan_ext.titan_0_3.trainer import check as check_0_3
 
         check_0_3(config)
 
@@ -253,7 +253,7 @@ def test_every_rrfp_setting_is_checked_before_anything_is_built():
 
     from rrfp.hints import build_hint
     from torchtitan_ext.config import RRFP
-    from torchtitan_ext.schedules import check_settings
+    from torchtitan_ext.common.schedules import check_settings
 
     hint = build_hint("Interleaved1F1B", num_ranks=2, num_stages=4, n_microbatches=8)
     check_settings(RRFP(), hint, "cpu")
@@ -289,7 +289,7 @@ def test_toml_values_of_the_wrong_kind_are_refused(line, message, tmp_path):
 
 
 def test_unknown_setting_names_are_named_with_the_nearest_setting(tmp_path):
-    from torchtitan_ext.setting_names import unknown_options, unknown_toml_keys
+    from torchtitan_ext.common.setting_names import unknown_options, unknown_toml_keys
 
     assert unknown_options(["--rrfp.buffer_limit", "4", "--rrfp.no-meter-activations",
                             "--rrfp.stall-timeout=9", "--training.steps", "2"]) is None
@@ -312,7 +312,7 @@ def test_unknown_setting_names_are_named_with_the_nearest_setting(tmp_path):
 
 def test_a_torchtitan_that_cannot_run_here_says_what_to_install():
     from torchtitan_ext.train import launch_problem
-    from torchtitan_ext.version import torch_mismatch
+    from torchtitan_ext.common.version import torch_mismatch
 
     assert torch_mismatch("0.3.0", "2.13.0+cpu") == (
         "rrfp: torchtitan 0.3.0 needs torch >= 2.14, and torch 2.13.0+cpu is installed: pip "
@@ -698,7 +698,7 @@ def test_microbatches_are_cut_to_their_own_content():
     import torch
     from torchtitan.components.loss import IGNORE_INDEX
 
-    from torchtitan_ext.data import split_by_content
+    from torchtitan_ext.common.data import split_by_content
 
     lengths = [20, 70, 33, 5]
     inputs = torch.zeros(4, 128, dtype=torch.long)
@@ -742,11 +742,11 @@ def test_step_stats_are_gathered_through_the_store():
 
 
 ADAPTERS = {
-    (0, 2): ["torchtitan_ext.register", "torchtitan_ext.patches_0_2",
-             "torchtitan_ext.trainer_hooks", "torchtitan_ext.models"],
-    (0, 3): ["torchtitan_ext.config_registry", "torchtitan_ext.trainer",
-             "torchtitan_ext.pipelining", "torchtitan_ext.dataloaders",
-             "torchtitan_ext.multimodal"],
+    (0, 2): ["torchtitan_ext.register", "torchtitan_ext.titan_0_2.patches",
+             "torchtitan_ext.titan_0_2.trainer_hooks", "torchtitan_ext.titan_0_2.models"],
+    (0, 3): ["torchtitan_ext.config_registry", "torchtitan_ext.titan_0_3.trainer",
+             "torchtitan_ext.titan_0_3.pipelining", "torchtitan_ext.titan_0_3.dataloaders",
+             "torchtitan_ext.titan_0_3.multimodal"],
 }
 
 
@@ -768,11 +768,11 @@ def test_each_adapter_imports_with_its_version_and_refuses_the_other():
 
 
 def test_the_cpu_patch_targets_exist():
-    """torchtitan has no CPU setting: ``torchtitan_ext.cpu`` sets its modules' copies of
+    """torchtitan has no CPU setting: ``torchtitan_ext.common.cpu`` sets its modules' copies of
     ``device_type`` / ``device_module``; each must still be there."""
     import importlib
 
-    from torchtitan_ext.cpu import DEVICE_MODULES
+    from torchtitan_ext.common.cpu import DEVICE_MODULES
 
     for name, attributes in DEVICE_MODULES[VERSION].items():
         module = importlib.import_module(name)
@@ -785,7 +785,7 @@ def test_the_0_2_schedule_patch_targets_exist():
     """torchtitan 0.2.2 has no schedule hook: ``patches_0_2.install`` wraps these."""
     import importlib
 
-    from torchtitan_ext.patches_0_2 import PATCHED
+    from torchtitan_ext.titan_0_2.patches import PATCHED
 
     for name, attributes in PATCHED.items():
         module = importlib.import_module(name)
@@ -809,9 +809,9 @@ def test_the_0_3_adapter_uses_torchtitans_hooks():
     from torchtitan.trainer import Trainer
 
     from torchtitan_ext.config import RRFP
-    from torchtitan_ext.multimodal import multimodal_registry
-    from torchtitan_ext.pipelining import rrfp_pipelining, with_rrfp
-    from torchtitan_ext.trainer import HideLossAdvice, metrics_rank, RRFPTrainer
+    from torchtitan_ext.titan_0_3.multimodal import multimodal_registry
+    from torchtitan_ext.titan_0_3.pipelining import rrfp_pipelining, with_rrfp
+    from torchtitan_ext.titan_0_3.trainer import HideLossAdvice, metrics_rank, RRFPTrainer
 
     assert model_registry("debugmodel").pipelining_fn is pipeline_llm
     assert multimodal_registry().pipelining_fn is pipeline_vlm

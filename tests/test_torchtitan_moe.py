@@ -13,8 +13,8 @@ import pytest
 import torch
 
 from tests.test_torchtitan import check, failure_excerpt, only_0_2, parse, run_titan, VERSION
-from torchtitan_ext.cpu import histc, MOE_CPU_PATCHES, moe_cpu_path, TorchWithIntegerHistc
-from torchtitan_ext.schedules import connected_groups
+from torchtitan_ext.common.cpu import histc, MOE_CPU_PATCHES, moe_cpu_path, TorchWithIntegerHistc
+from torchtitan_ext.common.schedules import connected_groups
 
 MOE_SOURCES = {
     (0, 2): ["torchtitan.models.moe.moe", "torchtitan.models.moe.utils"],
@@ -87,7 +87,7 @@ def coordination_groups_of_meshes(rank: int, world_size: int) -> list[list[int] 
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import DTensor, Shard
 
-    from torchtitan_ext.schedules import coordination_group
+    from torchtitan_ext.common.schedules import coordination_group
 
     dense = init_device_mesh("cpu", (2, 2), mesh_dim_names=("fsdp", "tp"))
     sparse = init_device_mesh("cpu", (2, 2), mesh_dim_names=("ep", "etp"))

@@ -1487,7 +1487,7 @@ def stats_exchange(rank: int, world_size: int) -> dict:
     """``StepStatsLog`` over three steps with made-up stats (out-of-hint = 10 x step +
     rank), the last logged twice, only the last rank reading: the scalars it returns, and
     which of this rank's keys its store still holds."""
-    from torchtitan_ext.stats_logging import stats_store, StepStatsLog
+    from torchtitan_ext.common.stats_logging import stats_store, StepStatsLog
 
     class Schedule:
         last_step_stats: StepStats

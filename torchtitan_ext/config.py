@@ -47,7 +47,7 @@ class RRFP:
     variable_shapes: bool = False
     """Cut each batch into microbatches as long as their own content (rounded up to 16)
     instead of one padded length, and send activations with a shape header (see
-    ``torchtitan_ext.data``; for samples that are not packed: the documents and multimodal
+    ``torchtitan_ext.common.data``; for samples that are not packed: the documents and multimodal
     jobs, ``rrfp_llama3_documents`` / ``rrfp_multimodal`` on torchtitan 0.2.2,
     ``DocumentDataLoader`` on 0.3)."""
 

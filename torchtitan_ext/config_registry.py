@@ -8,7 +8,7 @@ be overridden on the command line (``--training.steps 8``, ``--rrfp.buffer_limit
 ``--parallelism.pipeline_parallel_schedule RRFP-ZBVZeroBubble``). The ``rrfp`` fields
 have the names and defaults of the ``[rrfp]`` TOML section (``torchtitan_ext.config``); an
 unknown ``--rrfp.<name>`` stops the job when this module is imported, with the nearest
-name (``torchtitan_ext.setting_names``).
+name (``torchtitan_ext.common.setting_names``).
 
 * ``rrfp_llama3_debug_cpu``: llama3 debugmodel, 2 pipeline ranks x 2 stages, RRFP with
   the Interleaved1F1B hint, on the generated arithmetic corpus (``train_configs/
@@ -16,7 +16,7 @@ name (``torchtitan_ext.setting_names``).
 * ``rrfp_documents_cpu``: whole documents, each microbatch as long as its content
   (``rrfp.variable_shapes``);
 * ``rrfp_multimodal_cpu``: documents with 0-40 image patches each, encoded on the first
-  stage (``torchtitan_ext.multimodal``), variable shapes;
+  stage (``torchtitan_ext.titan_0_3.multimodal``), variable shapes;
 * ``rrfp_deepseek_v3_ep_cpu``: deepseek_v3 debugmodel (mixture of experts), 2 pipeline
   ranks x 2 stages x expert parallel 2 on 4 processes (``train_configs/
   deepseek_v3_ep_cpu.toml``);
@@ -32,8 +32,8 @@ from __future__ import annotations
 
 import sys
 
-from torchtitan_ext.setting_names import stop_on_unknown_settings
-from torchtitan_ext.version import CONFIG_FN_INSTEAD, require
+from torchtitan_ext.common.setting_names import stop_on_unknown_settings
+from torchtitan_ext.common.version import CONFIG_FN_INSTEAD, require
 
 require((0, 3), "torchtitan_ext.config_registry", CONFIG_FN_INSTEAD)
 # torchtitan's ``--module torchtitan_ext`` imports this module before it parses the command
@@ -53,11 +53,11 @@ from torchtitan.models.common.config_utils import decoder_vocab_size  # noqa: E4
 from torchtitan.models.deepseek_v3 import model_registry as deepseek_v3_registry  # noqa: E402
 from torchtitan.models.llama3 import model_registry  # noqa: E402
 
-from torchtitan_ext.assets import DATASET_NAME, TOKENIZER_DIR  # noqa: E402
+from torchtitan_ext.common.assets import DATASET_NAME, TOKENIZER_DIR  # noqa: E402
 from torchtitan_ext.config import RRFP  # noqa: E402
-from torchtitan_ext.dataloaders import DocumentDataLoader  # noqa: E402
-from torchtitan_ext.multimodal import multimodal_registry  # noqa: E402
-from torchtitan_ext.trainer import RRFPMetricsProcessor, RRFPTrainer  # noqa: E402
+from torchtitan_ext.titan_0_3.dataloaders import DocumentDataLoader  # noqa: E402
+from torchtitan_ext.titan_0_3.multimodal import multimodal_registry  # noqa: E402
+from torchtitan_ext.titan_0_3.trainer import RRFPMetricsProcessor, RRFPTrainer  # noqa: E402
 
 __all__ = ["rrfp_llama3_debug_cpu", "rrfp_documents_cpu", "rrfp_multimodal_cpu",
            "rrfp_deepseek_v3_ep_cpu", "rrfp_llama3_8b", "rrfp_llama3_8b_zbv",

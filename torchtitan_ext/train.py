@@ -7,7 +7,7 @@ torchtitan 0.2.2 (TOML)::
 torchtitan's own Trainer, with ``torchtitan_ext.register`` imported first: the same as
 stock ``torchrun -m torchtitan.train`` with ``[experimental] custom_import =
 "torchtitan_ext.register"``, except that an unknown ``[rrfp]`` setting (in the TOML or as
-``--rrfp.<name>``) stops with the nearest name (``torchtitan_ext.setting_names``) before
+``--rrfp.<name>``) stops with the nearest name (``torchtitan_ext.common.setting_names``) before
 torchtitan parses the command line, which stock ``torchtitan.train`` does before it
 imports anything of torchtitan_ext.
 
@@ -24,8 +24,8 @@ torch, stops with one line naming what to run or install instead.
 
 import sys
 
-from torchtitan_ext.stop import stop_job
-from torchtitan_ext.version import (
+from torchtitan_ext.common.stop import stop_job
+from torchtitan_ext.common.version import (
     CONFIG_FN_INSTEAD, stop_unless_torch_fits, TOML_INSTEAD, torchtitan_version)
 
 
@@ -53,7 +53,7 @@ if __name__ == "__main__":
     if problem is not None:
         stop_job(problem)
     if torchtitan_version() == (0, 2):
-        from torchtitan_ext.setting_names import stop_on_unknown_settings
+        from torchtitan_ext.common.setting_names import stop_on_unknown_settings
 
         stop_on_unknown_settings(sys.argv[1:], toml=True)
         import torchtitan_ext.register  # noqa: F401  (registers RRFP and hooks the Trainer)

@@ -3,7 +3,7 @@
 The corpus is arithmetic written digit by digit ("3 4 plus 5 is 3 9 ."), drawn from a
 seeded generator: small, learnable (the loss falls visibly within 20 steps) and identical
 on every machine. The tokenizer covers exactly its words; regenerate the shipped files
-with ``python -m torchtitan_ext.assets``.
+with ``python -m torchtitan_ext.common.assets``.
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import json
 import os
 import random
 
-TOKENIZER_DIR = os.path.join(os.path.dirname(__file__), "assets", "tokenizer")
+TOKENIZER_DIR = os.path.join(os.path.dirname(os.path.dirname(__file__)), "assets", "tokenizer")
 DATASET_NAME = "rrfp_arithmetic"
 SPECIAL_TOKENS = ("<unk>", "<bos>", "<eos>")
 WORDS = tuple(str(d) for d in range(10)) + ("plus", "minus", "times", "is", ".")

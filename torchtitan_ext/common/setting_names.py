@@ -3,7 +3,7 @@
 torchtitan refuses an unknown name itself, on every rank and in its own words: 0.2.2 with
 a traceback for a key of the TOML's ``[rrfp]`` table that advises ``run_train.sh --help``,
 tyro (both versions) with a box of help for an unknown ``--rrfp.<name>``. Here they stop
-the job with one ``rrfp: bad configuration: ...`` line (``torchtitan_ext.stop``), before
+the job with one ``rrfp: bad configuration: ...`` line (``torchtitan_ext.common.stop``), before
 torchtitan parses: from ``torchtitan_ext.train`` on 0.2.2 (the TOML and the command line),
 and on 0.3 when torchtitan's ``--module torchtitan_ext`` imports
 ``torchtitan_ext.config_registry`` (the command line).
@@ -21,7 +21,7 @@ except ModuleNotFoundError:  # Python 3.10: torchtitan 0.2.2 depends on tomli
     import tomli as tomllib
 
 from torchtitan_ext.config import RRFP
-from torchtitan_ext.stop import stop_job
+from torchtitan_ext.common.stop import stop_job
 
 SETTINGS = tuple(f.name for f in dataclasses.fields(RRFP))
 """The ``[rrfp]`` settings, in the order of ``torchtitan_ext.config.RRFP``."""

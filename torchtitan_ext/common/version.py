@@ -2,11 +2,9 @@
 
 * torchtitan 0.2 (0.2.2): a job is a TOML file; ``[experimental] custom_import =
   "torchtitan_ext.register"`` and ``[job] custom_config_module = "torchtitan_ext.config"``
-  add the schedules and the ``[rrfp]`` section (``register``, ``patches_0_2``,
-  ``trainer_hooks``, ``models``).
+  add the schedules and the ``[rrfp]`` section (``register`` and ``titan_0_2``).
 * torchtitan 0.3: a job is a config function, ``--module torchtitan_ext --config <fn>``
-  (``config_registry``), whose ``Trainer.Config`` has an ``rrfp`` field (``trainer``,
-  ``pipelining``, ``dataloaders``, ``multimodal``).
+  (``config_registry``), whose ``Trainer.Config`` has an ``rrfp`` field (``titan_0_3``).
 
 Everything else (names, validation, placement, coordination, stats, traces, data, assets)
 is shared. Importing ``torchtitan_ext`` or this module never fails; an adapter's modules
@@ -19,7 +17,7 @@ from __future__ import annotations
 
 from importlib import metadata
 
-from torchtitan_ext.stop import stop_job
+from torchtitan_ext.common.stop import stop_job
 
 SUPPORTED = ((0, 2), (0, 3))
 """The torchtitan minor versions an adapter exists for."""

@@ -2,7 +2,7 @@
 
 Shared by both torchtitan versions: the names, the check of a configuration, and building
 ScheduleRRFP from torchtitan's stages (``build_schedule``). How torchtitan is made to use
-them is each version's adapter: ``patches_0_2`` (0.2.2), ``pipelining`` (0.3).
+them is each version's adapter: ``titan_0_2.patches`` (0.2.2), ``titan_0_3.pipelining`` (0.3).
 
 
 ``"RRFP"`` is the recommended setting for torchtitan's default placement (loop, 2 or more
@@ -186,7 +186,7 @@ def validate(job_config, n_layers: int) -> None:
 
 
 def device_type() -> str:
-    """The type of device torchtitan puts the stages on (``torchtitan_ext.cpu.use_cpu``
+    """The type of device torchtitan puts the stages on (``torchtitan_ext.common.cpu.use_cpu``
     sets it to ``"cpu"`` on a machine without an accelerator)."""
     from torchtitan.tools import utils
 

@@ -8,21 +8,21 @@ copy of ``torchtitan.train``, so both copies are hooked:
 
 * ``init_distributed``: the RRFP configuration is checked first (``rrfp: bad
   configuration: ...`` before anything is built); afterwards only the rank that logs the
-  loss prints log lines (``torchtitan_ext.log_ranks``).
+  loss prints log lines (``torchtitan_ext.common.log_ranks``).
 * ``ensure_pp_loss_visible`` (torchtitan's check for its ``run_train.sh``): replaced by a
   check of ``LOG_RANK`` against the loss rank.
 * ``train``: FSDP2 sum reductions on CPU, and ScheduleRRFP's stats next to torchtitan's
-  metrics at each metrics step (``torchtitan_ext.stats_logging``).
+  metrics at each metrics step (``torchtitan_ext.common.stats_logging``).
 * ``forward_backward_step``: with ``[rrfp] variable_shapes``, microbatches each as long as
-  their own content (``torchtitan_ext.data``).
-* ``close``: ScheduleRRFP's own ``close`` first (``torchtitan_ext.schedules.close_schedule``).
+  their own content (``torchtitan_ext.common.data``).
+* ``close``: ScheduleRRFP's own ``close`` first (``torchtitan_ext.common.schedules.close_schedule``).
 """
 
 from __future__ import annotations
 
-from torchtitan_ext.version import require, TOML_INSTEAD
+from torchtitan_ext.common.version import require, TOML_INSTEAD
 
-require((0, 2), "torchtitan_ext.trainer_hooks", TOML_INSTEAD)
+require((0, 2), "torchtitan_ext.titan_0_2.trainer_hooks", TOML_INSTEAD)
 
 import functools
 import sys
@@ -34,12 +34,12 @@ import torchtitan.components.metrics as metrics
 from torchtitan.protocols import train_spec as train_spec_module
 
 from rrfp import ScheduleRRFP
-from torchtitan_ext.cpu import force_sum_reductions
-from torchtitan_ext.log_ranks import log_ranks, print_only_on, warn_if_loss_hidden
-from torchtitan_ext.data import split_by_content
-from torchtitan_ext.schedules import close_schedule, n_microbatches, rrfp_settings, validate
-from torchtitan_ext.stats_logging import log_step_stats
-from torchtitan_ext.stop import stop_job
+from torchtitan_ext.common.cpu import force_sum_reductions
+from torchtitan_ext.common.log_ranks import log_ranks, print_only_on, warn_if_loss_hidden
+from torchtitan_ext.common.data import split_by_content
+from torchtitan_ext.common.schedules import close_schedule, n_microbatches, rrfp_settings, validate
+from torchtitan_ext.common.stats_logging import log_step_stats
+from torchtitan_ext.common.stop import stop_job
 
 _HOOKED = "_rrfp_hooks_installed"
 
@@ -121,7 +121,7 @@ def _hook(module: ModuleType, on_cpu: bool) -> None:
 def _variable_shape_step(trainer, schedule: ScheduleRRFP, input_dict, labels,
                          global_valid_tokens) -> torch.Tensor:
     """torchtitan's pipeline forward/backward, on microbatches each as long as its own
-    content (``torchtitan_ext.data.split_by_content``); the loss stays the sum over valid
+    content (``torchtitan_ext.common.data.split_by_content``); the loss stays the sum over valid
     tokens divided by their global count."""
     inputs, labels, extra_inputs, extra_kwargs = trainer.post_dataloading_process(
         input_dict, labels)

@@ -11,12 +11,12 @@ from __future__ import annotations
 
 import functools
 
-from torchtitan_ext.version import require, TOML_INSTEAD
+from torchtitan_ext.common.version import require, TOML_INSTEAD
 
-require((0, 2), "torchtitan_ext.patches_0_2", TOML_INSTEAD)
+require((0, 2), "torchtitan_ext.titan_0_2.patches", TOML_INSTEAD)
 
-from torchtitan_ext.models import first_stage_modules  # noqa: E402
-from torchtitan_ext.schedules import (  # noqa: E402
+from torchtitan_ext.titan_0_2.models import first_stage_modules  # noqa: E402
+from torchtitan_ext.common.schedules import (  # noqa: E402
     _SINGLE_STAGE_HINTS, _torch_view, build_schedule, hint_of, n_microbatches,
     placement_schedule, rrfp_settings, ScheduleRRFP, ScheduleRRFPSingleStage)
 

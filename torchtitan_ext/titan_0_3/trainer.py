@@ -5,16 +5,16 @@ A job's ``Trainer.Config`` is ``RRFPTrainer.Config`` (``torchtitan_ext.config_re
 builds them); ``config.build()`` then makes an ``RRFPTrainer``, which is torchtitan's own
 Trainer plus:
 
-* the model's ``pipelining_fn`` wrapped (``torchtitan_ext.pipelining``): RRFP schedule
+* the model's ``pipelining_fn`` wrapped (``torchtitan_ext.titan_0_3.pipelining``): RRFP schedule
   names build ScheduleRRFP with the ``rrfp`` settings;
 * the configuration checked before anything is built (``rrfp: bad configuration: ...``);
-* only the rank that logs the loss prints log lines (``torchtitan_ext.log_ranks``), and
+* only the rank that logs the loss prints log lines (``torchtitan_ext.common.log_ranks``), and
   torchtitan's ``run_train.sh`` advice on ``LOG_RANK`` replaced by its own check;
 * the loss rank of V placements under RRFP names (``RRFPMetricsProcessor``);
 * ScheduleRRFP's stats next to torchtitan's metrics (console, TensorBoard, traces);
 * with ``rrfp.variable_shapes``, each microbatch cut to its own content before the
   trainer's own pre-split ``pp_schedule.step(arg_mbs=...)`` call;
-* on a machine without an accelerator: torchtitan on the CPU (``torchtitan_ext.cpu``);
+* on a machine without an accelerator: torchtitan on the CPU (``torchtitan_ext.common.cpu``);
 * at ``close``, ScheduleRRFP's own ``close`` first (threads stopped, channels released).
 """
 
@@ -24,9 +24,9 @@ import dataclasses
 import logging
 from dataclasses import dataclass, field
 
-from torchtitan_ext.version import CONFIG_FN_INSTEAD, require
+from torchtitan_ext.common.version import CONFIG_FN_INSTEAD, require
 
-require((0, 3), "torchtitan_ext.trainer", CONFIG_FN_INSTEAD)
+require((0, 3), "torchtitan_ext.titan_0_3.trainer", CONFIG_FN_INSTEAD)
 
 import torch.distributed as dist  # noqa: E402
 from torchtitan.components.metrics import _get_metrics_rank, MetricsProcessor  # noqa: E402
@@ -35,15 +35,15 @@ from torchtitan.models.common.attention import FlexAttention, VarlenAttention  #
 from torchtitan.trainer import Trainer  # noqa: E402
 
 from rrfp import ScheduleRRFP  # noqa: E402
-from torchtitan_ext.assets import register_dataset  # noqa: E402
+from torchtitan_ext.common.assets import register_dataset  # noqa: E402
 from torchtitan_ext.config import RRFP  # noqa: E402
-from torchtitan_ext.cpu import force_sum_reductions, use_cpu  # noqa: E402
-from torchtitan_ext.data import split_by_content  # noqa: E402
-from torchtitan_ext.log_ranks import log_ranks, print_only_on, warn_if_loss_hidden  # noqa: E402
-from torchtitan_ext.pipelining import with_rrfp  # noqa: E402
-from torchtitan_ext.schedules import close_schedule, hint_of, torch_view_name, validate  # noqa: E402
-from torchtitan_ext.stats_logging import log_step_stats  # noqa: E402
-from torchtitan_ext.stop import stop_job  # noqa: E402
+from torchtitan_ext.common.cpu import force_sum_reductions, use_cpu  # noqa: E402
+from torchtitan_ext.common.data import split_by_content  # noqa: E402
+from torchtitan_ext.common.log_ranks import log_ranks, print_only_on, warn_if_loss_hidden  # noqa: E402
+from torchtitan_ext.titan_0_3.pipelining import with_rrfp  # noqa: E402
+from torchtitan_ext.common.schedules import close_schedule, hint_of, torch_view_name, validate  # noqa: E402
+from torchtitan_ext.common.stats_logging import log_step_stats  # noqa: E402
+from torchtitan_ext.common.stop import stop_job  # noqa: E402
 
 TORCHTITAN_LOSS_ADVICE = "Pipeline Parallel loss is not visible"
 """The start of torchtitan's ``ensure_pp_loss_visible`` warning, which asks for
@@ -88,7 +88,7 @@ def check(config) -> None:
                          "build the model with attn_backend='sdpa'")
     if isinstance(config.dataloader, HuggingFaceTextDataLoader.Config):
         raise ValueError("rrfp.variable_shapes cuts samples that are not packed (one document "
-                         "each, padded at the end: torchtitan_ext.dataloaders."
+                         "each, padded at the end: torchtitan_ext.titan_0_3.dataloaders."
                          "DocumentDataLoader); torchtitan's text dataloader packs documents "
                          "into full-length samples: set rrfp.variable_shapes false, or load "
                          "whole documents")
@@ -135,7 +135,7 @@ class RRFPTrainer(Trainer):
 
     def post_dataloading_process(self, input_dict, labels):
         """torchtitan's, then: under RRFP with ``rrfp.variable_shapes``, the microbatch cut
-        to its own content (``torchtitan_ext.data.split_by_content``); otherwise a batch
+        to its own content (``torchtitan_ext.common.data.split_by_content``); otherwise a batch
         with image patches padded to one shape, the patches' targets ignored."""
         inputs, labels, extra_kwargs = super().post_dataloading_process(input_dict, labels)
         schedule = getattr(self, "pp_schedule", None)
@@ -153,7 +153,7 @@ class RRFPTrainer(Trainer):
         return cut.args[0][0], cut.targets[0], cut.kwargs[0]
 
     def close(self) -> None:
-        """ScheduleRRFP's ``close`` first (``torchtitan_ext.schedules.close_schedule``),
+        """ScheduleRRFP's ``close`` first (``torchtitan_ext.common.schedules.close_schedule``),
         then torchtitan's."""
         try:
             close_schedule(getattr(self, "pp_schedule", None))

@@ -29,7 +29,7 @@ from torch.utils.data import IterableDataset
 from torchtitan.components.dataloader import ParallelAwareDataloader
 from torchtitan.components.loss import IGNORE_INDEX
 
-from torchtitan_ext.assets import arithmetic_corpus
+from torchtitan_ext.common.assets import arithmetic_corpus
 
 PATCHES_PER_IMAGE = 4
 MAX_PATCHES = 40

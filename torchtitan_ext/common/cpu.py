@@ -20,7 +20,7 @@ from types import ModuleType, SimpleNamespace
 
 import torch
 
-from torchtitan_ext.version import torchtitan_version
+from torchtitan_ext.common.version import torchtitan_version
 
 DEVICE_MODULES: dict[tuple[int, int], dict[str, tuple[str, ...]]] = {
     (0, 2): {
@@ -86,10 +86,10 @@ def moe_cpu_path(module: ModuleType, attribute: str):
         return current
     if attribute == "torch":
         if current is not torch:
-            raise RuntimeError(f"torchtitan_ext.cpu: {module.__name__}.torch is not torch")
+            raise RuntimeError(f"torchtitan_ext.common.cpu: {module.__name__}.torch is not torch")
         return TorchWithIntegerHistc("torch")
     if "use_cpu" not in inspect.signature(current).parameters:
-        raise RuntimeError(f"torchtitan_ext.cpu: {module.__name__}.{attribute} has no "
+        raise RuntimeError(f"torchtitan_ext.common.cpu: {module.__name__}.{attribute} has no "
                            "use_cpu argument any more; update MOE_CPU_PATCHES")
     return functools.partial(current, use_cpu=True)
 
@@ -147,13 +147,13 @@ def use_cpu() -> bool:
         module = importlib.import_module(name)
         for attribute in attributes:
             if not hasattr(module, attribute):
-                raise RuntimeError(f"torchtitan_ext.cpu: {name}.{attribute} is gone; update "
+                raise RuntimeError(f"torchtitan_ext.common.cpu: {name}.{attribute} is gone; update "
                                    "DEVICE_MODULES for this torchtitan")
             setattr(module, attribute, "cpu" if attribute == "device_type" else CpuDeviceModule)
     for name, attribute in MOE_CPU_PATCHES[torchtitan_version()].items():
         module = importlib.import_module(name)
         if not hasattr(module, attribute):
-            raise RuntimeError(f"torchtitan_ext.cpu: {name}.{attribute} is gone; update "
+            raise RuntimeError(f"torchtitan_ext.common.cpu: {name}.{attribute} is gone; update "
                                "MOE_CPU_PATCHES for this torchtitan")
         setattr(module, attribute, moe_cpu_path(module, attribute))
     return True

@@ -1,7 +1,7 @@
 """torchtitan 0.2.2: models and train specs whose per-microbatch work varies with the data.
 
 * ``rrfp_llama3_documents``: torchtitan's llama3, fed one document per sample
-  (``torchtitan_ext.data``): microbatches differ in sequence length.
+  (``torchtitan_ext.common.data``): microbatches differ in sequence length.
 * ``rrfp_multimodal``: llama3 whose first stage first runs an image-patch encoder over the
   sample's patches (how many depends on the document), then prepends them to the token
   embeddings: the first stage's work, and every activation's length, vary with the data.
@@ -9,9 +9,9 @@
 
 from __future__ import annotations
 
-from torchtitan_ext.version import require, TOML_INSTEAD
+from torchtitan_ext.common.version import require, TOML_INSTEAD
 
-require((0, 2), "torchtitan_ext.models", TOML_INSTEAD)
+require((0, 2), "torchtitan_ext.titan_0_2.models", TOML_INSTEAD)
 
 import dataclasses
 
@@ -20,7 +20,7 @@ from torch import nn
 from torchtitan.models.llama3 import llama3_args, Transformer, TransformerModelArgs
 from torchtitan.protocols.train_spec import get_train_spec, register_train_spec
 
-from torchtitan_ext.data import (
+from torchtitan_ext.common.data import (
     build_document_dataloader, build_image_document_dataloader, PATCH_DIM)
 
 DOCUMENTS, MULTIMODAL = "rrfp_llama3_documents", "rrfp_multimodal"

@@ -1,9 +1,9 @@
 """torchtitan 0.3: ``rrfp_multimodal``, llama3 whose first stage first encodes image patches.
 
-The model of ``torchtitan_ext.models``' ``rrfp_multimodal`` (torchtitan 0.2.2) in torchtitan
+The model of ``torchtitan_ext.titan_0_2.models``' ``rrfp_multimodal`` (torchtitan 0.2.2) in torchtitan
 0.3's terms: a ``Llama3Model`` with a ``vision_encoder`` (a patch encoder: patches -> model
 dimension, then residual MLP blocks), whose output is prepended to the token embeddings.
-How many patches a sample has depends on its document (``torchtitan_ext.data``): the first
+How many patches a sample has depends on its document (``torchtitan_ext.common.data``): the first
 stage's work, and every activation's length, vary with the data. Its ``pipelining_fn`` is
 torchtitan's ``pipeline_vlm``, which puts the vision encoder on the first stage.
 """
@@ -13,9 +13,9 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-from torchtitan_ext.version import CONFIG_FN_INSTEAD, require
+from torchtitan_ext.common.version import CONFIG_FN_INSTEAD, require
 
-require((0, 3), "torchtitan_ext.multimodal", CONFIG_FN_INSTEAD)
+require((0, 3), "torchtitan_ext.titan_0_3.multimodal", CONFIG_FN_INSTEAD)
 
 import torch  # noqa: E402
 from torchtitan.distributed.pipeline_parallel import pipeline_vlm  # noqa: E402
@@ -24,7 +24,7 @@ from torchtitan.models.llama3 import Llama3Model, model_registry  # noqa: E402
 from torchtitan.protocols.model_spec import ModelSpec  # noqa: E402
 from torchtitan.protocols.module import Module, ModuleList, Sequential  # noqa: E402
 
-from torchtitan_ext.data import PATCH_DIM  # noqa: E402
+from torchtitan_ext.common.data import PATCH_DIM  # noqa: E402
 
 MULTIMODAL = "rrfp_multimodal"
 

@@ -1,4 +1,4 @@
-"""torchtitan 0.3: the data paths of ``torchtitan_ext.data`` as torchtitan dataloaders.
+"""torchtitan 0.3: the data paths of ``torchtitan_ext.common.data`` as torchtitan dataloaders.
 
 ``DocumentDataLoader.Config()`` (``dataloader=`` of a ``Trainer.Config``): one document
 per sample, padded to ``training.seq_len``; ``images=True``: with the document's image
@@ -9,13 +9,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from torchtitan_ext.version import CONFIG_FN_INSTEAD, require
+from torchtitan_ext.common.version import CONFIG_FN_INSTEAD, require
 
-require((0, 3), "torchtitan_ext.dataloaders", CONFIG_FN_INSTEAD)
+require((0, 3), "torchtitan_ext.titan_0_3.dataloaders", CONFIG_FN_INSTEAD)
 
 from torchtitan.components.dataloader import ParallelAwareDataloader  # noqa: E402
 
-from torchtitan_ext.data import DocumentDataset, MAX_PATCHES  # noqa: E402
+from torchtitan_ext.common.data import DocumentDataset, MAX_PATCHES  # noqa: E402
 
 
 class DocumentDataLoader(ParallelAwareDataloader):

@@ -15,7 +15,7 @@ import torch.distributed as dist
 from torchtitan.tools.logging import logger
 
 from rrfp import ScheduleRRFP, StepStats, write_chrome_trace
-from torchtitan_ext.log_ranks import log_ranks
+from torchtitan_ext.common.log_ranks import log_ranks
 
 
 @dataclass(frozen=True)

@@ -18,14 +18,14 @@ from collections.abc import Callable
 
 from torch.distributed.pipelining.schedules import PipelineScheduleMulti, PipelineScheduleSingle
 
-from torchtitan_ext.version import CONFIG_FN_INSTEAD, require
+from torchtitan_ext.common.version import CONFIG_FN_INSTEAD, require
 
-require((0, 3), "torchtitan_ext.pipelining", CONFIG_FN_INSTEAD)
+require((0, 3), "torchtitan_ext.titan_0_3.pipelining", CONFIG_FN_INSTEAD)
 
 from torchtitan.tools.logging import logger  # noqa: E402
 
 from torchtitan_ext.config import RRFP  # noqa: E402
-from torchtitan_ext.schedules import (  # noqa: E402
+from torchtitan_ext.common.schedules import (  # noqa: E402
     build_schedule, hint_of, microbatches_of, placement_schedule)
 
 
