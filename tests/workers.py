@@ -488,9 +488,10 @@ def bytes_when_i_frees_a_part(rank: int, world_size: int, hint: str, reference: 
     and under ScheduleRRFP at "hint" ("slow_head" delays), on blocks whose saves are partly
     freed at I: a Linear's input, which W needs, and two tanhs' outputs, which only the
     input gradient needs. At I torch detaches a stage's outputs, so what only the graph
-    kept goes; the second tanh's output is the stage's output, alive as long as the
-    stage (torch 2.15: or a pending send) keeps it. Under split backward the microbatches
-    held (until W) then no longer fix the bytes; this measures them."""
+    kept goes; the second tanh's output is the stage's output, alive while anything keeps
+    it (torch's schedules: until W; RRFP on torch 2.15: until its send is handed over).
+    Under split backward the microbatches held (until W) then no longer fix the bytes;
+    this measures them."""
     num_stages, M = world_size * per_rank, 4 * world_size
     torch.manual_seed(0)
     chain = [Detached(torch.nn.Sequential(torch.nn.Linear(MEMORY_DIM, MEMORY_DIM), torch.nn.Tanh(),
@@ -540,13 +541,11 @@ def memory_world(rank: int, world_size: int, hint: str, reference: str, per_rank
     y = torch.randn(M * MEMORY_BATCH, MEMORY_DIM, generator=g, dtype=torch.float64)
     inputs = (x,) if 0 in local_stage_indices(rank, world_size, num_stages, layout) else ()
 
-    def steps(schedule, blocks, meters=None):
-        return memory_steps(schedule, blocks, inputs, y, meters)
-
     fixed_meters = StageMeters()
     stages, blocks = build_stages(chain, rank, world_size, layout,
                                   wrap=memory_delays("slow_head", num_stages, M, fixed_meters))
-    fixed_grads = steps(torch_schedule(reference, stages, M), blocks, meters=fixed_meters)
+    fixed_grads = memory_steps(torch_schedule(reference, stages, M), blocks, inputs, y,
+                               fixed_meters)
     results: dict = {"per_microbatch": MEMORY_PER_MICROBATCH, "runs": {},
                      "torch": {"rank_bytes": fixed_meters.rank_peak,
                                "stage_bytes": fixed_meters.stage_peaks()}}
@@ -570,7 +569,7 @@ def memory_world(rank: int, world_size: int, hint: str, reference: str, per_rank
                                 meter_activations=meters is None, meter_every=1)
         for stage in stages:
             stage.submod.reset()
-        grads = steps(schedule, blocks, meters=meters)
+        grads = memory_steps(schedule, blocks, inputs, y, meters)
         stats = schedule.last_step_stats
         schedule.close()
         realized_peaks, realized_rank_peak = held_from_order(stats.realized_order)
