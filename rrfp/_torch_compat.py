@@ -22,6 +22,15 @@ the versions it supports, and how rrfp reads the same on each:
   transport holds its own reference to every tensor it sends until the send completes, so
   the stage's reference is dropped as soon as the send is handed over
   (``release_sent_outputs``): never later than torch's own schedules let go of it.
+* **What a split backward frees at I.** On every version the input-gradient backward (I)
+  detaches the stage's outputs, so what only the input gradient needed (a tanh's saved
+  output, say) is freed at I, while what W needs stays until W. On 2.15 a stage whose
+  sent output was released backpropagates from the output's gradient edge and drops it
+  at I, so the output itself goes at I too. torch 2.15's own schedules release an output
+  at its send's wait, which they place after that microbatch's local backward: at I
+  their stage still holds it, until W. rrfp releases it when the send is handed over, so
+  on every version it frees at I at least what torch's schedules free (measured per
+  rank against torch's own schedule, ``tests/test_runtime.py``); nothing to call here.
 * **Gradient finalization.** 2.15's ``step(finalize_gradients=False)`` leaves FSDP
   gradients unreduced and parameters unsharded for accumulation across calls. rrfp
   accepts the argument on every version (it only decides whether ``REDUCE_GRAD`` runs

@@ -129,18 +129,32 @@ MEMORY_CASES = [
 
 @pytest.mark.parametrize("case", MEMORY_CASES, ids=lambda c: c[0])
 def test_measured_activation_bytes_stay_within_what_the_limit_allows(case):
-    """Blocks that save a known number of bytes per microbatch: the bytes measured on the
-    saved tensors (per stage and per rank) are exactly the microbatches held times that,
-    the microbatches held (recomputed from the realized order) are exactly the arbiter's
-    count, and they stay within the limit: at "hint" the hint's own peak (recomputed from
-    its order), per stage and per rank; at "hint+2" 2 more; at an int n, n."""
+    """Blocks that save a known number of bytes per microbatch: at "hint" the bytes measured
+    on the saved tensors stay within what torch's own fixed schedule (the reference class,
+    on this torch, the same blocks, delays and meter) holds, per rank and per stage, and
+    so do they, per rank, on blocks whose saves are partly freed at I where the hint
+    splits backward; the bytes (per stage and per rank) are exactly the microbatches held
+    times that, the microbatches held (recomputed from the realized order) are exactly
+    the arbiter's count, and they stay within the limit: at "hint" the hint's own peak
+    (recomputed from its order), per stage and per rank; at "hint+2" 2 more; at an int
+    n, n."""
     ranks = run_local_world(2, workers.memory_world, *case, timeout=180)
     for rank, result in enumerate(ranks):
         per_mb = result["per_microbatch"]
-        for run, outcome in result.items():
-            if not isinstance(outcome, dict):
-                continue
+        torch_rank, torch_stages = result["torch"]["rank_bytes"], result["torch"]["stage_bytes"]
+        freed_at_i = result.get("freed_at_i")  # hints that split backward
+        assert freed_at_i is None or freed_at_i["rrfp"] <= freed_at_i["torch"], (
+            f"rank {rank}, blocks partly freed at I: {freed_at_i['rrfp']} B under RRFP, "
+            f"{freed_at_i['torch']} B under torch's {case[1]}")
+        for run, outcome in result["runs"].items():
             where = f"rank {rank}, {run}"
+            if run.startswith("hint/"):
+                assert outcome["rank_bytes"] <= torch_rank, (
+                    f"{where}: {outcome['rank_bytes']} B on the rank, torch's {case[1]} "
+                    f"{torch_rank} B")
+                assert outcome["stage_bytes"] is None or all(
+                    b <= torch_stages[s] for s, b in outcome["stage_bytes"].items()), (
+                    f"{where}: {outcome['stage_bytes']} B per stage, torch's {torch_stages}")
             assert outcome["bitwise"], f"{where}: not bitwise the fixed schedule's"
             held, rank_held = outcome["held"], outcome["rank_held"]
             assert held == outcome["arbiter_held"], where
@@ -156,7 +170,7 @@ def test_measured_activation_bytes_stay_within_what_the_limit_allows(case):
                 allowed = {s: h + extra for s, h in outcome["hint_held"].items()}
                 rank_allowed = outcome["hint_rank_held"] + extra
             elif limit == "busiest":  # what the fixed order's busiest rank holds, anywhere
-                rank_allowed = max(r["hint/slow_head"]["hint_rank_held"] for r in ranks)
+                rank_allowed = max(r["runs"]["hint/slow_head"]["hint_rank_held"] for r in ranks)
                 allowed = {s: rank_allowed for s in held}
             else:
                 allowed, rank_allowed = {s: int(limit) for s in held}, int(limit)
@@ -188,8 +202,8 @@ def test_busiest_keeps_the_job_peak_of_the_fixed_schedule_on_four_ranks():
     bytes), while a rank that holds less under 1F1B may hold more than it did there."""
     ranks = run_local_world(4, workers.memory_world, "1F1B", "1F1B", 1, "loop", timeout=240)
     per_mb = ranks[0]["per_microbatch"]
-    busiest_fixed = max(r["hint/slow_head"]["hint_rank_held"] for r in ranks) * per_mb
-    runs = [r["busiest/slow_head"] for r in ranks]
+    busiest_fixed = max(r["runs"]["hint/slow_head"]["hint_rank_held"] for r in ranks) * per_mb
+    runs = [r["runs"]["busiest/slow_head"] for r in ranks]
     assert all(run["bitwise"] for run in runs)
     assert all(run["rank_limit"] == 4 for run in runs)  # rank 0's 1F1B peak, on every rank
     assert max(run["rank_bytes"] for run in runs) <= busiest_fixed, (runs, busiest_fixed)

@@ -21,6 +21,7 @@ from rrfp import PipelineStallError, ScheduleRRFP
 from rrfp._torch_compat import forward_states_held
 from rrfp.device import EmulatedDevice
 from rrfp.emulation import EmulatedDeviceTime
+from rrfp.hints import build_hint
 from rrfp.loop import DEFAULT_LAUNCH_DEPTH
 from rrfp.stats import StepStats
 from rrfp.channels import make_channel_group
@@ -448,6 +449,68 @@ class StageMeters:
         return {s: m.peak for s, m in self.meters.items()}
 
 
+def memory_delays(pattern: str, num_stages: int, n_microbatches: int,
+                  meters: StageMeters | None) -> Callable[[int, torch.nn.Module], torch.nn.Module]:
+    """A ``build_stages`` wrap: each block metered by ``meters`` (if any), under emulated
+    device time. "slow_head": the last stage's backward takes 30 ms, everything else 1 ms,
+    so upstream forwards would run ahead; "slow_tail": the first stage's forwards take 30
+    ms and the rest 1 ms, so ranks wait with backward pieces (and, under split backward,
+    Ws) to fill in."""
+    def wrap(s: int, block: torch.nn.Module) -> torch.nn.Module:
+        slow_head = pattern == "slow_head" and s == num_stages - 1
+        slow_tail = pattern == "slow_tail" and s == 0
+        inner = meters.wrap(s, block) if meters is not None else block
+        return EmulatedDeviceTime(inner, n_microbatches, lambda mb: 0.03 if slow_tail else 0.001,
+                                  lambda mb: 0.03 if slow_head else 0.001)
+    return wrap
+
+
+def memory_steps(schedule, blocks, inputs: tuple, y: torch.Tensor,
+                 meters: StageMeters | None = None, n: int = 2) -> list[list[torch.Tensor]]:
+    """``n`` optimizer steps; per step the local gradients. ``meters`` are reset at each
+    step's start, so they keep the last step's bytes (as ScheduleRRFP's own meter does)."""
+    optimizer = torch.optim.SGD([p for b in blocks for p in b.parameters()], lr=0.1)
+    grads = []
+    for _ in range(n):
+        optimizer.zero_grad(set_to_none=True)
+        if meters is not None:
+            meters.reset()
+        schedule.step(*inputs, target=y, return_outputs=False)
+        grads.append([p.grad.clone() for b in blocks for p in b.parameters()])
+        optimizer.step()
+    return grads
+
+
+def bytes_when_i_frees_a_part(rank: int, world_size: int, hint: str, reference: str,
+                              per_rank: int, layout: str, inputs: tuple,
+                              y: torch.Tensor) -> dict[str, int]:
+    """The rank's peak saved-activation bytes under torch's fixed schedule (``reference``)
+    and under ScheduleRRFP at "hint" ("slow_head" delays), on blocks whose saves are partly
+    freed at I: a Linear's input, which W needs, and two tanhs' outputs, which only the
+    input gradient needs. At I torch detaches a stage's outputs, so what only the graph
+    kept goes; the second tanh's output is the stage's output, alive while anything keeps
+    it (torch's schedules: until W; RRFP on torch 2.15: until its send is handed over).
+    Under split backward the microbatches held (until W) then no longer fix the bytes;
+    this measures them."""
+    num_stages, M = world_size * per_rank, 4 * world_size
+    torch.manual_seed(0)
+    chain = [Detached(torch.nn.Sequential(torch.nn.Linear(MEMORY_DIM, MEMORY_DIM), torch.nn.Tanh(),
+                                          torch.nn.Tanh())).double() for _ in range(num_stages)]
+    measured = {}
+    for name in ("torch", "rrfp"):
+        meters = StageMeters()
+        stages, blocks = build_stages(chain, rank, world_size, layout,
+                                      wrap=memory_delays("slow_head", num_stages, M, meters))
+        schedule = torch_schedule(reference, stages, M) if name == "torch" else ScheduleRRFP(
+            stages, M, loss_fn=loss_fn, hint=hint, device=EmulatedDevice(), stall_timeout=60,
+            meter_activations=False)
+        memory_steps(schedule, blocks, inputs, y, meters)
+        if name == "rrfp":
+            schedule.close()
+        measured[name] = meters.rank_peak
+    return measured
+
+
 def memory_world(rank: int, world_size: int, hint: str, reference: str, per_rank: int,
                  layout: str) -> dict:
     """Saved-activation bytes of ScheduleRRFP measured per stage and per rank, on blocks
@@ -461,16 +524,16 @@ def memory_world(rank: int, world_size: int, hint: str, reference: str, per_rank
     ScheduleRRFP's own meter off) in the runs marked "stage", and from ScheduleRRFP's own
     meter (per rank) in the others.
 
-    Delay patterns (emulated asynchronous device): "slow_head": the last stage's backward
-    takes 30 ms, everything else 1 ms, so upstream forwards would run ahead; "slow_tail":
-    the first stage's forwards take 30 ms and the rest 1 ms, so ranks wait with backward
-    pieces (and, under split backward, Ws) to fill in.
+    Runs are keyed ``"limit/pattern"`` under "runs"; delay patterns: ``memory_delays``.
+    Under "torch", the reference: torch's own fixed schedule (``reference``) on the same
+    blocks, metered by the same per-stage meters under "slow_head" (its last step's peaks,
+    per rank and per stage; its order is fixed, so the delays cannot change them).
     """
     num_stages, M = world_size * per_rank, 4 * world_size
     torch.manual_seed(0)
     # A Linear saves only its input (the weight is a parameter), which its weight gradient
     # needs: kept until the last backward piece, also under split backward (I/W). (A tanh's
-    # saved output would be freed at I on the last stage, where nothing else holds it.)
+    # saved output, which only the input gradient needs, is freed at I.)
     chain = [Detached(torch.nn.Linear(MEMORY_DIM, MEMORY_DIM)).double()
              for _ in range(num_stages)]
     g = torch.Generator().manual_seed(1)
@@ -478,30 +541,18 @@ def memory_world(rank: int, world_size: int, hint: str, reference: str, per_rank
     y = torch.randn(M * MEMORY_BATCH, MEMORY_DIM, generator=g, dtype=torch.float64)
     inputs = (x,) if 0 in local_stage_indices(rank, world_size, num_stages, layout) else ()
 
-    def steps(schedule, stages, blocks, n=2, meters=None):
-        optimizer = torch.optim.SGD([p for b in blocks for p in b.parameters()], lr=0.1)
-        grads = []
-        for _ in range(n):
-            optimizer.zero_grad(set_to_none=True)
-            if meters is not None:  # the bytes of the last step, as ScheduleRRFP's meter
-                meters.reset()
-            schedule.step(*inputs, target=y, return_outputs=False)
-            grads.append([p.grad.clone() for b in blocks for p in b.parameters()])
-            optimizer.step()
-        return grads
-
-    stages, blocks = build_stages(chain, rank, world_size, layout)
-    fixed_grads = steps(torch_schedule(reference, stages, M), stages, blocks)
-    results: dict = {"per_microbatch": MEMORY_PER_MICROBATCH}
-
-    def delays(pattern: str, meters: StageMeters | None):
-        def wrap(s: int, block):
-            slow_head = pattern == "slow_head" and s == num_stages - 1
-            slow_tail = pattern == "slow_tail" and s == 0
-            inner = meters.wrap(s, block) if meters is not None else block
-            return EmulatedDeviceTime(inner, M, lambda mb: 0.03 if slow_tail else 0.001,
-                                      lambda mb: 0.03 if slow_head else 0.001)
-        return wrap
+    fixed_meters = StageMeters()
+    stages, blocks = build_stages(chain, rank, world_size, layout,
+                                  wrap=memory_delays("slow_head", num_stages, M, fixed_meters))
+    fixed_grads = memory_steps(torch_schedule(reference, stages, M), blocks, inputs, y,
+                               fixed_meters)
+    results: dict = {"per_microbatch": MEMORY_PER_MICROBATCH, "runs": {},
+                     "torch": {"rank_bytes": fixed_meters.rank_peak,
+                               "stage_bytes": fixed_meters.stage_peaks()}}
+    if build_hint(hint, num_ranks=world_size, num_stages=num_stages, n_microbatches=M,
+                  layout=layout).has_split_backward:
+        results["freed_at_i"] = bytes_when_i_frees_a_part(rank, world_size, hint, reference,
+                                                          per_rank, layout, inputs, y)
 
     runs = [("hint", "slow_head", "stage"), ("hint", "slow_tail", "rank"),
             ("hint+2", "slow_head", "stage")]
@@ -511,18 +562,19 @@ def memory_world(rank: int, world_size: int, hint: str, reference: str, per_rank
         runs.append(("busiest", "slow_head", "rank"))
     for limit, pattern, metered in runs:
         meters = StageMeters() if metered == "stage" else None
-        stages, blocks = build_stages(chain, rank, world_size, layout, wrap=delays(pattern, meters))
+        stages, blocks = build_stages(chain, rank, world_size, layout,
+                                      wrap=memory_delays(pattern, num_stages, M, meters))
         schedule = ScheduleRRFP(stages, M, loss_fn=loss_fn, hint=hint, buffer_limit=limit,
                                 device=EmulatedDevice(), stall_timeout=60,
                                 meter_activations=meters is None, meter_every=1)
         for stage in stages:
             stage.submod.reset()
-        grads = steps(schedule, stages, blocks, meters=meters)
+        grads = memory_steps(schedule, blocks, inputs, y, meters)
         stats = schedule.last_step_stats
         schedule.close()
         realized_peaks, realized_rank_peak = held_from_order(stats.realized_order)
         hint_peaks, hint_rank_peak = held_from_order(stats.hint_order)
-        results[f"{limit}/{pattern}"] = {
+        results["runs"][f"{limit}/{pattern}"] = {
             "stage_bytes": meters.stage_peaks() if meters is not None else None,
             "rank_bytes": meters.rank_peak if meters is not None else stats.peak_activation_bytes,
             "held": realized_peaks, "rank_held": realized_rank_peak,
