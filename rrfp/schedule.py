@@ -23,13 +23,14 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.distributed.pipelining.schedules import (
     _check_torch_compile_compatibility,
     _get_profiler_function_name,
-    PipelineScheduleMulti,
+    _PipelineContext,
 )
 from torch.distributed.pipelining.stage import _DTensorMeta, _PipelineStageBase
 from torch.distributed.pipelining.microbatch import _split_tensor, TensorChunkSpec
 from torch.profiler import record_function
 
-from rrfp._torch_compat import clear_after_failure, release_sent_outputs
+from rrfp._torch_compat import (check_first_stage_inputs, clear_after_failure,
+                                release_sent_outputs)
 from rrfp.arbiter import (Arbiter, ByteLimits, check_deadlock_free, check_limits,
                           first_step_limits, fixed_peak_bytes, limits_within_bytes,
                           MemoryLimits)
@@ -37,6 +38,7 @@ from rrfp.hints import (
     _Action,
     B,
     build_hint,
+    declares_split_backward,
     Edge,
     F,
     Hint,
@@ -55,6 +57,8 @@ from rrfp.policy import default_policy, History, make_policy
 from rrfp.receives import ReceiveRings, shape_header
 from rrfp.settings import parse_buffer_limit, parse_launch_depth, parse_policy
 from rrfp.stats import Span, StepStats
+from rrfp.torch_interface import (IncompatibleStagesError, receive_posted,
+                                  TorchRuntimeInterface)
 from rrfp.transport import (create_channels, FAILURE_POLL_S, PeerFailedError, ReceiveStreams,
                             SendDelay, Transport)
 
@@ -62,8 +66,11 @@ logger = logging.getLogger(__name__)
 
 
 
-class ScheduleRRFP(PipelineScheduleMulti):
+class ScheduleRRFP(TorchRuntimeInterface):
     """Runtime-readiness-first pipeline schedule (arXiv 2605.18750).
+
+    A torch ``_PipelineScheduleRuntime`` whose action order is a hint (see
+    ``rrfp.torch_interface`` for what of torch's runtime interface it honours).
 
     Args:
         stages: this rank's ``PipelineStage`` (or a list of them, one per local model chunk,
@@ -180,7 +187,7 @@ class ScheduleRRFP(PipelineScheduleMulti):
             raise ValueError("ScheduleRRFP needs at least one stage")
         if not stall_timeout > 0:
             raise ValueError(f"stall_timeout must be > 0 seconds, got {stall_timeout}")
-        stage_device = stages[0].device
+        stage_device = torch.device(stages[0].device)  # torch's stages also take a str
         if send_delay is not None and stage_device.type == "cuda":
             raise ValueError(
                 "send_delay emulates link latency for CPU studies: its sender thread's "
@@ -220,46 +227,23 @@ class ScheduleRRFP(PipelineScheduleMulti):
                     f"stages {local} on pipeline rank {self.rank} follow neither the loop "
                     "nor the V placement: pass a hint (CSV or dict) that places them"
                 )
-        self._hint: Hint = build_hint(
-            hint,
-            num_ranks=self.pp_group_size,
-            num_stages=self._num_stages,
-            n_microbatches=n_microbatches,
-            layout=layout,
-        )
-        expected = list(self._hint.stages_on(self.rank))
-        if expected != local:
-            raise ValueError(
-                f"hint {self._hint.name!r} places stages {expected} on pipeline rank "
-                f"{self.rank} ({self._hint.layout} placement), but this rank holds stages "
-                f"{local}: build the stages with the hint's placement or pick a hint "
-                f"for this placement ({layout})"
-            )
-        if self._hint.has_split_backward:
-            try:
-                _check_torch_compile_compatibility(stages, f"RRFP with hint {self._hint.name}")
-            except RuntimeError as e:
-                raise ValueError(f"{e}; use a hint without split backward (I/W)") from None
+        self._layout = layout
         self._buffer_limit = buffer_limit
         self._limit_in_bytes = limit_spec.in_bytes
         self._policy_given = policy
         self._fixed_order = policy == "fixed"
-        # A byte setting's first step runs at the hint's memory: its bytes are unknown yet.
-        self.buffer_limits = first_step_limits(buffer_limit, self._hint,
-                                               fixed_order=self._fixed_order)
-        self.byte_limits: ByteLimits | None = None
-        """Where ``buffer_limit`` is in bytes: the microbatch limits derived from the first
-        step's bytes (from the second step on), with the budgets they keep."""
-        self.policy = policy or default_policy(self._hint, self.buffer_limits)
         self._history = History()
-        check_deadlock_free(self._hint)
-        self._forward_only_hint = self._hint.forward_only()
+        if declares_split_backward(hint):  # checked first, as torch's own such schedules do
+            _refuse_compiled_stages(stages, hint)
+        self._adopt_hint(self._build_hint(hint))
         self.stall_timeout = float(stall_timeout)
 
         self.stage_index_to_group_rank = dict(self._hint.stage_to_rank)
         for stage in stages:
             stage.stage_index_to_group_rank = self.stage_index_to_group_rank
-        self.pipeline_order = {r: list(acts) for r, acts in self._hint.orders.items()}
+        if len(stages) == 1:
+            self._stage = stages[0]
+            """The one stage, as torch's single-stage schedules name it."""
         _check_fsdp_wraps_the_stage(stages)
         _warn_about_shared_parameters(stages)
         self._ddp = self._unwrap_ddp(stages)
@@ -295,12 +279,6 @@ class ScheduleRRFP(PipelineScheduleMulti):
         self._failure: str | None = None
         self._steps_run = 0
         self.last_step_stats: StepStats | None = None
-        self.limit_summary = (
-            f"buffer_limit={buffer_limit!r} is counted in bytes: the first training step runs "
-            "at the hint's own limits and measures each stage's bytes per microbatch; the "
-            "microbatch limits that keep every rank within its bytes follow from the second "
-            "step on (logged then)." if limit_spec.in_bytes
-            else limit_summary(buffer_limit, self.buffer_limits, self._hint, self.rank))
         local = self._hint.stages_on(self.rank)
         logger.info(
             "ScheduleRRFP on pipeline rank %d: hint %s (policy %s, %s placement), memory "
@@ -312,6 +290,60 @@ class ScheduleRRFP(PipelineScheduleMulti):
             self._hint.rank_peaks()[self.rank], self.launch_depth, type(self._device).__name__,
             self.limit_summary,
         )
+
+    def _build_hint(self, source: HintSource, name: str | None = None) -> Hint:
+        return build_hint(source, num_ranks=self.pp_group_size, num_stages=self._num_stages,
+                          n_microbatches=self._n_microbatches, layout=self._layout,
+                          given_name=name)
+
+    def _adopt_hint(self, hint: Hint) -> None:
+        """Rank ready actions by ``hint`` (placing this rank's stages) from the next step."""
+        local = [stage.stage_index for stage in self._stages]
+        expected = list(hint.stages_on(self.rank))
+        if expected != local:
+            raise ValueError(
+                f"hint {hint.name!r} places stages {expected} on pipeline rank "
+                f"{self.rank} ({hint.layout} placement), but this rank holds stages "
+                f"{local}: build the stages with the hint's placement or pick a hint "
+                f"for this placement ({self._layout})"
+            )
+        if hint.has_split_backward:
+            _refuse_compiled_stages(self._stages, hint.name)
+        check_deadlock_free(hint)
+        self._hint = hint
+        self._forward_only_hint = hint.forward_only()
+        self.pipeline_order = {r: list(acts) for r, acts in hint.orders.items()}
+        # A byte setting's first step runs at the hint's memory: its bytes are unknown yet.
+        self.buffer_limits = first_step_limits(self._buffer_limit, hint,
+                                               fixed_order=self._fixed_order)
+        self.byte_limits: ByteLimits | None = None
+        """Where ``buffer_limit`` is in bytes: the microbatch limits derived from the first
+        step's bytes (from the second step on), with the budgets they keep."""
+        self.policy = self._policy_given or default_policy(hint, self.buffer_limits)
+        self.limit_summary = (
+            f"buffer_limit={self._buffer_limit!r} is counted in bytes: the first training "
+            "step runs at the hint's own limits and measures each stage's bytes per "
+            "microbatch; the microbatch limits that keep every rank within its bytes follow "
+            "from the second step on (logged then)." if self._limit_in_bytes
+            else limit_summary(self._buffer_limit, self.buffer_limits, hint, self.rank))
+
+    def _replace_hint(self, source: HintSource, name: str | None = None) -> None:
+        """Make ``source`` the hint from the next step on: the CSV or actions torch's
+        runtime would load become the order RRFP ranks by. Call it on every rank of the
+        pipeline, between steps; the placement must stay the constructor's (the channels
+        are built for it)."""
+        hint = self._build_hint(source, name)
+        if dict(hint.stage_to_rank) != dict(self._hint.stage_to_rank):
+            raise ValueError(
+                f"hint {hint.name!r} places stages {dict(hint.stage_to_rank)} on pipeline "
+                f"ranks, where this ScheduleRRFP was built for "
+                f"{dict(self._hint.stage_to_rank)}: build a ScheduleRRFP with hint="
+                f"{hint.name!r} instead")
+        self._adopt_hint(hint)
+        logger.info("ScheduleRRFP on pipeline rank %d: hint now %s (policy %s), memory limits "
+                    "%s per stage. %s", self.rank, hint.name, self.policy,
+                    {s: self.buffer_limits.per_stage[s] for s in hint.stages_on(self.rank)},
+                    self.limit_summary)
 
     @property
     def hint(self) -> Hint:
@@ -355,6 +387,9 @@ class ScheduleRRFP(PipelineScheduleMulti):
         if self._limit_in_bytes and self.byte_limits is None and (
                 self.activation_bytes_per_microbatch is not None):
             self._fix_byte_limits()
+        for stage in self._stages:
+            if stage.is_first:  # a wrong input raises here, before the step communicates
+                check_first_stage_inputs(stage, arg_mbs)
         self._step_meter = self._meter if self._meter is not None and (
             self._steps_run % self.meter_every == 0
             or self.activation_bytes_per_microbatch is None) else None
@@ -372,7 +407,7 @@ class ScheduleRRFP(PipelineScheduleMulti):
             hint, limits, policy = self._forward_only_hint, None, make_policy("hint")
         arbiter = Arbiter(hint, self.rank, limits=limits, policy=policy)
         executor = _StageExecutor(self, clock, arg_mbs, kwarg_mbs, target_mbs, return_outputs,
-                                  loss_kwargs)
+                                  loss_kwargs, losses)
         coordinator = (make_coordinator(self.coordination, self._coordination_twin,
                                         self.stall_timeout)
                        if self._coordination_twin is not None else None)
@@ -387,6 +422,7 @@ class ScheduleRRFP(PipelineScheduleMulti):
             coordinator=coordinator, block=self._wait,
         )
         self._device.begin_step(origin, self._wakeup)
+        operations = self._transport.operations
         try:
             self._receives.start(self._transport, hint, self._stage_by_index,
                                  self.buffer_limits.per_stage, training=self._has_backward)
@@ -403,6 +439,8 @@ class ScheduleRRFP(PipelineScheduleMulti):
             self._abandon(e)
             raise self._peer_failed(e, loop) from e
         except BaseException as e:
+            if self._usable_after_failure(operations, coordinator):
+                raise
             # A peer's failure may be what broke this step (a closed gloo connection): say
             # so, naming it; otherwise this rank failed first, and tells the others.
             try:
@@ -481,6 +519,21 @@ class ScheduleRRFP(PipelineScheduleMulti):
             warnings.warn(message, stacklevel=3)
             logger.warning(message)
 
+    def _usable_after_failure(self, operations: int, coordinator) -> bool:
+        """After this rank's step failed: whether it had issued no receive, send or
+        coordination round in it (its transport had issued ``operations`` at the start).
+        Then its channels and its peers are as before the step, and the schedule stays
+        usable, as torch's schedules do after an error raised before their first send or
+        receive: what the step left on the device and in the stages is cleared, and no
+        failure is told to the peers (they wait, as for a rank that has not stepped yet).
+        Otherwise the step's failure is handled as one mid-step (``_abandon``)."""
+        self._device.close(self.stall_timeout)  # nothing launched runs any more
+        if self._transport.operations != operations or (
+                coordinator is not None and coordinator.rounds):
+            return False
+        self._let_go_of_the_step()
+        return True
+
     def _peer_failed(self, error: PeerFailedError, loop: StepLoop) -> PeerFailedError:
         """``error``, saying also what this rank was waiting for."""
         return PeerFailedError(
@@ -510,7 +563,13 @@ class ScheduleRRFP(PipelineScheduleMulti):
             logger.warning("pipeline rank %d: %s", self.rank, e)
             return  # a thread still running may read the stages' caches
         # Their graphs, and what those saved, go now rather than at the stages' next step.
+        self._let_go_of_the_step()
+
+    def _let_go_of_the_step(self) -> None:
+        """After a failed step: unbind its receive buffers, drop its losses and what it
+        left in the stages."""
         self._receives.finish()
+        self._internal_losses.clear()
         for stage in self._stages:
             clear_after_failure(stage)
 
@@ -826,6 +885,15 @@ def gradient_buckets(grads: list[torch.Tensor], cap_bytes: int) -> list[list[tor
     return buckets
 
 
+def _refuse_compiled_stages(stages: list[_PipelineStageBase], hint: HintSource) -> None:
+    """torch's stages cannot split backward (I/W) through a compiled module."""
+    name = hint if isinstance(hint, str) else getattr(hint, "__name__", "custom")
+    try:
+        _check_torch_compile_compatibility(stages, f"RRFP with hint {name}")
+    except RuntimeError as e:
+        raise IncompatibleStagesError(f"{e}; use a hint without split backward (I/W)") from None
+
+
 def _check_fsdp_wraps_the_stage(stages: list[_PipelineStageBase]) -> None:
     """FSDP modules inside a stage need the stage module itself to be one.
 
@@ -865,12 +933,17 @@ class _StageExecutor:
     """What an action does on this rank's stages: compute, then send its outputs."""
 
     def __init__(self, schedule: ScheduleRRFP, clock: Callable[[], float], arg_mbs, kwarg_mbs,
-                 target_mbs, return_outputs: bool, loss_kwargs):
+                 target_mbs, return_outputs: bool, loss_kwargs, losses_out: list | None):
         self.schedule = schedule
         self.clock = clock
         self.arg_mbs, self.kwarg_mbs, self.target_mbs = arg_mbs, kwarg_mbs, target_mbs
         self.return_outputs = return_outputs
         self.loss_kwargs = loss_kwargs
+        self.context = _PipelineContext(schedule, arg_mbs, kwarg_mbs, target_mbs, losses_out)
+        """What a custom function gets (see ``rrfp.torch_interface``)."""
+        # As in torch's runtime: custom functions read and extend these.
+        schedule._internal_losses.clear()
+        schedule.backward_counter.clear()
         self.losses: dict[int, torch.Tensor] = {}
         self.saved_per_microbatch: dict[int, int] = {}
         """Per stage, the most bytes one forward saved for backward (metered steps)."""
@@ -888,53 +961,82 @@ class _StageExecutor:
         self.schedule._receives.completed(action)
 
     def compute(self, action: _Action) -> None:
+        custom = self.schedule._comp_type_to_function_map.get(action.computation_type)
+        with (record_function(_get_profiler_function_name(action))
+              if torch.autograd.profiler._is_profiler_enabled else contextlib.nullcontext()):
+            if custom is None:
+                self._compute(action)
+                return
+            with self._metered(action):
+                self._compute_custom(custom, action)
+
+    @contextlib.contextmanager
+    def _metered(self, action: _Action):
+        """Around a forward of a metered step: the bytes it saves for backward."""
+        meter = self.schedule._step_meter
+        if action.computation_type != F or meter is None:
+            yield
+            return
+        with meter.saving() as saved:
+            yield
+        meter.sample()
+        s = action.stage_index
+        self.saved_per_microbatch[s] = max(self.saved_per_microbatch.get(s, 0), saved.bytes)
+
+    def _compute_custom(self, function, action: _Action) -> None:
+        """A registered custom function in place of the action's compute, as torch's
+        runtime runs it (the loss a last stage's forward computes is RRFP's too)."""
+        schedule = self.schedule
+        losses_before = len(schedule._internal_losses)
+        with receive_posted(schedule.fwd_recv_ops, schedule.bwd_recv_ops, action,
+                            schedule._stage_by_index):
+            function(action, self.context)
+        if action.computation_type == F and len(schedule._internal_losses) > losses_before:
+            self.losses[action.microbatch_index] = schedule._internal_losses[-1]
+
+    def _compute(self, action: _Action) -> None:
         schedule = self.schedule
         stage = schedule._stage_by_index[action.stage_index]
         mb = action.microbatch_index
         ctype = action.computation_type
-        with (record_function(_get_profiler_function_name(action))
-              if torch.autograd.profiler._is_profiler_enabled else contextlib.nullcontext()):
-            if ctype == F:
-                meter = schedule._step_meter
-                with meter.saving() if meter is not None else contextlib.nullcontext() as saved:
-                    output = stage.forward_one_chunk(
-                        mb, self.arg_mbs[mb], self.kwarg_mbs[mb],
-                        save_forward_output=self.return_outputs,
-                    )
-                if meter is not None:
-                    meter.sample()
-                    s = action.stage_index
-                    self.saved_per_microbatch[s] = max(self.saved_per_microbatch.get(s, 0),
-                                                       saved.bytes)
-                if stage.is_last and schedule._loss_fn is not None:
-                    self.losses[mb] = schedule._compute_loss(
-                        output, self.target_mbs[mb], self.loss_kwargs
-                    )
-                if action.stage_index + 1 in schedule._stage_by_index:
-                    schedule._stage_by_index[action.stage_index + 1].set_local_fwd_input(output, mb)
-            elif ctype in (B, I):
-                # last_backward=False everywhere: data-parallel gradient reduction happens
-                # at REDUCE_GRAD, in the hint's fixed stage order, never inside a backward.
-                stage.backward_one_chunk(
-                    mb,
-                    loss=self.losses.get(mb) if stage.is_last else None,
-                    full_backward=ctype == B,
-                    last_backward=False,
+        if ctype == F:
+            with self._metered(action):
+                output = stage.forward_one_chunk(
+                    mb, self.arg_mbs[mb], self.kwarg_mbs[mb],
+                    save_forward_output=self.return_outputs,
                 )
-                if action.stage_index - 1 in schedule._stage_by_index:
-                    schedule._stage_by_index[action.stage_index - 1].set_local_bwd_input(
-                        stage.get_local_bwd_output(mb), mb
-                    )
-            elif ctype == W:
-                stage.backward_weight_one_chunk(mb, last_backward=False)
-            elif ctype == REDUCE_GRAD:
-                if action.stage_index in schedule._ddp:
-                    _all_reduce_gradients(schedule._ddp[action.stage_index])
-                if schedule._finalize_gradients or not isinstance(stage.submod, FSDPModule):
-                    stage.perform_reduce_grad(
-                        schedule._n_microbatches if schedule.scale_grads else 1)
-            else:
-                raise AssertionError(f"unexpected action {action}")
+            if stage.is_last and schedule._loss_fn is not None:
+                self.losses[mb] = schedule._compute_loss(
+                    output, self.target_mbs[mb], self.loss_kwargs
+                )
+                schedule._internal_losses.append(self.losses[mb])  # as torch's runtime keeps them
+            if action.stage_index + 1 in schedule._stage_by_index:
+                schedule._stage_by_index[action.stage_index + 1].set_local_fwd_input(output, mb)
+        elif ctype in (B, I):
+            # last_backward=False everywhere: data-parallel gradient reduction happens
+            # at REDUCE_GRAD, in the hint's fixed stage order, never inside a backward.
+            stage.backward_one_chunk(
+                mb,
+                loss=self.losses.get(mb) if stage.is_last else None,
+                full_backward=ctype == B,
+                last_backward=False,
+            )
+            if action.stage_index - 1 in schedule._stage_by_index:
+                schedule._stage_by_index[action.stage_index - 1].set_local_bwd_input(
+                    stage.get_local_bwd_output(mb), mb
+                )
+        elif ctype == W:
+            stage.backward_weight_one_chunk(mb, last_backward=False)
+        elif ctype == REDUCE_GRAD:
+            if action.stage_index in schedule._ddp:
+                _all_reduce_gradients(schedule._ddp[action.stage_index])
+            if schedule._finalize_gradients or not isinstance(stage.submod, FSDPModule):
+                stage.perform_reduce_grad(
+                    schedule._n_microbatches if schedule.scale_grads else 1)
+        else:
+            raise AssertionError(f"unexpected action {action}")
+        if ctype in (B, W):  # as torch's runtime counts them, for custom functions to read
+            schedule.backward_counter[action.stage_index] += 1
 
     def send(self, action: _Action, edge: Edge) -> None:
         schedule = self.schedule
