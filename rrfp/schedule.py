@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
@@ -190,13 +190,7 @@ class ScheduleRRFP(TorchRuntimeInterface, RuntimeReadout):
         ``_prepare_schedule_with_comms``). Call it on every rank of the pipeline, between
         steps; the placement must stay the constructor's (the channels are built for it)."""
         hint = placed_hint(source, self._stages, self.rank, self._layout,
-                           self._n_microbatches, name)
-        if dict(hint.stage_to_rank) != dict(self._hint.stage_to_rank):
-            raise ValueError(
-                f"hint {hint.name!r} places stages {dict(hint.stage_to_rank)} on pipeline "
-                f"ranks, where this ScheduleRRFP was built for "
-                f"{dict(self._hint.stage_to_rank)}: build a ScheduleRRFP with hint="
-                f"{hint.name!r} instead")
+                           self._n_microbatches, name, placement=self._hint.stage_to_rank)
         limits = LimitPlan(self._buffer_limit, hint, self.rank, self._policy_given)
         self._hint = hint
         self.pipeline_order = {r: list(acts) for r, acts in hint.orders.items()}
@@ -362,10 +356,12 @@ def _check_arguments(platform: Platform, buffer_limit: object, *, coordination: 
 
 
 def placed_hint(source: HintSource | None, stages: list[_PipelineStageBase], rank: int,
-                layout: Layout, n_microbatches: int, name: str | None = None) -> Hint:
+                layout: Layout, n_microbatches: int, name: str | None = None, *,
+                placement: Mapping[int, int] | None = None) -> Hint:
     """The hint built for the pipeline of ``stages`` (this rank's, in stage order), checked
     against the stages this rank holds and deadlock-free (``None``: the fixed schedule
-    torch would use for their placement; ``name``: what to call it)."""
+    torch would use for their placement; ``name``: what to call it). ``placement``: the
+    stage-to-rank placement it must keep (a built schedule's channels are made for it)."""
     local = [stage.stage_index for stage in stages]
     if source is None:
         source = {"v": "ZBVZeroBubble",
@@ -377,6 +373,11 @@ def placed_hint(source: HintSource | None, stages: list[_PipelineStageBase], ran
     first = stages[0]
     hint = build_hint(source, num_ranks=first.group_size, num_stages=first.num_stages,
                       n_microbatches=n_microbatches, layout=layout, given_name=name)
+    if placement is not None and dict(hint.stage_to_rank) != dict(placement):
+        raise ValueError(
+            f"hint {hint.name!r} places stages {dict(hint.stage_to_rank)} on pipeline ranks, "
+            f"where this ScheduleRRFP was built for {dict(placement)}: build a ScheduleRRFP "
+            f"with hint={hint.name!r} instead")
     _check_placement(hint, rank, local, layout)
     if hint.has_split_backward:
         _refuse_compiled_stages(stages, hint.name)
