@@ -136,7 +136,7 @@ def test_the_meter_runs_in_the_first_step_and_every_nth_and_hooks_nothing_betwee
 
 
 def test_settings_that_cannot_work_are_refused_with_what_to_change():
-    errors = run_local_world(2, budget_workers.refused_settings, timeout=60)[0]
+    errors = run_local_world(2, budget_workers.refused_settings, timeout=180)[0]
     assert "reads the free memory of a CUDA device" in errors["auto on CPU"]
     assert "'512MiB'" in errors["auto on CPU"]
     assert "leave meter_activations on" in errors["busiest unmetered"]

@@ -88,7 +88,7 @@ def test_stages_listed_out_of_order_run_in_stage_order():
     # torch's first-step shape inference walks the stage list with blocking receives:
     # listed in reverse, rank 0 would wait for stage 1's activation and rank 1 for stage
     # 2's, before anything could check the placement. A hang fails on the world timeout.
-    ranks = run_local_world(2, workers.stages_listed_in_reverse, timeout=60)
+    ranks = run_local_world(2, workers.stages_listed_in_reverse, timeout=180)
     assert [result["listed"] for result in ranks] == [[2, 0], [3, 1]]
     for rank, result in enumerate(ranks):
         assert result["bitwise"], f"rank {rank}: not bitwise torch's Interleaved1F1B"
@@ -267,7 +267,7 @@ BAD_INPUTS = {
 @pytest.mark.parametrize("case", sorted(BAD_INPUTS))
 def test_bad_input_raises_value_error_before_any_communication(case):
     # Only rank 0 builds a schedule; if it communicated before raising it would hang.
-    message = run_local_world(2, workers.bad_input, case, timeout=60)[0]
+    message = run_local_world(2, workers.bad_input, case, timeout=180)[0]
     for expected in BAD_INPUTS[case]:
         assert expected in message, message
 
@@ -389,8 +389,8 @@ def test_fixed_shapes_send_no_header_and_variable_shapes_one_per_activation():
     themselves; with variable shapes an 80-byte header (1 + 9 int64) ahead of each
     activation and none ahead of a gradient; the step's stats report the same."""
     message = workers.BATCH_PER_MICROBATCH * workers.DIM * 8  # one float64 tensor
-    fixed = run_local_world(2, workers.messages_per_step, False, timeout=60)
-    variable = run_local_world(2, workers.messages_per_step, True, timeout=60)
+    fixed = run_local_world(2, workers.messages_per_step, False, timeout=180)
+    variable = run_local_world(2, workers.messages_per_step, True, timeout=180)
     for result in fixed + variable:
         assert result["reported"] == result["counted"], result
         assert result["reported_bytes"] == result["counted_bytes"], result
