@@ -11,8 +11,9 @@ import torch
 from rrfp import ScheduleRRFP
 from rrfp.device import EmulatedDevice
 from rrfp.emulation import EmulatedDeviceTime
+from rrfp.actions import Edge
 from rrfp.memory import ActivationMeter, MeteredModule
-from tests.workers import build_stages, held_from_order, loss_fn, torch_schedule
+from tests.workers import build_stages, held_from_order, LATE_S, loss_fn, torch_schedule
 
 WIDTH, ROWS = 32, 8
 """Features and rows per microbatch of every stage's input and output (float64)."""
@@ -59,14 +60,17 @@ class StepClock:
 
 
 def byte_limits_world(rank: int, world_size: int, runs: list[tuple[str, str | None]],
-                      steps: int = 4, seed: int = 0, base_s: float = 0.002) -> dict:
+                      steps: int = 4, seed: int = 0, base_s: float = 0.002,
+                      late_gradient: bool = False) -> dict:
     """1F1B on ``world_size`` ranks, one ``Widened`` stage each, 4 microbatches per rank:
     torch's Schedule1F1B metered by an ``ActivationMeter`` around the stage (its peak bytes
     per step), then ScheduleRRFP at each ``(buffer_limit, policy)`` of ``runs`` (metered
     every step; policy None: the default); per run, keyed ``"limit/policy"``, the
     last step's stats, the microbatches held recomputed from the realized order, the step
     times (wall clock around ``step``, both schedules alike), and whether the gradients
-    are bitwise torch's."""
+    are bitwise torch's. ``late_gradient``: in ScheduleRRFP's last step stage 0's first
+    gradient comes ``LATE_S`` late, so that rank 0 has the time to run forwards ahead as
+    far as its limit lets it."""
     num_stages, M = world_size, 4 * world_size
     torch.manual_seed(0)
     chain = [Widened(WIDENING[s % len(WIDENING)]) for s in range(num_stages)]
@@ -79,12 +83,16 @@ def byte_limits_world(rank: int, world_size: int, runs: list[tuple[str, str | No
         clock = StepClock(seed, base_s)
         clock.n_microbatches = M
 
+        def late_in_last_step(edge: Edge, mb: int) -> float:
+            late = late_gradient and (edge, mb, clock.step) == (Edge(1, 0), 0, steps - 1)
+            return LATE_S if late else 0.0
+
         def wrap(s, block):
             timed = clock.wrap(s, block)
             return MeteredModule(timed, meter) if meter is not None else timed
 
         stages, blocks = build_stages(chain, rank, world_size, "loop", wrap=wrap)
-        schedule = make_schedule(stages)
+        schedule = make_schedule(stages, late_in_last_step)
         optimizer = torch.optim.SGD([p for b in blocks for p in b.parameters()], lr=0.1)
         grads, times, fixed_bytes = [], [], []
         for step in range(steps):
@@ -104,7 +112,7 @@ def byte_limits_world(rank: int, world_size: int, runs: list[tuple[str, str | No
         return {"schedule": schedule, "grads": grads, "times": times,
                 "fixed_bytes": fixed_bytes}
 
-    fixed = run(lambda stages: torch_schedule("1F1B", stages, M), meter=ActivationMeter())
+    fixed = run(lambda stages, _: torch_schedule("1F1B", stages, M), meter=ActivationMeter())
     # From the second step: the first also runs torch's shape inference.
     results: dict = {"fixed_bytes": max(fixed["fixed_bytes"][1:]), "fixed_times": fixed["times"],
                      "fixed_held": held_from_order(
@@ -113,9 +121,10 @@ def byte_limits_world(rank: int, world_size: int, runs: list[tuple[str, str | No
     for limit, policy in runs:
         key = f"{limit}/{policy}"
         try:
-            outcome = run(lambda stages: ScheduleRRFP(
+            outcome = run(lambda stages, send_delay: ScheduleRRFP(
                 stages, M, loss_fn=loss_fn, hint="1F1B", buffer_limit=limit, policy=policy,
-                device=EmulatedDevice(), stall_timeout=60, meter_every=1))
+                device=EmulatedDevice(), stall_timeout=60, meter_every=1,
+                send_delay=send_delay))
         except ValueError as e:
             results[key] = {"error": str(e)}
             continue

@@ -3,6 +3,7 @@ into microbatch limits from the first step's measured bytes per microbatch per s
 
 from __future__ import annotations
 
+import functools
 from types import SimpleNamespace
 
 import pytest
@@ -23,8 +24,10 @@ def four_ranks() -> list[dict]:
     10 KiB budget, below what 1F1B itself holds on rank 1 (3 microbatches x 4 KiB): 4
     ranks, stages saving 2, 4, 2 and 2 KiB per microbatch, emulated device, 4 steps each.
     Policy "hint" (readiness-first in hint order), which runs forwards ahead wherever a
-    limit lets it, so that the slack is used and the bounds are tested where they bind."""
-    return run_local_world(4, budget_workers.byte_limits_world,
+    limit lets it, and in the last step a late gradient that gives rank 0 the time to, so
+    that the slack is used and the bounds are tested where they bind."""
+    return run_local_world(4, functools.partial(budget_workers.byte_limits_world,
+                                                late_gradient=True),
                            [("busiest", "hint"), ("14KiB", "hint"), ("10KiB", None)],
                            timeout=240)
 
@@ -133,7 +136,7 @@ def test_the_meter_runs_in_the_first_step_and_every_nth_and_hooks_nothing_betwee
 
 
 def test_settings_that_cannot_work_are_refused_with_what_to_change():
-    errors = run_local_world(2, budget_workers.refused_settings, timeout=60)[0]
+    errors = run_local_world(2, budget_workers.refused_settings, timeout=180)[0]
     assert "reads the free memory of a CUDA device" in errors["auto on CPU"]
     assert "'512MiB'" in errors["auto on CPU"]
     assert "leave meter_activations on" in errors["busiest unmetered"]

@@ -44,7 +44,7 @@ def test_gradients_accumulate_over_steps_that_do_not_finalize_them():
 
 
 def test_agreement_settles_when_the_ranks_policies_rank_actions_differently():
-    for result in run_local_world(2, workers.agree_when_policies_differ, timeout=60):
+    for result in run_local_world(2, workers.agree_when_policies_differ, timeout=180):
         assert result["agreed"] == result["hint_next"], result
         assert result["rounds"] == 2, result  # one disagreement, then the hint's next
 
@@ -92,7 +92,7 @@ def test_compiled_stages_match_the_uncompiled_fixed_schedule_without_recompiling
     ("fsdp_inner_only", "apply fully_shard to the stage module too"),
 ])
 def test_data_parallel_set_ups_rrfp_cannot_keep_in_lockstep_are_refused(case, expected):
-    for message in run_local_world(2, workers.refused_data_parallel, case, timeout=60):
+    for message in run_local_world(2, workers.refused_data_parallel, case, timeout=180):
         assert expected in message, message
 
 
@@ -109,7 +109,7 @@ def test_ddp_reduces_in_buckets_no_larger_than_its_bucket_cap():
     """The extra memory of DDP's reduction is one bucket: every tensor all_reduce sees is at
     most DDP's bucket_bytes_cap (several buckets here), and the gradients are the
     replicas' mean."""
-    for result in run_local_world(2, workers.ddp_buckets, timeout=60):
+    for result in run_local_world(2, workers.ddp_buckets, timeout=180):
         assert result["cap"] == workers.DDP_BUCKET_CAP_BYTES
         assert len(result["reduced"]) >= 2, result
         assert max(result["reduced"]) <= result["cap"] < result["gradient_bytes"], result
@@ -160,7 +160,7 @@ def test_tensor_parallel_ranks_raise_within_the_stall_timeout_when_a_peer_stops(
 
 
 def test_dtensor_stages_without_a_coordination_group_are_refused_on_every_rank():
-    for message in run_local_world(4, workers.tensor_parallel_without_coordination, timeout=60):
+    for message in run_local_world(4, workers.tensor_parallel_without_coordination, timeout=180):
         assert "no coordination_group is given" in message and "DTensor" in message
 
 
@@ -174,6 +174,6 @@ def test_variable_shapes_refuse_dtensor_activations():
 
 
 def test_parameters_shared_by_a_ranks_stages_are_reported():
-    rank0, rank1 = run_local_world(2, workers.shared_parameters, timeout=60)
+    rank0, rank1 = run_local_world(2, workers.shared_parameters, timeout=180)
     assert len(rank0) == 1 and "stages 0 and 3" in rank0[0]
     assert rank1 == []

@@ -40,7 +40,7 @@ def test_expert_parallel_stages_are_bitwise_the_fixed_schedule_in_lockstep(coord
 ])
 def test_uncoordinated_expert_parallel_is_refused_on_every_rank_before_any_all_to_all(
         case, expected):
-    ranks = run_local_world(4, ep_workers.uncoordinated_expert_parallel, case, timeout=60)
+    ranks = run_local_world(4, ep_workers.uncoordinated_expert_parallel, case, timeout=180)
     for rank, result in enumerate(ranks):
         assert expected in result["error"] and "DTensor" in result["error"], (rank, result)
         assert "experts.w1" in result["error"], (rank, result)
@@ -52,7 +52,7 @@ def test_uncoordinated_expert_parallel_is_refused_on_every_rank_before_any_all_t
 
 
 def test_the_check_sees_expert_weights_sharded_over_ep_x_tp():
-    for result in run_local_world(4, ep_workers.expert_tensor_parallel_detected, timeout=60):
+    for result in run_local_world(4, ep_workers.expert_tensor_parallel_detected, timeout=180):
         name, ranks = result["ep_only"]
         assert "experts.w" in name and ranks == [0, 1, 2, 3], result
         assert result["all"] is None, result

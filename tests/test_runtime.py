@@ -88,7 +88,7 @@ def test_stages_listed_out_of_order_run_in_stage_order():
     # torch's first-step shape inference walks the stage list with blocking receives:
     # listed in reverse, rank 0 would wait for stage 1's activation and rank 1 for stage
     # 2's, before anything could check the placement. A hang fails on the world timeout.
-    ranks = run_local_world(2, workers.stages_listed_in_reverse, timeout=60)
+    ranks = run_local_world(2, workers.stages_listed_in_reverse, timeout=180)
     assert [result["listed"] for result in ranks] == [[2, 0], [3, 1]]
     for rank, result in enumerate(ranks):
         assert result["bitwise"], f"rank {rank}: not bitwise torch's Interleaved1F1B"
@@ -97,9 +97,11 @@ def test_stages_listed_out_of_order_run_in_stage_order():
 def test_slow_microbatch_is_overtaken_on_an_asynchronous_device():
     # GPipe, 2 ranks, 8 microbatches, emulated device time: stage 0's forward of
     # microbatch 4 takes 0.6 s instead of 0.02 s. The fixed schedule leaves stage 1 idle
-    # until it arrives; RRFP runs stage 1's (0.1 s) backwards of microbatches 0-3
-    # meanwhile. The simulator predicts 1.58 s fixed vs 1.18 s RRFP. (Plain readiness-first:
-    # the lookahead guard would wait, as earlier steps never saw microbatch 4 late.)
+    # until it arrives; RRFP runs stage 1's (0.15 s) backwards of microbatches 0-3
+    # meanwhile. The simulator predicts 1.98 s fixed vs 1.40 s RRFP: the 0.2 s asserted
+    # leaves a loaded machine's launch and scheduling delays (0.13 s seen at load 15) room.
+    # (Plain readiness-first: the lookahead guard would wait, as earlier steps never saw
+    # microbatch 4 late.)
     # RRFP runs on the emulated asynchronous device and decides only when it is idle
     # (launch depth 1): launches return before the work is done, as on CUDA.
     ranks = run_local_world(2, workers.slow_microbatch_comparison, "GPipe", "hint", 8, 4, 0.6, 2,
@@ -279,7 +281,7 @@ BAD_INPUTS = {
 @pytest.mark.parametrize("case", sorted(BAD_INPUTS))
 def test_bad_input_raises_value_error_before_any_communication(case):
     # Only rank 0 builds a schedule; if it communicated before raising it would hang.
-    message = run_local_world(2, workers.bad_input, case, timeout=60)[0]
+    message = run_local_world(2, workers.bad_input, case, timeout=180)[0]
     for expected in BAD_INPUTS[case]:
         assert expected in message, message
 
@@ -331,20 +333,26 @@ def test_a_failed_step_under_split_backward_leaves_no_unfinished_microbatch_held
 def test_stats_and_history_hold_device_durations_not_launch_times():
     ranks = run_local_world(2, workers.device_durations, 0.005, timeout=120)
     for result in ranks:
-        expected = {"F": 0.03, "B": 0.06}
+        expected = result["targets"]
         # A span runs from the device starting the action to its end: never shorter than
         # the emulated time (a sleep does not end early), and, on a loaded machine too, far
         # from what a span measured from the launch would be (up to a queued backward
-        # more: +200% for a forward). Sleeps overshoot by milliseconds on busy cores.
+        # more: +200% for a forward). On busy cores a sleeping device thread wakes late
+        # (the median span 23 ms over its time at load 15): within 40% of 100 ms.
         for kind, target in expected.items():
-            measured = [seconds for k, seconds in result["spans"] if k == kind]
+            measured = [seconds for step in result["steps"] for k, seconds in step if k == kind]
             assert all(m >= 0.97 * target for m in measured), (kind, measured)
             assert statistics.median(measured) <= 1.4 * target, (kind, measured)
+        # What the schedule learned is those spans: each step's mean weighing one half
+        # against the steps before it (a mean, so one stall of a loaded machine moves it:
+        # it is checked against the spans, which are checked against the emulated time).
         assert {"F", "B"} <= set(result["history"])
-        for kind, seconds in result["history"].items():
-            if kind == "REDUCE_GRAD":
-                continue
-            assert 0.97 * expected[kind] <= seconds <= 1.4 * expected[kind], (kind, seconds)
+        for kind in expected:
+            learned = None
+            for step in result["steps"]:
+                mean = statistics.fmean(seconds for k, seconds in step if k == kind)
+                learned = mean if learned is None else 0.5 * (mean + learned)
+            assert result["history"][kind] == pytest.approx(learned, rel=1e-9), kind
         # Launches return after the emulated launch cost, long before the work is done.
         assert result["launch_time"] < 0.25 * result["busy"]
         assert result["launch_time"] >= 0.005 * result["dispatched"]
@@ -395,8 +403,8 @@ def test_fixed_shapes_send_no_header_and_variable_shapes_one_per_activation():
     themselves; with variable shapes an 80-byte header (1 + 9 int64) ahead of each
     activation and none ahead of a gradient; the step's stats report the same."""
     message = workers.BATCH_PER_MICROBATCH * workers.DIM * 8  # one float64 tensor
-    fixed = run_local_world(2, workers.messages_per_step, False, timeout=60)
-    variable = run_local_world(2, workers.messages_per_step, True, timeout=60)
+    fixed = run_local_world(2, workers.messages_per_step, False, timeout=180)
+    variable = run_local_world(2, workers.messages_per_step, True, timeout=180)
     for result in fixed + variable:
         assert result["reported"] == result["counted"], result
         assert result["reported_bytes"] == result["counted_bytes"], result

@@ -21,6 +21,7 @@ from rrfp import PipelineStallError, ScheduleRRFP
 from rrfp._torch_compat import forward_states_held
 from rrfp.device import EmulatedDevice
 from rrfp.emulation import EmulatedDeviceTime
+from rrfp.actions import Edge
 from rrfp.hints import build_hint
 from rrfp.loop import DEFAULT_LAUNCH_DEPTH
 from rrfp.stats import StepStats
@@ -121,18 +122,46 @@ def random_device_time(seed: int, stage: int, n_microbatches: int, max_s: float)
     )
 
 
-def random_send_delay(seed: int, max_s: float, slow: tuple[int, float] | None = None):
-    """``send_delay`` for ScheduleRRFP: a fresh random delay per message; with
-    ``slow=(microbatch, seconds)``, that microbatch's activation from stage 0 to stage 1
-    takes that much longer."""
-    from rrfp.actions import Edge
-
+def random_send_delay(seed: int, max_s: float,
+                      late: dict[tuple[Edge, int], float] | None = None):
+    """``send_delay`` for ScheduleRRFP: a fresh random delay per message; each message of
+    ``late`` ((edge, microbatch) -> seconds) takes that much longer (and, a channel being
+    FIFO, so do those after it on its edge)."""
     rng = random.Random(seed)
+    late = late or {}
 
-    def delay(edge, mb: int) -> float:
-        extra = slow[1] if slow is not None and (edge, mb) == (Edge(0, 1), slow[0]) else 0.0
-        return rng.uniform(0, max_s) + extra
+    def delay(edge: Edge, mb: int) -> float:
+        return rng.uniform(0, max_s) + late.get((edge, mb), 0.0)
     return delay
+
+
+LATE_S = 0.3
+"""How much later a message made late to force an order arrives: about ten times what a
+loaded machine (load 15 on 2 cores) adds to an action or a message (tens of milliseconds),
+so that the work it lets pass is ready first whatever the scheduling noise."""
+
+
+SECOND_ACTIVATION_LATE = {(Edge(0, 1), 1): LATE_S}
+"""``random_send_delay``'s ``late`` that makes actions run out of the hint's order: stage 1
+waits for microbatch 1's activation (and, the channel being FIFO, for the later ones)
+while other work is ready, on its rank or on stage 0's (forwards ahead of a backward whose
+gradient waits on stage 1), at any limit with room for it; even where the hint leaves
+none (LoopedBFS), a later stage's forward of microbatch 0 passes it."""
+
+
+def replicas_apart(hint: str, replica: int) -> dict[tuple[Edge, int], float]:
+    """Late messages (``random_send_delay``'s ``late``) that make two data-parallel
+    replicas of a 2-rank, 4-stage, 4-microbatch pipeline, readiness-first with memory for
+    one microbatch more than the hint, run a pair of one pipeline rank's actions in
+    opposite orders. Interleaved1F1B: pipeline rank 1's hint runs 1B1, then 3F2, whose
+    input rank 0 sends right after 1B1's gradient; replica 0 gets 3F2's input late (1B1
+    runs first), replica 1 1B1's gradient (3F2 runs first). ZBVZeroBubble: the same with
+    0I0, then 3F2, on pipeline rank 0."""
+    keeps_order, reverses_it = {
+        "Interleaved1F1B": ((Edge(2, 3), 2), (Edge(2, 1), 1)),
+        "ZBVZeroBubble": ((Edge(2, 3), 2), (Edge(1, 0), 0)),
+    }[hint]
+    return {(keeps_order, reverses_it)[replica]: LATE_S}
 
 
 @dataclass(frozen=True)
@@ -147,10 +176,6 @@ class FidelityCase:
     delay_seeds: tuple[int, ...]
     steps: int = 3
     max_delay_s: float = 0.003
-    slow_message_s: float = 0.03
-    """In the first delayed run, the extra delay of the last microbatch's activation from
-    stage 0 to stage 1: later microbatches' inputs of other stages then come first (a
-    reordering even where the hint leaves no slack, as in LoopedBFS)."""
 
 
 def fidelity(rank: int, world_size: int, case: FidelityCase, tmpdir: str) -> dict:
@@ -184,8 +209,9 @@ def fidelity(rank: int, world_size: int, case: FidelityCase, tmpdir: str) -> dic
         else:
             device, launch_depth = EmulatedDevice(), (None, 1, 1)[i % 3]
             wrap = lambda s, b: random_device_time(seed, s, M, case.max_delay_s)(b)  # noqa: E731
+            # The first reorders actions whatever the noise.
             send_delay = random_send_delay(seed * 7919 + rank, case.max_delay_s,
-                                           slow=(M - 1, case.slow_message_s) if i == 1 else None)
+                                           SECOND_ACTIVATION_LATE if i == 1 else None)
         stages, blocks = build_stages(chain, rank, world_size, case.layout, wrap=wrap)
         schedule = ScheduleRRFP(stages, M, loss_fn=loss_fn, hint=hint, send_delay=send_delay,
                                 buffer_limit=buffer_limit, stall_timeout=60, device=device,
@@ -234,13 +260,14 @@ def outputs_and_eval(rank: int, world_size: int, hint: str, reference: str,
         if kind == "fixed":
             stages, _ = build_stages(chain, rank, world_size, layout)
             schedule = torch_schedule(reference, stages, M)
-        else:  # random delays, the last microbatch's first activation late, memory slack
+        else:  # random delays, a late activation that reorders actions, memory slack
             stages, _ = build_stages(chain, rank, world_size, layout,
                                      wrap=lambda s, b: random_device_time(5, s, M, 0.003)(b))
             schedule = ScheduleRRFP(stages, M, loss_fn=loss_fn, hint=hint, device=EmulatedDevice(),
                                     launch_depth=1, stall_timeout=60, buffer_limit="hint+1",
                                     policy="hint",  # the default at hint+1 follows the hint here
-                                    send_delay=random_send_delay(rank, 0.003, slow=(M - 1, 0.03)))
+                                    send_delay=random_send_delay(rank, 0.003,
+                                                                 SECOND_ACTIVATION_LATE))
         inputs = (x,) if any(s.is_first for s in stages) else ()
         train_losses: list = []
         train_out = schedule.step(*inputs, target=y, losses=train_losses)
@@ -314,7 +341,7 @@ def slow_microbatch_comparison(rank: int, world_size: int, hint: str, policy: st
                                repeats: int, launch_depth: int | None = None) -> dict:
     """Stage 0's forward of one microbatch is slow; time torch's fixed schedule and RRFP.
 
-    Emulated device time: forwards 0.02 s, backwards 0.02 s on stage 0 and 0.1 s on the
+    Emulated device time: forwards 0.02 s, backwards 0.02 s on stage 0 and 0.15 s on the
     last stage (a heavy head), one slow forward on stage 0. With ``launch_depth``, RRFP runs
     on the emulated asynchronous device with that depth (else on the synchronous one).
     Waiting: the time the rank's device had nothing to run (step time minus the emulated
@@ -326,7 +353,7 @@ def slow_microbatch_comparison(rank: int, world_size: int, hint: str, policy: st
     def device_time(stage: int, block):
         def forward_time(mb: int) -> float:
             return slow_s if (stage == 0 and mb == slow_mb) else 0.02
-        backward = 0.1 if stage == world_size - 1 else 0.02
+        backward = 0.15 if stage == world_size - 1 else 0.02
         return EmulatedDeviceTime(block, n_microbatches, forward_time, lambda mb: backward)
 
     schedules = {}
@@ -741,7 +768,9 @@ def bad_input(rank: int, world_size: int, case: str) -> str:
 
 def data_parallel(rank: int, world_size: int, wrapper: str, hint: str, reference: str,
                   layout: str, delay_seeds: tuple[int, ...]) -> dict:
-    """PP=2 x DP=2 (FSDP2 or DDP per stage); delays differ between the DP replicas."""
+    """PP=2 x DP=2 (FSDP2 or DDP per stage); delays differ between the DP replicas, and
+    in the first delayed run late messages make them interleave differently
+    (``replicas_apart``)."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
     from torch.nn.parallel import DistributedDataParallel
@@ -790,8 +819,11 @@ def data_parallel(rank: int, world_size: int, wrapper: str, hint: str, reference
     runs = {}
     for seed in (None, *delay_seeds):
         stages, blocks = build(seed)
+        # The first delayed run also makes the replicas interleave differently.
+        late = replicas_apart(hint, dp) if seed == delay_seeds[0] else None
+        send_delay = None if seed is None else random_send_delay(seed * 7919 + rank, 0.003, late)
         schedule = ScheduleRRFP(stages, M, loss_fn=loss_fn, hint=hint, buffer_limit="hint+1",
-                                policy="hint", stall_timeout=60)
+                                policy="hint", stall_timeout=60, send_delay=send_delay)
         history = local_grads(run_steps(schedule, stages, blocks, x, y, steps))
         runs["plain" if seed is None else f"seed{seed}"] = {
             "bitwise": bitwise_equal(history, fixed),
@@ -846,7 +878,8 @@ def ddp_buckets(rank: int, world_size: int) -> dict:
 
 def fsdp_collectives(rank: int, world_size: int) -> dict:
     """PP=2 x FSDP=2, Interleaved1F1B (two stages per rank), random delays that differ
-    between the replicas (and one late message on replica 1): the order of the
+    between the replicas and late messages that make them interleave differently
+    (``replicas_apart``): the order of the
     data-parallel collectives and of the stages' actions in the second step (the first
     step's shape inference runs forwards outside the schedule's order)."""
     from torch.distributed.device_mesh import init_device_mesh
@@ -877,12 +910,12 @@ def fsdp_collectives(rank: int, world_size: int) -> dict:
             log.append(("REDUCE_GRAD done", s))
         stage.perform_reduce_grad = logged
         stages.append(stage)
-    # On replica 1 the last microbatch's first activation comes late: it interleaves its
-    # actions unlike replica 0.
+    # Readiness-first: the default here (lookahead) would let an action pass a late one
+    # only if earlier steps' arrival times, noisy on a loaded machine, said it fits.
     schedule = ScheduleRRFP(stages, M, loss_fn=loss_fn, hint="Interleaved1F1B",
-                            buffer_limit="hint+1", stall_timeout=60,
+                            buffer_limit="hint+1", policy="hint", stall_timeout=60,
                             send_delay=random_send_delay(10 + rank, 0.003,
-                                                         slow=(M - 1, 0.05) if dp == 1 else None))
+                                                         replicas_apart("Interleaved1F1B", dp)))
     originals = {name: getattr(dist, name)
                  for name in ("all_gather_single", "reduce_scatter_single",
                               "all_gather_into_tensor", "reduce_scatter_tensor", "all_reduce")}
@@ -966,17 +999,18 @@ def coordinated_runs(rank: int, build: Callable, local_grads: Callable, fixed: l
                      delay_seeds: tuple[int, ...], x, y, steps: int) -> dict:
     """ScheduleRRFP at hint+1 (plain readiness-first, so out-of-hint actions happen)
     coordinated over ``group``, without delays and with each of ``delay_seeds`` (per-rank
-    send delays; ``build(seed)`` adds the device delays): per run, whether its gradients
+    send delays, in the first with a late activation that reorders actions;
+    ``build(seed)`` adds the device delays): per run, whether its gradients
     equal ``fixed`` (torch's schedule) bitwise, the realized order and the coordination
     counts."""
     runs = {}
     for seed in (None, *delay_seeds):
         stages, blocks = build(seed)
-        send_rng = random.Random((seed or 0) * 7919 + rank)
+        late = SECOND_ACTIVATION_LATE if seed == delay_seeds[0] else None
         schedule = ScheduleRRFP(
             stages, n_microbatches, loss_fn=loss_fn, hint=hint, buffer_limit="hint+1",
             stall_timeout=60, policy="hint", coordination_group=group, coordination=coordination,
-            send_delay=None if seed is None else (lambda e, m: send_rng.uniform(0, 0.003)))
+            send_delay=None if seed is None else random_send_delay(seed * 7919 + rank, 0.003, late))
         history = local_grads(run_steps(schedule, stages, blocks, x, y, steps))
         stats = schedule.last_step_stats
         runs["plain" if seed is None else f"seed{seed}"] = {
@@ -1000,13 +1034,14 @@ def compiled_stages(rank: int, world_size: int, hint: str, reference: str, per_r
     fixed = run_steps(torch_schedule(reference, stages, M), stages, blocks, x, y, steps)
     torch._dynamo.reset()
     counters = torch._dynamo.utils.counters
-    # Random delays outside the compiled module, and the last microbatch's first activation
-    # late, so that actions run out of the hint's order.
+    # Random delays outside the compiled module, and a late activation that makes actions
+    # run out of the hint's order.
     stages, blocks = build_stages(
         chain, rank, world_size, layout,
         wrap=lambda s, b: random_device_time(3, s, M, 0.003)(torch.compile(b, backend="aot_eager")))
     schedule = ScheduleRRFP(stages, M, loss_fn=loss_fn, hint=hint, buffer_limit="hint+1",
-                            policy="hint", send_delay=random_send_delay(rank, 0.003, slow=(M - 1, 0.03)))
+                            policy="hint",
+                            send_delay=random_send_delay(rank, 0.003, SECOND_ACTIVATION_LATE))
     compiled = run_steps(schedule, stages, blocks, x, y, 1)
     after_first = (sum(counters["frames"].values()), sum(counters["recompiles"].values()))
     compiled += run_steps(schedule, stages, blocks, x, y, steps - 1)
@@ -1243,21 +1278,27 @@ def lazily_connected_channels(rank: int, world_size: int, connect: bool) -> dict
 
 
 def device_durations(rank: int, world_size: int, launch_cost: float) -> dict:
-    """1F1B on the emulated asynchronous device: forwards take 30 ms, backwards 60 ms of
-    emulated device time, each launch ``launch_cost`` s of CPU time."""
+    """1F1B on the emulated asynchronous device: forwards take 100 ms, backwards 200 ms of
+    emulated device time (``"targets"``), each launch ``launch_cost`` s of CPU time; three
+    steps, each step's device spans (``"steps"``) and the durations the schedule learned."""
     M = 4
+    targets = {"F": 0.1, "B": 0.2}
     chain = make_chain(world_size)
     x, y = make_batch(M)
     stages, blocks = build_stages(
         chain, rank, world_size, "loop",
-        wrap=lambda s, b: EmulatedDeviceTime(b, M, lambda mb: 0.03, lambda mb: 0.06))
+        wrap=lambda s, b: EmulatedDeviceTime(b, M, lambda mb: targets["F"],
+                                             lambda mb: targets["B"]))
     schedule = ScheduleRRFP(stages, M, loss_fn=loss_fn, hint="1F1B", launch_depth=2,
                             device=EmulatedDevice(launch_cost=launch_cost))
-    run_steps(schedule, stages, blocks, x, y, 3)
+    steps = []
+    for _ in range(3):
+        run_steps(schedule, stages, blocks, x, y, 1)
+        steps.append([(s.kind, s.end - s.start) for s in schedule.last_step_stats.spans
+                      if s.kind in ("F", "B")])
     stats = schedule.last_step_stats
     schedule.close()
-    spans = [s for s in stats.spans if s.kind in ("F", "B")]
-    return {"spans": [(s.kind, s.end - s.start) for s in spans],
+    return {"targets": targets, "steps": steps,
             "history": {kind: seconds for (_, kind), seconds in schedule.history.durations.items()},
             "launch_time": stats.launch_time, "dispatched": stats.dispatched,
             "busy": stats.device_busy_time, "step": stats.step_time}
@@ -1390,8 +1431,8 @@ def variable_shapes(rank: int, world_size: int, hint: str, per_rank: int, layout
     def run(policy: str, delayed: bool):
         wrap = (lambda s, b: random_device_time(delay_seed, s, M, 0.003)(b)) if delayed else None
         stages, blocks = build_stages(chain, rank, world_size, layout, wrap=wrap)
-        # Delayed: also the last microbatch's first activation late (a reordering).
-        send_delay = (random_send_delay(delay_seed * 31 + rank, 0.003, slow=(M - 1, 0.03))
+        # Delayed: also a late activation that reorders actions.
+        send_delay = (random_send_delay(delay_seed * 31 + rank, 0.003, SECOND_ACTIVATION_LATE)
                       if delayed else None)
         schedule = ScheduleRRFP(stages, M, loss_fn=loss_fn, hint=hint, policy=policy,
                                 variable_shapes=True, device=EmulatedDevice(),
@@ -1576,9 +1617,10 @@ def made_up_stats(rank: int, **fields) -> StepStats:
 
 def pre_split(rank: int, world_size: int, hint: str, stages_per_rank: int) -> dict:
     """torch's pre-split call, ``step(arg_mbs=..., target_mbs=...)``, under RRFP with random
-    device and link delays, against torch's fixed schedule given the same microbatches
-    (torch >= 2.14: pre-split too; 2.13 has no such call: the whole batch, which it splits
-    into the same chunks); and ``step_microbatches`` on the same microbatches."""
+    device and link delays and a late activation that reorders actions, against torch's
+    fixed schedule given the same microbatches (torch >= 2.14: pre-split too; 2.13 has no
+    such call: the whole batch, which it splits into the same chunks); and
+    ``step_microbatches`` on the same microbatches."""
     M, steps = 4, 2
     chain = make_chain(world_size * stages_per_rank)
     x, y = make_batch(M)
@@ -1618,10 +1660,10 @@ def pre_split(rank: int, world_size: int, hint: str, stages_per_rank: int) -> di
     for name, call in (("step", pre_split_call), ("step_microbatches", alias_call)):
         wrap = lambda s, b: random_device_time(3, s, M, 0.003)(b)  # noqa: E731
         stages, blocks = build_stages(chain, rank, world_size, "loop", wrap=wrap)
-        send_rng = random.Random(17 + rank)
         schedule = ScheduleRRFP(stages, M, loss_fn=loss_fn, hint=hint, buffer_limit="hint+1",
                                 policy="hint", device=EmulatedDevice(), stall_timeout=60,
-                                send_delay=lambda edge, mb: send_rng.uniform(0, 0.003))
+                                send_delay=random_send_delay(17 + rank, 0.003,
+                                                             SECOND_ACTIVATION_LATE))
         history, outputs = train(schedule, stages, blocks, call)
         results[name] = {
             "bitwise": bitwise_equal(history, fixed),
@@ -1643,7 +1685,8 @@ def pre_split(rank: int, world_size: int, hint: str, stages_per_rank: int) -> di
 
 def gradient_accumulation(rank: int, world_size: int) -> dict:
     """PP 2 x FSDP 2, 1F1B: ``step(finalize_gradients=False)`` then a finalizing step, on
-    two batches, under RRFP with random delays that differ between the replicas. Against
+    two batches, under RRFP with random delays that differ between the replicas and a late
+    activation that reorders actions. Against
     torch's own schedule making the same two calls where torch has the argument (2.15),
     and against the non-pipelined model over both batches on every version."""
     from torch.distributed.device_mesh import init_device_mesh
@@ -1684,7 +1727,9 @@ def gradient_accumulation(rank: int, world_size: int) -> dict:
         result["torch"] = accumulate(fixed, stage, block)
     stage, block = build(3)
     rrfp = ScheduleRRFP(stage, M, loss_fn=loss_fn, hint="1F1B", buffer_limit="hint+1",
-                        policy="hint", device=EmulatedDevice(), stall_timeout=60)
+                        policy="hint", device=EmulatedDevice(), stall_timeout=60,
+                        send_delay=random_send_delay(3 * 7919 + rank, 0.003,
+                                                     SECOND_ACTIVATION_LATE))
     result["rrfp"] = accumulate(rrfp, stage, block)
     result["out_of_order"] = rrfp.last_step_stats.out_of_hint_order
     rrfp.close()
