@@ -70,7 +70,7 @@ from torch.distributed.pipelining.schedules import get_schedule_class, PipelineS
 
 from rrfp import ScheduleRRFP
 from rrfp.device import EmulatedDevice
-from rrfp.emulation import EmulatedDeviceTime
+from rrfp.testing.emulation import EmulatedDeviceTime
 
 STAGES = 4
 MICROBATCHES = 8
@@ -533,7 +533,7 @@ def transport_checks(rank: int, world: int, device: torch.device) -> bool:
 
 
 def transport_world(rank: int, world: int) -> bool:
-    """The transport checks on CPU (gloo), in a local world (``rrfp.local``)."""
+    """The transport checks on CPU (gloo), in a local world (``rrfp.testing.worlds``)."""
     return transport_checks(rank, world, torch.device("cpu"))
 
 
@@ -556,7 +556,7 @@ def main(argv=None) -> None:
     else:
         single_process(args.dry_run)
         if args.dry_run:
-            from rrfp.local import run_local_world
+            from rrfp.testing.worlds import run_local_world
 
             if not all(run_local_world(2, transport_world, timeout=300)):
                 raise SystemExit("gpu_check: transport checks FAILED")
