@@ -5,10 +5,10 @@
 **Measured, emulated device time** (``rrfp.device.EmulatedDevice``: launches return at
 once, a worker thread sleeps each action's time): 1F1B on 4 gloo ranks x 16 microbatches,
 one stage per rank saving 2 / 4 / 2 / 2 KiB per microbatch
-(``rrfp/testing/byte_limits_world.py``: stage 1 twice as wide, so its rank is the busiest in bytes while rank 0 is in
-microbatches), every action 20 ms and one in five 4x longer (long enough for the sleeps
-to stand out of a loaded machine's scheduling delays), drawn per (stage, step,
-microbatch, kind) so every run sees the same times. Per seed: ScheduleRRFP with
+(``rrfp/testing/byte_limits_world.py``: stage 1 twice as wide, so its rank is the busiest
+in bytes while rank 0 is in microbatches), every action 20 ms and one in five 4x longer
+(long enough for the sleeps to stand out of a loaded machine's scheduling delays), drawn
+per (stage, step, microbatch, kind) so every run sees the same times. Per seed: ScheduleRRFP with
 ``policy="fixed"`` at ``"hint"`` (torch's 1F1B order on the same emulated device: the
 baseline; torch's own Schedule1F1B runs the same work synchronously, so its wall clock is
 not comparable), the default policy at ``"hint"`` (the control: the same memory as the

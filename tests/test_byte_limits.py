@@ -28,8 +28,7 @@ def four_ranks() -> list[dict]:
     Policy "hint" (readiness-first in hint order), which runs forwards ahead wherever a
     limit lets it, and in the last step a late gradient that gives rank 0 the time to, so
     that the slack is used and the bounds are tested where they bind."""
-    return run_local_world(4, functools.partial(byte_limits_world,
-                                                late_gradient=True),
+    return run_local_world(4, functools.partial(byte_limits_world, late_gradient=True),
                            [("busiest", "hint"), ("14KiB", "hint"), ("10KiB", None)],
                            timeout=240)
 

@@ -12,9 +12,9 @@ import torch
 from rrfp import ScheduleRRFP
 from rrfp.device import EmulatedDevice
 from rrfp.hints import build_hint
-from rrfp.testing.chains import (BATCH_PER_MICROBATCH, bitwise_equal, build_stages,
-                                 DIM, local_stage_indices, loss_fn, make_batch,
-                                 make_chain, run_steps, torch_schedule)
+from rrfp.testing.chains import (BATCH_PER_MICROBATCH, bitwise_equal, build_stages, DIM,
+                                 local_stage_indices, loss_fn, make_batch, make_chain, run_steps,
+                                 torch_schedule)
 from rrfp.testing.emulation import EmulatedDeviceTime
 from rrfp.testing.probes import held_from_order, HookProbe
 from rrfp.testing.worlds import run_local_world

@@ -12,16 +12,16 @@ from dataclasses import dataclass
 import pytest
 import torch
 import torch.distributed as dist
-from torch.distributed.pipelining.schedules import (ScheduleInterleavedZeroBubble)
+from torch.distributed.pipelining.schedules import ScheduleInterleavedZeroBubble
 
 from rrfp import ScheduleRRFP
 from rrfp.device import EmulatedDevice
 from rrfp.loop import DEFAULT_LAUNCH_DEPTH
-from rrfp.testing.chains import (BATCH_PER_MICROBATCH, bitwise_equal, build_stages,
-                                 DIM, local_stage_indices, loss_fn, make_batch,
-                                 make_chain, reference_steps, run_steps, torch_schedule)
+from rrfp.testing.chains import (BATCH_PER_MICROBATCH, bitwise_equal, build_stages, DIM,
+                                 local_stage_indices, loss_fn, make_batch, make_chain,
+                                 reference_steps, run_steps, torch_schedule)
 from rrfp.testing.emulation import EmulatedDeviceTime
-from rrfp.testing.timing import (random_device_time, random_send_delay, SECOND_ACTIVATION_LATE)
+from rrfp.testing.timing import random_device_time, random_send_delay, SECOND_ACTIVATION_LATE
 from rrfp.testing.worlds import run_local_world
 
 

@@ -15,9 +15,8 @@ import torch.distributed as dist
 from rrfp import PipelineStallError, ScheduleRRFP
 from rrfp._torch_compat import forward_states_held
 from rrfp.device import EmulatedDevice
-from rrfp.testing.chains import (bitwise_equal, build_stages,
-                                 local_stage_indices, loss_fn, make_batch,
-                                 make_chain, run_steps, torch_schedule)
+from rrfp.testing.chains import (bitwise_equal, build_stages, local_stage_indices, loss_fn,
+                                 make_batch, make_chain, run_steps, torch_schedule)
 from rrfp.testing.emulation import EmulatedDeviceTime
 from rrfp.testing.nccl_like import use_channels
 from rrfp.testing.probes import error_chain

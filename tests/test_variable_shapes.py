@@ -13,12 +13,11 @@ import torch.distributed as dist
 
 from rrfp import ScheduleRRFP
 from rrfp.device import EmulatedDevice
-from rrfp.testing.chains import (BATCH_PER_MICROBATCH, bitwise_equal, build_stages,
-                                 DIM, local_stage_indices, loss_fn, make_batch,
-                                 make_chain)
+from rrfp.testing.chains import (BATCH_PER_MICROBATCH, bitwise_equal, build_stages, DIM,
+                                 local_stage_indices, loss_fn, make_batch, make_chain)
 from rrfp.testing.nccl_like import use_channels
 from rrfp.testing.probes import error_chain
-from rrfp.testing.timing import (random_device_time, random_send_delay, SECOND_ACTIVATION_LATE)
+from rrfp.testing.timing import random_device_time, random_send_delay, SECOND_ACTIVATION_LATE
 from rrfp.testing.worlds import run_local_world
 
 
