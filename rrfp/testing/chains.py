@@ -17,11 +17,8 @@ from rrfp.testing.timing import random_send_delay, SECOND_ACTIVATION_LATE
 
 
 DIM = 8
-
-
+"""Features of every block's input and output."""
 BATCH_PER_MICROBATCH = 2
-
-
 loss_fn = torch.nn.functional.mse_loss
 
 
@@ -35,6 +32,7 @@ def make_chain(num_stages: int, seed: int = 0) -> list[torch.nn.Module]:
 
 
 def make_batch(n_microbatches: int, seed: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+    """Inputs and targets for ``n_microbatches`` microbatches (float64)."""
     g = torch.Generator().manual_seed(seed)
     n = n_microbatches * BATCH_PER_MICROBATCH
     return (torch.randn(n, DIM, generator=g, dtype=torch.float64),
@@ -42,6 +40,7 @@ def make_batch(n_microbatches: int, seed: int = 1) -> tuple[torch.Tensor, torch.
 
 
 def local_stage_indices(rank: int, num_ranks: int, num_stages: int, layout: str) -> list[int]:
+    """The stages ``rank`` holds under ``layout`` (``"loop"`` or ``"v"``), in stage order."""
     mapping = generate_stage_to_rank_mapping(num_ranks, num_stages, style=layout)
     return [s for s in range(num_stages) if mapping[s] == rank]
 
@@ -56,6 +55,7 @@ def build_stages(chain, rank, num_ranks, layout, wrap: Callable | None = None):
 
 
 def torch_schedule(name: str, stages, n_microbatches: int, **kwargs):
+    """torch's schedule class ``name`` over ``stages`` (its first, if single-stage), mse loss."""
     cls = get_schedule_class(name)
     if issubclass(cls, PipelineScheduleSingle):
         return cls(stages[0], n_microbatches, loss_fn=loss_fn, **kwargs)
@@ -98,6 +98,7 @@ def reference_steps(chain, x, y, steps: int, local: list[int]):
 
 
 def bitwise_equal(a, b) -> bool:
+    """Whether two ``run_steps`` histories hold the same gradients and losses, bit for bit."""
     return all(
         len(ga) == len(gb) and all(torch.equal(u, v) for u, v in zip(ga, gb))
         and len(la) == len(lb) and all(torch.equal(u, v) for u, v in zip(la, lb))
