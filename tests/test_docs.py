@@ -45,6 +45,15 @@ def test_every_page_the_code_names_exists():
     assert missing == []
 
 
+def test_every_results_page_names_the_benchmark_that_wrote_it():
+    unnamed = []
+    for page in sorted((ROOT / "benchmarks" / "results").glob("*.md")):
+        modules = re.findall(r"python -m benchmarks\.(\w+)", page.read_text())
+        if not modules or not all((ROOT / "benchmarks" / f"{m}.py").exists() for m in modules):
+            unnamed.append(page.name)
+    assert unnamed == []
+
+
 def test_every_test_a_page_names_exists():
     assert [m for page in PAGES for m in missing_tests(page)] == []
 
