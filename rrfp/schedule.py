@@ -108,6 +108,10 @@ class ScheduleRRFP(PipelineScheduleMulti):
             saving untouched (not with a byte ``buffer_limit``, which needs the bytes).
         meter_every: meter every this-many-th step (and the first training step); 1:
             every step (the meter costs CPU time per saved tensor: docs/memory.md).
+        fixed_every: the in-run A/B: every this-many-th training step (k >= 2) runs the
+            hint's fixed order on the same stages and transport, launched without bound
+            as torch's schedules launch (``StepStats.policy`` says ``"fixed"``; bitwise the
+            same results); 0: never. Its steps teach the policy nothing (docs/advisor.md).
     """
 
     def __init__(
@@ -133,6 +137,7 @@ class ScheduleRRFP(PipelineScheduleMulti):
         variable_shapes: bool = False,
         meter_activations: bool = True,
         meter_every: int = DEFAULT_METER_EVERY,
+        fixed_every: int = 0,
     ):
         policy = parse_policy(policy)
         depth = parse_launch_depth(launch_depth)
@@ -155,6 +160,7 @@ class ScheduleRRFP(PipelineScheduleMulti):
         self._hint = _placed_hint(hint, stages, self.rank, self.pp_group_size,
                                   self._num_stages, n_microbatches)
         limits = LimitPlan(buffer_limit, self._hint, self.rank, policy)
+        fixed_every = limits.check_fixed_every(fixed_every)
         check_deadlock_free(self._hint)
         self.stall_timeout = stall_timeout
         self.stage_index_to_group_rank = dict(self._hint.stage_to_rank)
@@ -176,7 +182,8 @@ class ScheduleRRFP(PipelineScheduleMulti):
             coordination=Coordination(coordination, twin),
             metering=Metering(ActivationMeter() if meter_activations else None, meter_every),
             stall_timeout=self.stall_timeout,
-            launch_depth=math.inf if depth is None else depth, reorder_ahead=reorder_ahead)
+            launch_depth=math.inf if depth is None else depth, reorder_ahead=reorder_ahead,
+            fixed_every=fixed_every)
 
     @property
     def hint(self) -> Hint:
@@ -397,7 +404,7 @@ def _wired_runtime(hint: Hint, rank: int, stages: list[_PipelineStageBase], plat
                    limits: LimitPlan, *, device: EmulatedDevice | None,
                    send_delay: SendDelay | None, variable_shapes: bool,
                    coordination: Coordination, metering: Metering, stall_timeout: float,
-                   launch_depth: float, reorder_ahead: bool) -> PipelineRuntime:
+                   launch_depth: float, reorder_ahead: bool, fixed_every: int) -> PipelineRuntime:
     """The channels (created and connected now, in one order on every rank of the
     pipeline), the device and the receive rings, wired into the runtime; logs the set-up."""
     wakeup = Wakeup()
@@ -420,4 +427,4 @@ def _wired_runtime(hint: Hint, rank: int, stages: list[_PipelineStageBase], plat
         device=device, wakeup=wakeup, transport=transport,
         receives=ReceiveRings(variable_shapes, platform), limits=limits,
         coordination=coordination, metering=metering, stall_timeout=stall_timeout,
-        launch_depth=launch_depth, reorder_ahead=bool(reorder_ahead))
+        launch_depth=launch_depth, reorder_ahead=bool(reorder_ahead), fixed_every=fixed_every)
