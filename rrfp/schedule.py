@@ -108,10 +108,8 @@ class ScheduleRRFP(PipelineScheduleMulti):
             saving untouched (not with a byte ``buffer_limit``, which needs the bytes).
         meter_every: meter every this-many-th step (and the first training step); 1:
             every step (the meter costs CPU time per saved tensor: docs/memory.md).
-        fixed_every: the in-run A/B: every this-many-th training step (k >= 2) runs the
-            hint's fixed order on the same stages and transport, launched without bound
-            as torch's schedules launch (``StepStats.policy`` says ``"fixed"``; bitwise the
-            same results); 0: never. Its steps teach the policy nothing (docs/advisor.md).
+        fixed_every: the in-run A/B: every k-th training step (k >= 2; 0: never) runs the
+            hint's fixed order, launched without bound as torch's (docs/advisor.md).
     """
 
     def __init__(

@@ -74,6 +74,17 @@ class RRFP:
     that logs the loss as a Chrome/Perfetto trace at each metrics step, in a folder of its
     own per run named by its start time: ``<folder>/<YYYYmmdd-HHMMSS>/step<N>.json``."""
 
+    advise: bool = True
+    """On the rank that logs the loss: the advisor's verdict (the best setting within a
+    memory margin, predicted from the run's own measured steps) after the first steps and
+    at the end, and an end-of-run summary; computed in a child process at the lowest CPU
+    priority (``python -m rrfp.advise``; docs/advisor.md)."""
+
+    fixed_every: int = 0
+    """The in-run A/B: every this-many-th training step (2 or more) runs the hint's fixed
+    order on the same stages (bitwise the same results), and the measured ratio of step
+    times, fixed over RRFP, is logged beside the advisor's prediction; 0: off."""
+
 
 @dataclass
 class JobConfig:

@@ -18,6 +18,7 @@ import argparse
 import json
 import os
 import sys
+import time
 
 from rrfp.advise.measured import AdviceError, read_run, run_from_trace_events
 from rrfp.advise.report import advise, DEFAULT_MARGIN
@@ -60,7 +61,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"rrfp.advise: {e}", file=sys.stderr)
         return 2
     if args.json:
-        print(json.dumps(advice.as_json()))
+        print(json.dumps({**advice.as_json(), "cpu_seconds": time.process_time()}))
         return 0
     print("\n".join(advice.table(args.rows or None)))
     print()
