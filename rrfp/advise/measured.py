@@ -84,6 +84,9 @@ class MeasuredRun:
     device: str
     launch_depth: float
     """Launched-but-incomplete actions its device held (1 on a synchronous device)."""
+    fixed_launch_depth: float
+    """The same for the fixed schedule: without bound on an asynchronous device, as torch's
+    schedules launch; 1 on a synchronous one, whose CPU runs each action."""
     dispatch_cost: float
     """Median CPU seconds the runtime spent deciding per action (the simulator's launch
     cost)."""
@@ -216,12 +219,12 @@ def run_of(steps: Sequence[MeasuredStep], source: str) -> MeasuredRun:
     own = [s for s in used if not s.fixed_order] or list(used)
     per_action = [r["decision_time"] / len(r["hint_order"]) for s in used
                   for r in s.ranks.values() if r["hint_order"]]
-    depth = first["launch_depth"]
+    depth, synchronous = first["launch_depth"], first["device"] == "HostDevice"
     return MeasuredRun(
         source=source, hint=_hint_of(steps[0]), buffer_limit=first["buffer_limit"],
         policy=own[-1].policy, device=first["device"],
-        launch_depth=1 if first["device"] == "HostDevice" else
-        float("inf") if depth is None else depth,
+        launch_depth=1 if synchronous else float("inf") if depth is None else depth,
+        fixed_launch_depth=1 if synchronous else float("inf"),
         dispatch_cost=statistics.median(per_action) if per_action else 0.0,
         bytes_per_microbatch=_bytes_per_microbatch(steps), steps=used,
         left_out=len(steps) - len(used))

@@ -230,35 +230,35 @@ def _simulated_steps(run: MeasuredRun, hint: Hint, policy: str,
 
 def _simulate(run: MeasuredRun, hint: Hint, step: int, policy: str,
               limits: MemoryLimits | None, histories) -> SimResult:
-    """One measured step under ``policy``; the fixed order launches without bound, as
-    torch's schedules do."""
+    """One measured step under ``policy`` (the fixed order at the fixed schedule's launch
+    depth)."""
     timing = run.steps[step].timing
     return simulate(hint, timing.duration, latency=timing.latency, policy=policy,
                     limits=limits, histories=histories,
-                    launch_depth=math.inf if policy == "fixed" else run.launch_depth,
+                    launch_depth=run.fixed_launch_depth if policy == "fixed" else run.launch_depth,
                     launch_cost=run.dispatch_cost)
 
 
 def variability(run: MeasuredRun) -> float:
-    """How much the measured timings stray from their usual: per stage and kind of action,
-    and per link and direction, the standard deviation of its durations (latencies) over
-    microbatches and steps, summed over every action (message) and divided by the time
-    the actions took. 0: every forward of a stage takes the same time, every message the
-    same latency (nothing for a readiness-first order to take)."""
+    """How far the measured timings stray within a step: each action's duration from the
+    step's mean for its stage and kind, each message's latency from the step's mean for
+    its link and direction, the absolute deviations summed and divided by the time the
+    actions took. 0: in every step each stage's forwards take as long as each other, its
+    messages as long in transit (nothing for a readiness-first order to take); 0.2: they
+    stray by a fifth of the compute. (A step slower as a whole is no variability here.)"""
     groups: dict[tuple, list[float]] = {}
-    busy = 0.0
-    for step in run.steps:
+    for i, step in enumerate(run.steps):
+        for spans in step.spans.values():
+            for span in spans:
+                groups.setdefault((i, span.stage, span.kind), []).append(span.end - span.start)
         t = step.timing
         for s in range(t.num_stages):
             for m in range(t.n_microbatches):
-                for kind, table in (("F", t.forward), ("I", t.backward_input),
-                                    ("W", t.backward_weight)):
-                    groups.setdefault((s, kind), []).append(table[s][m])
-                    busy += table[s][m]
                 if s + 1 < t.num_stages:
-                    groups.setdefault((s, "activation"), []).append(t.activation_latency[s][m])
+                    groups.setdefault((i, s, "activation"), []).append(t.activation_latency[s][m])
                 if s > 0:
-                    groups.setdefault((s, "gradient"), []).append(t.gradient_latency[s][m])
+                    groups.setdefault((i, s, "gradient"), []).append(t.gradient_latency[s][m])
+    busy = sum(sum(v) for k, v in groups.items() if k[2] in ("F", "B", "I", "W"))
     if not busy:
         return 0.0
-    return sum(statistics.pstdev(v) * len(v) for v in groups.values()) / busy
+    return sum(abs(x - statistics.mean(v)) for v in groups.values() for x in v) / busy
