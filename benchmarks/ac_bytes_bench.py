@@ -26,7 +26,7 @@ from benchmarks.pages import write_page
 from benchmarks.titan_runs import activation_checkpoint_args, run_job, VERSION, version_label
 from rrfp.advise import read_run
 from rrfp.advise.predict import limits_of, predict, replay, Setting
-from rrfp.advise.report import mib
+from rrfp.advise.report import size
 from rrfp.limits import fixed_peak_bytes
 
 OUT = os.path.join("outputs", "ac_bytes")
@@ -41,7 +41,7 @@ def measure(steps: int) -> list[dict]:
     rows = []
     for mode in modes():
         folder = os.path.join(OUT, mode)
-        run_job(folder, *activation_checkpoint_args(mode), "--rrfp.trace_folder", "traces",
+        run_job(folder, "--rrfp.trace_folder", "traces", *activation_checkpoint_args(mode),
                 steps=steps)
         run, _ = read_run(folder)
         rows.append({"mode": mode, "run": run})
@@ -99,8 +99,8 @@ def page(rows: list[dict], steps: int, seconds: float) -> list[str]:
     for row in rows:
         run = row["run"]
         lines.append(f"| {row['mode']} | " + " | ".join(
-            mib(run.bytes_per_microbatch[s]) for s in stages)
-            + f" | {mib(max(row['fixed'].values()))} | {row['step_ms']:.0f} ms |")
+            size(run.bytes_per_microbatch[s]) for s in stages)
+            + f" | {size(max(row['fixed'].values()))} | {row['step_ms']:.0f} ms |")
     lines += [
         "",
         f"## The limits each byte setting gives, and what the advisor predicts there",
@@ -119,7 +119,7 @@ def page(rows: list[dict], steps: int, seconds: float) -> list[str]:
             cells += [limits_text(row[name], row["hint"]),
                       "-" if isinstance(row[name], str) else f"{row[name].speedup:.3f}x"]
         plus2 = row["hint+2"]
-        cells.append(f"{plus2.speedup:.3f}x, {mib(max(plus2.allowed_bytes.values()))}")
+        cells.append(f"{plus2.speedup:.3f}x, {size(max(plus2.allowed_bytes.values()))}")
         lines.append("| " + " | ".join(cells) + " |")
     return lines
 

@@ -35,7 +35,8 @@ def job_args(dump: str) -> list[str]:
 
 def activation_checkpoint_args(mode: str) -> list[str]:
     """torchtitan's activation checkpointing: ``none``, ``full``, ``selective`` (0.2.2:
-    every second layer; 0.3: per op) or, on 0.2.2, ``selective-op`` (per op)."""
+    every second layer; 0.3: per op) or, on 0.2.2, ``selective-op`` (per op). On 0.3 a
+    subcommand: it goes after every other option."""
     if VERSION == (0, 2):
         if mode == "selective-op":
             return ["--activation_checkpoint.mode", "selective",

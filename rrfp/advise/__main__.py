@@ -82,15 +82,16 @@ def _stdin_steps() -> list[list[dict]]:
 
 
 def _plot(advice, folder: str) -> None:
-    try:
-        from rrfp.advise.plots import plot_predictions, plot_step
-    except ImportError as e:
-        print(f"charts not drawn: {e} (pip install matplotlib)")
-        return
+    from rrfp.advise.plots import plot_predictions, plot_step
+
     os.makedirs(folder, exist_ok=True)
     for name, draw in (("advise_settings.png", plot_predictions), ("advise_step.png", plot_step)):
         path = os.path.join(folder, name)
-        draw(advice, path)
+        try:
+            draw(advice, path)
+        except ImportError as e:  # matplotlib: rrfp's [sim] extra
+            print(f"charts not drawn: {e} (pip install matplotlib)")
+            return
         print(f"wrote {path}")
 
 

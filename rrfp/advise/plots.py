@@ -7,7 +7,7 @@ import statistics
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-from rrfp.advise.report import Advice, mib
+from rrfp.advise.report import Advice, size
 from rrfp.sim.plot import plot_timelines, pyplot
 from rrfp.stats import Span
 
@@ -32,9 +32,10 @@ def plot_predictions(advice: Advice, path: str) -> None:
         grows = row.job_peak_extra
         colour = ("#999999" if grows is None else "#55A868" if grows <= 0
                   else "#DD8452")
-        ax.barh(i, row.speedup - 1, left=1, color=colour, height=0.7)
+        ax.barh(i, row.speedup - 1, left=1, color=colour, height=0.7,
+                hatch="//" if row.even_split else None)
         ax.plot([min(row.speedups), max(row.speedups)], [i, i], color="black", linewidth=0.8)
-        label = "" if grows is None else " no peak change" if grows <= 0 else f" +{mib(grows)}"
+        label = "" if grows is None else " no peak change" if grows <= 0 else f" +{size(grows)}"
         ax.text(max(row.speedups), i, label, va="center", fontsize=7)
     ax.set_yticks(range(len(rows)))
     ax.set_yticklabels([f"{r.setting.describe(advice.run.hint.name)} ({r.policy})"
@@ -43,8 +44,8 @@ def plot_predictions(advice: Advice, path: str) -> None:
     ax.axvline(1.0, color="grey", linewidth=0.8)
     ax.axvline(advice.own_speedup, color="#4C72B0", linewidth=0.8, linestyle="--",
                label=f"this run's setting ({advice.own_speedup:.3f}x)")
-    ax.set_xlabel("predicted speedup over the fixed schedule (median; line: the measured "
-                  "steps' range); label: the job's peak activation bytes")
+    ax.set_xlabel("predicted speedup over the fixed schedule (bar: median; line: the "
+                  "measured steps' range; label: growth of the job's activation peak)")
     ax.legend(fontsize=8, loc="lower right")
     ax.set_title(f"{advice.source}: {len(advice.run.steps)} measured steps replayed",
                  fontsize=9, loc="left")
@@ -66,8 +67,8 @@ def plot_step(advice: Advice, path: str) -> None:
             step.spans, max(s.end for spans in step.spans.values() for s in spans)),
         f"simulated at this run's setting ({run.policy})": advice.baseline.own_results[index],
     }
-    if advice.rows:
-        best = advice.rows[0]
+    best = advice.best(None)
+    if best is not None:
         panels[f"simulated at {best.setting.describe(run.hint.name)} ({best.policy})"] = (
             best.results[index])
     plot_timelines(panels, path, title=f"{advice.source}: measured vs predicted, one step",

@@ -41,9 +41,13 @@ def spread(values: Sequence[float]) -> str:
     return f"{statistics.median(values):.2f}x [{min(values):.2f}-{max(values):.2f}]"
 
 
-def mib(nbytes: float) -> str:
-    value = nbytes / (1 << 20)
-    return f"{value:.1f} MiB" if abs(value) < 100 else f"{value:.0f} MiB"
+def size(nbytes: float) -> str:
+    """Bytes in the largest binary unit below them (``38.0 MiB``, ``2.5 KiB``)."""
+    for unit, scale in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if abs(nbytes) >= scale:
+            value = nbytes / scale
+            return f"{value:.1f} {unit}" if abs(value) < 100 else f"{value:.0f} {unit}"
+    return f"{nbytes:.0f} B"
 
 
 @dataclass(frozen=True)
@@ -140,7 +144,7 @@ class Advice:
         if grows <= 0:
             return f"{text} (no peak change)"
         rank = max(allowed, key=lambda r: allowed[r])
-        return f"{text} (+{mib(grows)} peak, rank {rank})"
+        return f"{text} (+{size(grows)} peak, rank {rank})"
 
     def table(self, rows: int | None = None) -> list[str]:
         """The report: the run, how well the simulator replays it, each setting ranked
@@ -166,7 +170,7 @@ class Advice:
                          f"{spread(self.measured_ab)} over {len(self.measured_ab)} pairs")
         if run.bytes_per_microbatch is not None:
             lines.append("bytes per microbatch per stage: " + ", ".join(
-                f"{s}: {mib(b)}" for s, b in run.bytes_per_microbatch.items()))
+                f"{s}: {size(b)}" for s, b in run.bytes_per_microbatch.items()))
         lines += [f"note: {n}" for n in [*self.notes, *self.warnings()]]
         lines += ["", f"{'setting':<58} {'policy':<10} {'step ms':>8} "
                       f"{'speedup [steps]':<20} {'busiest rank':>13} {'extra per rank'}"]
@@ -182,8 +186,8 @@ class Advice:
         if row.allowed_bytes is None:
             memory, extra = "-", "bytes not measured"
         else:
-            memory = mib(max(row.allowed_bytes.values()))
-            extra = ", ".join(f"r{r} {'+' if e >= 0 else ''}{mib(e)}"
+            memory = size(max(row.allowed_bytes.values()))
+            extra = ", ".join(f"r{r} {'+' if e >= 0 else ''}{size(e)}"
                               for r, e in row.extra_bytes.items())  # type: ignore[union-attr]
         return (f"{name:<58} {row.policy:<10} {row.step_time * 1e3:>8.1f} "
                 f"{spread(row.speedups):<20} {memory:>13} {extra}")

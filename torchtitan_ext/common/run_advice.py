@@ -33,7 +33,7 @@ from dataclasses import dataclass
 import rrfp
 from rrfp import ScheduleRRFP, StepStats
 from rrfp.advise import ab_speedups
-from rrfp.advise.report import MIN_STEPS, mib, spread
+from rrfp.advise.report import MIN_STEPS, size, spread
 from rrfp.limits import fixed_peak_bytes
 from torchtitan.tools.logging import logger
 
@@ -257,7 +257,7 @@ class RunAdvice:
         if all(v is None for v in measured.values()):
             return "not measured (rrfp.meter_activations off)"
         return ", ".join(
-            f"{k} {'-' if measured[k] is None else mib(measured[k])}"
-            + ("" if fixed is None else f" (fixed schedule {mib(fixed[rank])})")
+            f"{k} {'-' if measured[k] is None else size(measured[k])}"
+            + ("" if fixed is None else f" (fixed schedule {size(fixed[rank])})")
             for rank, k in enumerate(labels)) + " (measured in the metered steps; the fixed " \
             "schedule's at the measured bytes per microbatch)"
