@@ -20,6 +20,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from rrfp.hints import build_hint, Hint, HINT_NAMES
+from rrfp.limits import MemoryLimits
 from rrfp.sim.replay import timing_from_trace
 from rrfp.sim.workloads import Timing
 from rrfp.stats import Span, STEP_METADATA
@@ -90,6 +91,8 @@ class MeasuredRun:
     dispatch_cost: float
     """Median CPU seconds the runtime spent deciding per action (the simulator's launch
     cost)."""
+    limits: MemoryLimits
+    """The microbatch limits its last step ran at (a byte setting's, as settled)."""
     bytes_per_microbatch: Mapping[int, int] | None
     """Per stage, the bytes one microbatch's forward saved (None: not measured)."""
     steps: tuple[MeasuredStep, ...]
@@ -226,7 +229,8 @@ def run_of(steps: Sequence[MeasuredStep], source: str) -> MeasuredRun:
         launch_depth=1 if synchronous else float("inf") if depth is None else depth,
         fixed_launch_depth=1 if synchronous else float("inf"),
         dispatch_cost=statistics.median(per_action) if per_action else 0.0,
-        bytes_per_microbatch=_bytes_per_microbatch(steps), steps=used,
+        limits=_limits_of(used[-1]), bytes_per_microbatch=_bytes_per_microbatch(steps),
+        steps=used,
         left_out=len(steps) - len(used))
 
 
@@ -248,6 +252,14 @@ def _hint_of(step: MeasuredStep) -> Hint:
         return build_hint(source, **shape, layout=meta["placement"])
     except ValueError as e:
         raise AdviceError(f"{step.source}: its hint {meta['hint']!r} cannot be rebuilt: {e}") from None
+
+
+def _limits_of(step: MeasuredStep) -> MemoryLimits:
+    per_stage: dict[int, int] = {}
+    for meta in step.ranks.values():
+        per_stage.update({int(s): n for s, n in meta["buffer_limits"].items()})
+    return MemoryLimits(dict(sorted(per_stage.items())),
+                        {r: meta["rank_buffer_limit"] for r, meta in step.ranks.items()})
 
 
 def _bytes_per_microbatch(steps: Sequence[MeasuredStep]) -> dict[int, int] | None:

@@ -147,8 +147,9 @@ def limits_of(setting: Setting, hint: Hint,
     limit = parse_buffer_limit(setting.buffer_limit)
     if not limit.in_bytes:
         return resolve_buffer_limits(limit, hint, fixed_order=setting.policy == "fixed")
-    if bytes_per_microbatch is None:
-        raise ValueError("a limit in bytes needs the measured bytes per microbatch")
+    if bytes_per_microbatch is None or limit.auto:
+        raise ValueError("a limit in bytes needs the measured bytes per microbatch, 'auto' "
+                         "the devices' free memory")
     budgets = byte_budgets(limit, hint, bytes_per_microbatch,
                            dict.fromkeys(range(hint.num_ranks), limit.budget_bytes))
     return limits_within_bytes(hint, bytes_per_microbatch, budgets).limits
@@ -158,9 +159,7 @@ def replay(run: MeasuredRun) -> Replay:
     """The measured steps at the run's own setting and in the fixed order."""
     fixed = tuple(_simulate(run, run.hint, step, "fixed", None, None).makespan
                   for step in range(len(run.steps)))
-    own = _simulated_steps(run, run.hint, run.policy,
-                           limits_of(Setting(run.hint.name, run.buffer_limit), run.hint,
-                                     run.bytes_per_microbatch))
+    own = _simulated_steps(run, run.hint, run.policy, run.limits)
     return Replay(fixed, tuple(r.makespan for r in own), tuple(own))
 
 

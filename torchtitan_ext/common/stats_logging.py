@@ -171,7 +171,7 @@ def log_step_stats(trainer, schedule: ScheduleRRFP, settings, metrics_rank: int,
         reads=dist.get_rank() in {metrics_rank} | log_ranks(metrics_rank))
     if dist.get_rank() == metrics_rank:
         stats_log.advice = RunAdvice(
-            schedule, source=trace_folder or "(turn rrfp.trace_folder on for the table)",
+            schedule, source=trace_folder or "(set rrfp.trace_folder to keep the traces)",
             label=stats_log.label, advise=settings.advise, tensorboard_folder=tensorboard_folder)
         torch_close = trainer.close
 
