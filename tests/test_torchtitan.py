@@ -552,11 +552,11 @@ def test_main_job_trains_on_cpu_and_logs_rrfp_stats(tmp_path):
 
 
 @pytest.mark.parametrize("fixed,nproc,steps,parallelism,rrfp", [
-    ("Interleaved1F1B", 2, 4, [], []),
-    ("1F1B", 2, 4, [], ["--rrfp.fixed_every", "2"]),
+    ("Interleaved1F1B", 2, 4, [], ["--rrfp.fixed_every", "2"]),
+    ("1F1B", 2, 4, [], []),
     ("Interleaved1F1B", 4, 3, ["--parallelism.data_parallel_shard_degree", "2"], []),
     ("Interleaved1F1B", 4, 3, ["--parallelism.tensor_parallel_degree", "2"], []),
-], ids=["pp-interleaved", "pp-1f1b-with-in-run-ab", "pp-x-fsdp", "pp-x-tp"])
+], ids=["pp-interleaved-with-in-run-ab", "pp-1f1b", "pp-x-fsdp", "pp-x-tp"])
 def test_rrfp_trains_exactly_as_the_fixed_schedule(fixed, nproc, steps, parallelism, rrfp,
                                                    tmp_path):
     """Losses and gradient norms at every step, bitwise (float32), RRFP against torch's

@@ -21,7 +21,9 @@ class RRFP:
     parses it: ``rrfp.settings.BUFFER_LIMIT_HELP``. The default stays ``"hint"``: at
     ``"busiest"`` the default policy gained 1.000x-1.005x (simulated, 1F1B 8 x 32, 7% of
     the best known gain) and nothing the emulated device or the real-compute A/B could tell
-    from noise, and on the llama3 debug job it gives rank 0 one microbatch and rank 1 none
+    from noise, and on the llama3 debug job it gives rank 0 one microbatch and rank 1 none;
+    with activation checkpointing too: the advisor predicts no gain at the byte limits there,
+    and the byte meter does not see what per-op selective checkpointing saves
     (docs/defaults.md)."""
 
     policy: str = ""

@@ -28,6 +28,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import rrfp
@@ -133,7 +134,8 @@ class StepRecord:
 class RunAdvice:
     """The verdict, the A/B and the summary of one run (see the module)."""
 
-    def __init__(self, schedule: ScheduleRRFP, *, source: str, label, advise: bool,
+    def __init__(self, schedule: ScheduleRRFP, *, source: str,
+                 label: Callable[[StepStats], str], advise: bool,
                  tensorboard_folder: str | None):
         """``source``: how the verdict names the run (its traces' folder, where written);
         ``label``: a rank's name in the lines (``StepStats -> str``); ``advise``: whether
@@ -183,7 +185,7 @@ class RunAdvice:
         return scalars
 
     def _ab_pair(self) -> dict[str, float]:
-        """The in-run A/B's newest pair, once both its neighbours have run."""
+        """The in-run A/B's newest pair, once a step after its fixed-order step has run."""
         pairs = ab_speedups([(r.fixed_order, r.step_time) for r in self.records[1:]])
         if len(pairs) == self._pairs_logged:
             return {}
