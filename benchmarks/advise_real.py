@@ -62,9 +62,9 @@ def predicted_vs_measured(steps: int, pairs: int) -> list[str]:
         run_job(folder, "--rrfp.trace_folder", "traces", "--rrfp.fixed_every", "2",
                 "--rrfp.buffer_limit", buffer_limit, *(["--rrfp.policy", policy] if policy else []),
                 steps=2 * pairs + 1)
-        steps = read_run(folder)[0].steps
-        measured = ab_speedups([(s.fixed_order, s.step_time) for s in steps])
-        normalized = ab_speedups([(s.fixed_order, s.step_time / busiest(s)) for s in steps])
+        paired = read_run(folder)[0].steps
+        measured = ab_speedups([(s.fixed_order, s.step_time) for s in paired])
+        normalized = ab_speedups([(s.fixed_order, s.step_time / busiest(s)) for s in paired])
         rows.append((buffer_limit, policy, predicted, measured, normalized, load))
         print(f"{buffer_limit} {predicted.policy}: predicted {predicted.speedup:.3f}x, measured "
               f"{statistics.median(measured):.3f}x over {len(measured)} pairs, load {load:.1f}",

@@ -130,6 +130,7 @@ BAD_RUNS = {
                            "16 microbatches", dict(microbatches=16)),
     "a rank missing": ("the trace holds pipeline ranks [0, 1, 2] of [0, 1, 2, 3]", {}),
     "not rrfp": ("no 'rrfp_step' metadata in the trace", {}),
+    "an older rrfp": ("step2.json: its step metadata lacks ['buffer_limit']", {}),
 }
 
 
@@ -157,6 +158,9 @@ def test_a_run_it_cannot_use_is_said_in_one_line(case, tmp_path, capsys):
     elif case == "not rrfp":
         rewrite_steps(folder, ["step2.json"], lambda t: t.update(traceEvents=[
             e for e in t["traceEvents"] if e.get("name") != "rrfp_step"]))
+    elif case == "an older rrfp":
+        rewrite_steps(folder, ["step2.json"], lambda t: [
+            e["args"].pop("buffer_limit") for e in t["traceEvents"] if e.get("name") == "rrfp_step"])
     assert main([str(folder), "--no-plots"]) == 2
     captured = capsys.readouterr()
     assert captured.out == ""

@@ -29,6 +29,10 @@ TRACE_FILE = re.compile(r"step(\d+)\.json")
 """How torchtitan_ext names a step's trace."""
 SHAPE = ("hint", "placement", "num_stages", "n_microbatches", "buffer_limit")
 """What every step of one run shares."""
+READ = (*SHAPE, "pp_rank", "step", "policy", "device", "launch_depth", "step_time",
+        "start_unix", "decision_time", "hint_order", "hint_peak_in_flight", "buffer_limits",
+        "rank_buffer_limit", "activation_bytes_per_microbatch")
+"""The metadata fields the advisor reads."""
 
 
 class AdviceError(ValueError):
@@ -150,12 +154,25 @@ def read_trace(path: str) -> dict:
 
 def measured_step(trace: dict, source: str) -> MeasuredStep:
     """One step from a trace of every rank of the pipeline."""
+    try:
+        return _measured_step(trace, source)
+    except (KeyError, TypeError, AttributeError, IndexError) as e:
+        raise AdviceError(f"{source}: its events are not those rrfp writes ({type(e).__name__}: "
+                          f"{e}): the file was changed, or another program wrote it") from None
+
+
+def _measured_step(trace: dict, source: str) -> MeasuredStep:
     metadata = {e["pid"]: e["args"] for e in trace["traceEvents"]
                 if e.get("ph") == "M" and e.get("name") == STEP_METADATA}
     if not metadata:
         raise AdviceError(
             f"{source}: no {STEP_METADATA!r} metadata in the trace: it is not a ScheduleRRFP "
             "step trace, or an rrfp older than the advisor wrote it; rerun the job")
+    for args in metadata.values():
+        missing = [key for key in READ if key not in args]
+        if missing:
+            raise AdviceError(f"{source}: its step metadata lacks {missing}: an rrfp older "
+                              "than the advisor wrote it; rerun the job")
     ranks = {args["pp_rank"]: args for args in metadata.values()}
     first = next(iter(ranks.values()))
     expected = set(range(first["num_stages"] // _stages_per_rank(first)))
