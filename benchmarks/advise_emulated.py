@@ -34,8 +34,8 @@ from rrfp import ScheduleRRFP
 from rrfp.advise import advise, run_from_trace_events
 from rrfp.advise.predict import predict, replay, Setting
 from rrfp.device import EmulatedDevice
-from rrfp.emulation import EmulatedDeviceTime
-from rrfp.local import run_local_world
+from rrfp.testing.emulation import EmulatedDeviceTime
+from rrfp.testing.worlds import run_local_world
 from rrfp.sim.workloads import make_timing
 
 RANKS, MICROBATCHES, UNIT_S, DIM = 4, 16, 0.01, 16
