@@ -1,6 +1,6 @@
 """Activation checkpointing and RRFP's byte limits: torchtitan llama3 debug, CPU.
 
-    python -m benchmarks.ac_bytes_bench      # results/ac_bytes_<torchtitan>.md (~4 min)
+    python -m benchmarks.ac_bytes_bench      # results/ac_bytes_<torchtitan>.md
 
 For each of torchtitan's activation checkpointing modes (0.2.2: ``none``, ``selective``
 (every second layer), ``selective`` per op, ``full``; 0.3: ``none``, ``selective`` (per

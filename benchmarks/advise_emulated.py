@@ -1,6 +1,6 @@
 """The advisor's predictions against measurements, on the emulated asynchronous device.
 
-    python -m benchmarks.advise_emulated        # writes results/advise_emulated.md (~3 min)
+    python -m benchmarks.advise_emulated        # writes results/advise_emulated.md
 
 One job: ``ScheduleRRFP`` over 4 ranks, the 1F1B hint, 16 microbatches, a tiny MLP per
 stage whose forward and backward sleep the durations the ``jitter`` workload model draws
