@@ -4,6 +4,8 @@ setting in the simulator, the verdict, refusing what it cannot read; and the in-
 
 from __future__ import annotations
 
+import dataclasses
+import io
 import json
 import os
 import statistics
@@ -108,18 +110,25 @@ def spiky_run(tmp_path_factory):
     return folder
 
 
+@pytest.fixture(scope="module")
+def spiky_advice(spiky_run):
+    """The advice on ``spiky_run`` (computed once: every setting replays every step)."""
+    return advise(read_run(str(spiky_run))[0], "outputs/job")
+
+
 def row_of(advice, hint: str, buffer_limit: str, policy: str | None = None):
     (row,) = [r for r in advice.rows if r.setting == Setting(hint, buffer_limit, policy)]
     return row
 
 
-def test_the_run_is_replayed_exactly_and_each_setting_predicted(spiky_run):
+def test_the_run_is_replayed_exactly_and_each_setting_predicted(spiky_run, spiky_advice):
     run, note = read_run(str(spiky_run.parent.parent))  # the dump folder
     assert note == ""
     assert (run.hint.name, run.buffer_limit, run.policy) == ("1F1B", "hint", "hint")
     assert [s.number for s in run.steps] == [1, 2, 3, 4, 5] and run.left_out == 1
     assert run.bytes_per_microbatch == BYTES
-    advice = advise(run, "the run")
+    assert [s.step_time for s in spiky_advice.run.steps] == [s.step_time for s in run.steps]
+    advice = spiky_advice
     # The synthetic steps are simulated ones: their replay at the run's own setting
     # reproduces each step's length.
     assert advice.baseline.own == pytest.approx([s.step_time for s in run.steps], rel=1e-9)
@@ -137,9 +146,8 @@ def test_the_run_is_replayed_exactly_and_each_setting_predicted(spiky_run):
     assert advice.rows == sorted(advice.rows, key=lambda r: -r.speedup)
 
 
-def test_the_verdict_names_the_best_within_the_margin_and_the_best_keeping_the_peak(spiky_run):
-    run, _ = read_run(str(spiky_run))
-    advice = advise(run, "outputs/job")
+def test_the_verdict_names_the_best_within_the_margin_and_the_best_keeping_the_peak(spiky_advice):
+    advice = spiky_advice
     best, flat = advice.best(advice.margin * advice.fixed_peak), advice.best(0)
     assert best.job_peak_extra <= advice.margin * advice.fixed_peak
     assert best.speedup >= max(r.speedup for r in advice.rows if not r.even_split
@@ -152,7 +160,7 @@ def test_the_verdict_names_the_best_within_the_margin_and_the_best_keeping_the_p
     assert verdict.endswith(f"this run (buffer_limit='hint', policy hint) "
                             f"{advice.own_speedup:.2f}x; python -m rrfp.advise outputs/job")
     # With no margin the best is the one keeping the peak.
-    assert advise(run, "x", margin=0).best(0) is not None
+    assert dataclasses.replace(advice, margin=0).best(0) is not None
 
 
 def test_too_few_steps_are_said(tmp_path):
@@ -164,7 +172,7 @@ def test_too_few_steps_are_said(tmp_path):
 
 
 def test_the_command_prints_the_table_and_the_verdict_and_draws_the_charts(spiky_run, tmp_path,
-                                                                            capsys):
+                                                                            capsys, monkeypatch):
     assert main([str(spiky_run), "--out", str(tmp_path), "--rows", "5"]) == 0
     out = capsys.readouterr().out.splitlines()
     assert out[0].startswith(f"run: {spiky_run}: 5 training steps")
@@ -179,12 +187,9 @@ def test_the_command_prints_the_table_and_the_verdict_and_draws_the_charts(spiky
     # The same advice as JSON, from the steps' events on stdin (what a job sends).
     events = [json.loads(p.read_text())["traceEvents"]
               for p in sorted(spiky_run.glob("step*.json"))]
-    done = subprocess.run([sys.executable, "-m", "rrfp.advise", "-", "--json", "--source", "job"],
-                          input=json.dumps(events), capture_output=True, text=True, cwd=ROOT,
-                          env={**os.environ, "PYTHONPATH": ROOT}, timeout=300)
-    assert done.returncode == 0, done.stderr
-    assert json.loads(done.stdout)["verdict"] == advise(
-        run_from_trace_events(events, "job"), "job").verdict()
+    monkeypatch.setattr(sys, "stdin", io.StringIO(json.dumps(events)))
+    assert main(["-", "--json", "--source", str(spiky_run)]) == 0
+    assert json.loads(capsys.readouterr().out)["verdict"] == out[-3]
 
 
 def rewrite_steps(folder, step_files, change):
