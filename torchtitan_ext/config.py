@@ -18,13 +18,8 @@ class RRFP:
     an integer (``4`` or ``"4"`` in TOML, ``--rrfp.buffer_limit 4`` on the command line) in
     microbatches; ``"busiest"``, a per-rank budget (``"12GiB"``) or ``"auto"`` (CUDA) in
     bytes, from the first step's measured bytes per microbatch. Parsed as ScheduleRRFP
-    parses it: ``rrfp.settings.BUFFER_LIMIT_HELP``. The default stays ``"hint"``: at
-    ``"busiest"`` the default policy gained 1.000x-1.005x (simulated, 1F1B 8 x 32, 7% of
-    the best known gain) and nothing the emulated device or the real-compute A/B could tell
-    from noise, and on the llama3 debug job it gives rank 0 one microbatch and rank 1 none;
-    with activation checkpointing too: the advisor predicts no gain at the byte limits there,
-    and the byte meter does not see what per-op selective checkpointing saves
-    (docs/defaults.md)."""
+    parses it: ``rrfp.settings.BUFFER_LIMIT_HELP``. The default stays ``"hint"``, with
+    activation checkpointing too: docs/defaults.md gives the measurements and why."""
 
     policy: str = ""
     """Arbitration policy, case-insensitive: ``hint``, ``lookahead``, ``critical``,
