@@ -141,6 +141,65 @@ MUTATIONS = [
         "self._n_microbatches if self.scale_grads else 1.0000001)",
         ("tests/test_torchtitan.py::test_rrfp_trains_exactly_as_the_fixed_schedule"
          "|pp-1f1b",)),
+    Mutation(
+        "advise_limits_ignored", "the advisor predicts each setting at its own limits",
+        "rrfp/advise/predict.py",
+        "return resolve_buffer_limits(limit, hint, fixed_order=setting.policy == \"fixed\")",
+        "return resolve_buffer_limits(\"hint\", hint, fixed_order=setting.policy == \"fixed\")",
+        ("tests/test_advise.py::test_the_run_is_replayed_exactly_and_each_setting_predicted",)),
+    Mutation(
+        "trace_without_step_metadata", "traces carry what the advisor needs of each step",
+        "rrfp/stats.py", "{\"ph\": \"M\", \"name\": STEP_METADATA,",
+        "{\"ph\": \"M\", \"name\": \"step\",",
+        ("tests/test_advise.py::test_the_run_is_replayed_exactly_and_each_setting_predicted",)),
+    Mutation(
+        "verdict_without_the_peak_keeping_setting", "the verdict names the best setting that "
+        "keeps the job's peak", "rrfp/advise/report.py",
+        "flat = self.best(None if peak is None else 0)", "flat = self.best(None)",
+        ("tests/test_advise.py::test_the_verdict_names_the_best_within_the_margin_and_the_best_"
+         "keeping_the_peak",)),
+    Mutation(
+        "too_few_steps_unsaid", "the advisor says when the measured steps are too few",
+        "rrfp/advise/report.py", "MIN_STEPS = 3", "MIN_STEPS = 2",
+        ("tests/test_advise.py::test_too_few_steps_are_said",)),
+    Mutation(
+        "advice_errors_as_tracebacks", "a run the advisor cannot use is said in one line",
+        "rrfp/advise/__main__.py", "    except AdviceError as e:",
+        "    except KeyboardInterrupt as e:",
+        ("tests/test_advise.py::test_a_run_it_cannot_use_is_said_in_one_line",
+         "tests/test_advise.py::test_a_bad_run_stops_the_command_without_a_traceback")),
+    Mutation(
+        "advice_mixes_jobs", "traces of another hint or microbatch count are refused",
+        "rrfp/advise/measured.py",
+        "SHAPE = (\"hint\", \"placement\", \"num_stages\", \"n_microbatches\", \"buffer_limit\")",
+        "SHAPE = (\"placement\",)",
+        ("tests/test_advise.py::test_a_run_it_cannot_use_is_said_in_one_line|hint or microbatches",)),
+    Mutation(
+        "advice_rows_option_ignored", "python -m rrfp.advise shows the best --rows settings",
+        "rrfp/advise/__main__.py", "advice.table(args.rows or None)", "advice.table()",
+        ("tests/test_advise.py::test_the_command_prints_the_table_and_the_verdict_and_draws_the_"
+         "charts",)),
+    Mutation(
+        "ab_pairs_one_sided", "the A/B compares a fixed step with the RRFP steps on both sides",
+        "rrfp/advise/report.py", "for j in (i - 1, i + 1)", "for j in (i - 1,)",
+        ("tests/test_advise.py::test_the_ab_pairs_each_fixed_step_with_its_neighbours",)),
+    Mutation(
+        "fixed_every_ignored", "the in-run A/B runs every k-th step in the fixed order",
+        "rrfp/runtime.py", "fixed = training and self.fixed_every > 0 and (",
+        "fixed = False and self.fixed_every > 0 and (",
+        ("tests/test_advise.py::test_in_run_ab_measures_what_the_advisor_predicts_and_stays_"
+         "bitwise",
+         "tests/test_torchtitan.py::test_rrfp_trains_exactly_as_the_fixed_schedule|in-run-ab")),
+    Mutation(
+        "fixed_steps_bounded_launch", "the A/B's fixed steps launch without bound, as torch's",
+        "rrfp/runtime.py", "launch_depth=math.inf if fixed else self.launch_depth,",
+        "launch_depth=self.launch_depth,",
+        ("tests/test_advise.py::test_in_run_ab_measures_what_the_advisor_predicts_and_stays_"
+         "bitwise",)),
+    Mutation(
+        "no_end_of_run_summary", "torchtitan jobs end with the verdict and a summary",
+        "torchtitan_ext/common/stats_logging.py", "stats_log.advice.finish()", "pass",
+        ("tests/test_torchtitan.py::test_main_job_trains_on_cpu_and_logs_rrfp_stats",)),
 ]
 
 

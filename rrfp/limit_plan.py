@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 
 from rrfp.hints import Hint
-from rrfp.limits import (ByteLimits, check_limits, first_step_limits, fixed_peak_bytes,
+from rrfp.limits import (byte_budgets, ByteLimits, check_limits, first_step_limits,
                          limits_within_bytes, MemoryLimits)
 from rrfp.policy import default_policy
 from rrfp.settings import BufferLimit, parse_buffer_limit
@@ -56,6 +56,17 @@ class LimitPlan:
             else limit_summary(self.setting.spec, self.limits, hint, rank))
         """One sentence for the log: what the limits allow on this rank."""
 
+    def check_fixed_every(self, every: object) -> int:
+        """``fixed_every`` (the in-run A/B) as an int: 0 (never) or k >= 2; ``ValueError``
+        where it is not, or where the limits would stall the hint's fixed order."""
+        if isinstance(every, bool) or not isinstance(every, int) or every < 0 or every == 1:
+            raise ValueError(f"fixed_every must be 0 (no A/B) or an int >= 2 (every k-th "
+                             f"training step in the fixed order), got {every!r}")
+        if every:
+            check_limits(self.limits, self._hint, self.setting.spec,
+                         fixed_order=f"fixed_every={every}")
+        return every
+
     @property
     def waiting_for_bytes(self) -> bool:
         """Whether the limits still wait for a step's measured bytes per microbatch."""
@@ -79,11 +90,8 @@ class LimitPlan:
         dist.all_reduce(exchanged, group=group)
         values = exchanged.tolist()
         per_microbatch = {s: values[s] for s in range(stages)}
-        if setting.busiest:
-            busiest = max(fixed_peak_bytes(hint, per_microbatch).values())
-            budgets = {r: busiest for r in range(ranks)}
-        else:
-            budgets = {r: values[stages + r] for r in range(ranks)}
+        budgets = byte_budgets(setting, hint, per_microbatch,
+                               {r: values[stages + r] for r in range(ranks)})
         try:
             self.byte_limits = limits_within_bytes(hint, per_microbatch, budgets)
         except ValueError as e:

@@ -9,14 +9,16 @@ the arbiter (``rrfp.arbiter``) enforces the limits; ``ScheduleRRFP``'s ``LimitPl
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from rrfp.settings import BufferLimit, parse_buffer_limit
 
 if TYPE_CHECKING:
+    from rrfp.actions import _Action
     from rrfp.hints import Hint
+    from rrfp.plan import RankPlan
 
 
 @dataclass(frozen=True)
@@ -113,19 +115,21 @@ def first_step_limits(spec: str | int | BufferLimit, hint: Hint, *,
 
 
 def check_limits(limits: MemoryLimits, hint: Hint, spec: object, *,
-                 fixed_order: bool = False) -> None:
+                 fixed_order: bool | str = False) -> None:
     """``ValueError`` unless ``limits`` are deadlock-free for ``hint`` (see
     ``resolve_buffer_limits``); ``spec``: how the user wrote them (for the message).
-    ``fixed_order``: the hint's order runs as it is (``policy="fixed"``), which needs every
-    stage's own peak."""
+    ``fixed_order``: the hint's order runs as it is (``policy="fixed"``, or the setting
+    named, e.g. the in-run A/B's ``"fixed_every=4"``), which needs every stage's own
+    peak."""
     peaks, rank_peaks = hint.plan.stage_peaks, hint.plan.rank_peaks()
     below = limits.first_stage_below(peaks)
     if fixed_order and below is not None:
         s, got, need = below
+        asked = "policy='fixed'" if fixed_order is True else fixed_order
         raise ValueError(
-            f"policy='fixed' runs hint {hint.name!r} in its own order, which holds up to "
+            f"{asked} runs hint {hint.name!r} in its own order, which holds up to "
             f"{need} microbatches on stage {s}, but buffer_limit={spec!r} allows {got}: it "
-            "would stall; use buffer_limit='hint' (or larger) with policy='fixed'")
+            f"would stall; use buffer_limit='hint' (or larger) with {asked}")
     for rank, peak in rank_peaks.items():
         stages = hint.stages_on(rank)
         if len(stages) > 1 and limits.per_rank[rank] < peak:
@@ -150,18 +154,49 @@ def fixed_peak_bytes(hint: Hint, bytes_per_microbatch: Mapping[int, int]) -> dic
     """Per rank, the most activation bytes the hint's fixed order holds at once, where a
     microbatch held on stage s holds ``bytes_per_microbatch[s]`` (held from its F until
     its release point, as ``rrfp.plan`` counts microbatches)."""
-    peaks = {}
-    for rank, plan in hint.plan.ranks.items():
-        total = peak = 0
-        for node in plan.nodes:
-            nbytes = bytes_per_microbatch[node.stage]
-            if node.kind == "F":
-                total += nbytes
-                peak = max(peak, total)
-            if node.releases:
-                total -= nbytes
-        peaks[rank] = peak
-    return peaks
+    return {rank: peak_bytes_held(plan, [node.action for node in plan.nodes],
+                                  bytes_per_microbatch)
+            for rank, plan in hint.plan.ranks.items()}
+
+
+def peak_bytes_held(plan: RankPlan, order: Iterable[_Action],
+                    bytes_per_microbatch: Mapping[int, int]) -> int:
+    """The most activation bytes a rank holds at once running its ``plan``'s actions in
+    ``order`` (the hint's own, or one a step realized), a microbatch held on stage s
+    holding ``bytes_per_microbatch[s]`` from its F until its release point."""
+    total = peak = 0
+    for action in order:
+        node = plan.node(action)
+        nbytes = bytes_per_microbatch[node.stage]
+        if node.kind == "F":
+            total += nbytes
+            peak = max(peak, total)
+        if node.releases:
+            total -= nbytes
+    return peak
+
+
+def most_bytes_allowed(per_stage: Mapping[int, int], rank_limit: int,
+                       bytes_per_microbatch: Mapping[int, int], stages: Iterable[int]) -> int:
+    """The most activation bytes a rank holding ``stages`` may hold under these limits: its
+    worst mix, the rank limit filled with the microbatches of its largest stages first,
+    each stage up to its own limit."""
+    room, total = rank_limit, 0
+    for s in sorted(stages, key=lambda s: -bytes_per_microbatch[s]):
+        take = min(per_stage[s], room)
+        total, room = total + take * bytes_per_microbatch[s], room - take
+    return total
+
+
+def byte_budgets(setting: BufferLimit, hint: Hint, bytes_per_microbatch: Mapping[int, int],
+                 given: Mapping[int, int]) -> dict[int, int]:
+    """Per rank, the activation bytes a byte ``setting`` lets it hold: under ``"busiest"``
+    what the fixed schedule's busiest rank holds (``fixed_peak_bytes``), on every rank;
+    under a budget or ``"auto"``, the ``given`` bytes of each rank."""
+    if setting.busiest:
+        busiest = max(fixed_peak_bytes(hint, bytes_per_microbatch).values())
+        return dict.fromkeys(range(hint.num_ranks), busiest)
+    return {r: given[r] for r in range(hint.num_ranks)}
 
 
 @dataclass(frozen=True)
@@ -218,11 +253,7 @@ def limits_within_bytes(hint: Hint, bytes_per_microbatch: Mapping[int, int],
         rank_limit = rank_peaks[rank]
 
         def worst(limit: Mapping[int, int], rank_limit: int) -> int:
-            room, total = rank_limit, 0
-            for s in sorted(stages, key=lambda s: -bytes_per_microbatch[s]):
-                take = min(limit[s], room)
-                total, room = total + take * bytes_per_microbatch[s], room - take
-            return total
+            return most_bytes_allowed(limit, rank_limit, bytes_per_microbatch, stages)
 
         while rank_limit < cap * len(stages):
             wider = {s: min(limit[s] + 1, cap) for s in stages}

@@ -11,6 +11,7 @@ aborts the channels and leaves the runtime refusing further steps (DESIGN.md inv
 from __future__ import annotations
 
 import logging
+import math
 import time
 from dataclasses import dataclass
 
@@ -66,7 +67,7 @@ class PipelineRuntime:
                  platform: Platform, device: Device, wakeup: Wakeup, transport: Transport,
                  receives: ReceiveRings, limits: LimitPlan, coordination: Coordination,
                  metering: Metering, stall_timeout: float, launch_depth: float,
-                 reorder_ahead: bool):
+                 reorder_ahead: bool, fixed_every: int = 0):
         self.hint, self.rank, self.stages = hint, rank, stages
         self._forward_only = hint.forward_only()
         self.platform, self.device, self.wakeup = platform, device, wakeup
@@ -74,8 +75,11 @@ class PipelineRuntime:
         self.coordination, self.metering = coordination, metering
         self.stall_timeout, self.launch_depth = stall_timeout, launch_depth
         self.reorder_ahead = reorder_ahead
+        self.fixed_every = fixed_every
+        """The in-run A/B: every this-many-th training step runs the fixed order (0: none)."""
         self.history = History()
         self.steps_run = 0
+        self.training_steps_run = 0
         self.last_step_stats: StepStats | None = None
         self.activation_bytes_per_microbatch: dict[int, int] | None = None
         """Per local stage, the most bytes one microbatch's forward saved for backward in
@@ -109,7 +113,11 @@ class PipelineRuntime:
             return time.perf_counter() - origin
 
         hint = self.hint if training else self._forward_only
-        policy = (make_policy(self.limits.policy, history=self.history, clock=clock)
+        # The in-run A/B's fixed-order steps launch without bound, as torch's schedules do.
+        fixed = training and self.fixed_every > 0 and (
+            self.training_steps_run % self.fixed_every == self.fixed_every - 1)
+        policy = (make_policy("fixed") if fixed else
+                  make_policy(self.limits.policy, history=self.history, clock=clock)
                   if training else make_policy("hint"))  # forward only: plain readiness-first
         arbiter = Arbiter(hint, self.rank, limits=self.limits.limits if training else None,
                           policy=policy)
@@ -122,7 +130,8 @@ class PipelineRuntime:
             arbiter, self.device, executor,
             arrivals=lambda: [Arrival(r.edge, r.microbatch, r.seen - origin)
                               for r in self.receives.arrived(self.transport.collect())],
-            clock=clock, launch_depth=self.launch_depth, reorder_ahead=self.reorder_ahead,
+            clock=clock, launch_depth=math.inf if fixed else self.launch_depth,
+            reorder_ahead=self.reorder_ahead,
             stall_timeout=self.stall_timeout,
             describe_rank=f"pipeline rank {self.rank} (global rank {dist.get_rank()})",
             describe_peer=lambda peer: f"global rank {self.transport.channels.global_ranks[peer]}",
@@ -139,7 +148,8 @@ class PipelineRuntime:
                 activation_bytes_per_microbatch=self.activation_bytes_per_microbatch,
                 receive_buffer_bytes=self.receives.peak_bytes, step=self.steps_run)
             self.steps_run += 1
-        if training:
+            self.training_steps_run += training
+        if training and not fixed:
             loop.teach(self.history)
         return executor.losses
 

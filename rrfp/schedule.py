@@ -109,6 +109,8 @@ class ScheduleRRFP(TorchRuntimeInterface, RuntimeReadout):
             saving untouched (not with a byte ``buffer_limit``, which needs the bytes).
         meter_every: meter every this-many-th step (and the first training step); 1:
             every step (the meter costs CPU time per saved tensor: docs/memory.md).
+        fixed_every: the in-run A/B: every k-th training step (k >= 2; 0: never) runs the
+            hint's fixed order, launched without bound as torch's (docs/advisor.md).
     """
 
     def __init__(
@@ -134,6 +136,7 @@ class ScheduleRRFP(TorchRuntimeInterface, RuntimeReadout):
         variable_shapes: bool = False,
         meter_activations: bool = True,
         meter_every: int = DEFAULT_METER_EVERY,
+        fixed_every: int = 0,
     ):
         policy = parse_policy(policy)
         depth = parse_launch_depth(launch_depth)
@@ -160,6 +163,7 @@ class ScheduleRRFP(TorchRuntimeInterface, RuntimeReadout):
         self._hint = placed_hint(hint, stages, self.rank, self._layout, n_microbatches)
         self._buffer_limit, self._policy_given = buffer_limit, policy
         limits = LimitPlan(buffer_limit, self._hint, self.rank, policy)
+        fixed_every = limits.check_fixed_every(fixed_every)
         if len(stages) == 1:
             self._stage = stages[0]
             """The one stage, as torch's single-stage schedules name it."""
@@ -183,7 +187,8 @@ class ScheduleRRFP(TorchRuntimeInterface, RuntimeReadout):
             coordination=Coordination(coordination, twin),
             metering=Metering(ActivationMeter() if meter_activations else None, meter_every),
             stall_timeout=self.stall_timeout,
-            launch_depth=math.inf if depth is None else depth, reorder_ahead=reorder_ahead)
+            launch_depth=math.inf if depth is None else depth, reorder_ahead=reorder_ahead,
+            fixed_every=fixed_every)
 
     def _replace_hint(self, source: HintSource, name: str | None = None) -> None:
         """Make ``source`` the hint from the next step on (torch's ``_load_csv``,
@@ -192,6 +197,7 @@ class ScheduleRRFP(TorchRuntimeInterface, RuntimeReadout):
         hint = placed_hint(source, self._stages, self.rank, self._layout,
                            self._n_microbatches, name, placement=self._hint.stage_to_rank)
         limits = LimitPlan(self._buffer_limit, hint, self.rank, self._policy_given)
+        limits.check_fixed_every(self._runtime.fixed_every)
         self._hint = hint
         self.pipeline_order = {r: list(acts) for r, acts in hint.orders.items()}
         self._runtime.follow(hint, limits)
@@ -406,7 +412,7 @@ def _wired_runtime(hint: Hint, rank: int, stages: list[_PipelineStageBase], plat
                    limits: LimitPlan, *, device: EmulatedDevice | None,
                    send_delay: SendDelay | None, variable_shapes: bool,
                    coordination: Coordination, metering: Metering, stall_timeout: float,
-                   launch_depth: float, reorder_ahead: bool) -> PipelineRuntime:
+                   launch_depth: float, reorder_ahead: bool, fixed_every: int) -> PipelineRuntime:
     """The channels (created and connected now, in one order on every rank of the
     pipeline), the device and the receive rings, wired into the runtime; logs the set-up."""
     wakeup = Wakeup()
@@ -429,5 +435,4 @@ def _wired_runtime(hint: Hint, rank: int, stages: list[_PipelineStageBase], plat
         device=device, wakeup=wakeup, transport=transport,
         receives=ReceiveRings(variable_shapes, platform), limits=limits,
         coordination=coordination, metering=metering, stall_timeout=stall_timeout,
-        launch_depth=launch_depth, reorder_ahead=bool(reorder_ahead))
-
+        launch_depth=launch_depth, reorder_ahead=bool(reorder_ahead), fixed_every=fixed_every)

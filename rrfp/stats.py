@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import json
+import math
 import os
 from collections.abc import Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 
 
 @dataclass(frozen=True)
@@ -107,6 +108,14 @@ class StepStats:
     step: int = 0
     """Steps the schedule ran before this one: the same count on every rank of the
     pipeline, so the trace can tell which step's send a receive answers."""
+    buffer_limit: str = ""
+    """The ``buffer_limit`` setting as the user wrote it (``"hint"``, ``"busiest"``, ...)."""
+    num_stages: int = 0
+    """Stages of the whole pipeline (the hint's)."""
+    n_microbatches: int = 0
+    """Microbatches per step."""
+    placement: str = ""
+    """The hint's stage placement: ``"loop"``, ``"v"`` or ``"custom"``."""
     spans: list[Span] = field(default_factory=list)
     arrivals: list[tuple[int, int, int, float]] = field(default_factory=list)
     """(source stage, destination stage, microbatch, seconds after start) of each
@@ -153,13 +162,26 @@ class StepStats:
             f"{self.launch_depth} on {self.device}"
         )
 
+    def metadata(self) -> dict:
+        """Every field but the timeline (spans, messages, the realized order), as JSON
+        values: what ``python -m rrfp.advise`` reads off a trace besides the timeline.
+        Maps keyed by stage are keyed by its number as a string; an unbounded launch
+        depth is None."""
+        timeline = {"spans", "arrivals", "sends", "realized_order"}
+        values = {f.name: getattr(self, f.name) for f in fields(self) if f.name not in timeline}
+        if math.isinf(self.launch_depth):
+            values["launch_depth"] = None
+        return values
+
     def chrome_trace_events(self) -> list[dict]:
         """Chrome/Perfetto trace events: one process per rank; the device's actions on one
         track, the CPU's waits on another, messages on a third: each send and each receive
         a 1 us slice at its time, a flow arrow from the send to its receive (on the peer's
-        track: merge the ranks' traces to see both ends)."""
+        track: merge the ranks' traces to see both ends); and the step's other fields as
+        the arguments of a metadata event named ``STEP_METADATA``."""
         pid = self.global_rank
         events: list[dict] = [
+            {"ph": "M", "name": STEP_METADATA, "pid": pid, "args": self.metadata()},
             {"ph": "M", "name": "process_name", "pid": pid,
              "args": {"name": f"rank {self.global_rank} (pp {self.pp_rank})"}},
             {"ph": "M", "name": "thread_name", "pid": pid, "tid": 0, "args": {"name": "device"}},
@@ -201,6 +223,8 @@ class StepStats:
 
 MESSAGE_TRACK = 2
 """The trace's thread id for a rank's messages."""
+STEP_METADATA = "rrfp_step"
+"""The name of the metadata event that carries a rank's ``StepStats.metadata()``."""
 
 
 def message_flow_id(step: int, src: int, dst: int, microbatch: int) -> int:

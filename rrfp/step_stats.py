@@ -72,5 +72,9 @@ def step_stats(loop: StepLoop, executor: StageExecutor, coordinator: Coordinator
         coordination_time=coordinator.seconds if coordinator else 0.0,
         start_unix=time.time() - end,
         step=step,
+        buffer_limit=str(limits.setting.spec),
+        num_stages=hint.num_stages,
+        n_microbatches=hint.n_microbatches,
+        placement=hint.layout,
         spans=spans,
     )

@@ -66,7 +66,30 @@ def loaded_hints(rank: int, world_size: int, tmpdir: str) -> dict:
             except (ValueError, NotImplementedError) as e:
                 result[name] = error_chain(e)
         schedule.close()
+    result["stalling_fixed_steps"] = fixed_steps_stall_on_a_loaded_hint(rank, world_size, tmpdir)
     return result
+
+
+def fixed_steps_stall_on_a_loaded_hint(rank: int, world_size: int, tmpdir: str) -> str | None:
+    """The in-run A/B's fixed-order steps at limits that fit the constructor's hint (1F1B
+    at 2 microbatches per stage) but not a loaded one (GPipe holds all 4): the load is
+    refused (None: accepted)."""
+    path = f"{tmpdir}/gpipe.csv"
+    if rank == 0:
+        with open(path, "w") as f:
+            for r in range(world_size):
+                f.write(",".join([f"{r}F{mb}" for mb in range(M)] + [f"{r}B{mb}" for mb in range(M)])
+                        + "\n")
+    dist.barrier()
+    stages, _ = build_stages(make_chain(world_size), rank, world_size, "loop")
+    schedule = ScheduleRRFP(stages, M, loss_fn=loss_fn, hint="1F1B", buffer_limit=2, fixed_every=2)
+    try:
+        schedule._load_csv(path)
+        return None
+    except ValueError as e:
+        return str(e)
+    finally:
+        schedule.close()
 
 
 def test_a_csv_loaded_after_construction_becomes_the_hint(tmp_path):
@@ -79,6 +102,9 @@ def test_a_csv_loaded_after_construction_becomes_the_hint(tmp_path):
             assert result[f"hint_name_{fmt}"] == f"interleaved_{fmt}.csv"
             assert "build a ScheduleRRFP with hint='zbv.csv'" in result["other_placement"]
             assert result["unknown_format"] == "NotImplementedError: format='comms' is not implemented"
+        assert result["stalling_fixed_steps"].startswith(
+            "fixed_every=2 runs hint 'gpipe.csv' in its own order, which holds up to 4 "
+            "microbatches on stage 0, but buffer_limit=2 allows 2: it would stall"), rank
 
 
 class Counting(torch.nn.Module):

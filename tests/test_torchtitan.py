@@ -264,7 +264,8 @@ def test_every_rrfp_setting_is_checked_before_anything_is_built():
                 "launch_depth": "an int >= 1", "variable_shapes": "true or false",
                 "meter_activations": "true or false", "meter_every": "an int >= 1",
                 "stall_timeout": "a number of seconds > 0", "log_stats": "true or false",
-                "trace_folder": "a folder"}
+                "trace_folder": "a folder", "advise": "true or false",
+                "fixed_every": "an int >= 2"}
     assert set(accepted) == {f.name for f in dataclasses.fields(RRFP)}
     for name, says in accepted.items():
         with pytest.raises(ValueError) as refused:
@@ -299,7 +300,8 @@ def test_unknown_setting_names_are_named_with_the_nearest_setting(tmp_path):
     assert unknown_options(["--rrfp.bufer_limit", "4"]).startswith(
         "unknown option --rrfp.bufer_limit (did you mean --rrfp.buffer_limit?); the rrfp "
         "settings are buffer_limit, policy, coordination, launch_depth, variable_shapes, "
-        "meter_activations, meter_every, stall_timeout, log_stats, trace_folder")
+        "meter_activations, meter_every, stall_timeout, log_stats, trace_folder, advise, "
+        "fixed_every")
     assert unknown_options(["--rrfp.no-meter-activation", "--rrfp.xyz=1"]).startswith(
         "unknown options --rrfp.no-meter-activation (did you mean "
         "--rrfp.no-meter-activations?), --rrfp.xyz;")
@@ -309,7 +311,7 @@ def test_unknown_setting_names_are_named_with_the_nearest_setting(tmp_path):
         f"unknown setting 'bufer_limit' (did you mean 'buffer_limit'?) in the [rrfp] table "
         f"of {config_file}; the settings are buffer_limit, policy, coordination, "
         "launch_depth, variable_shapes, meter_activations, meter_every, stall_timeout, "
-        "log_stats, trace_folder")
+        "log_stats, trace_folder, advise, fixed_every")
     assert unknown_toml_keys([f"--job.config-file={os.path.join(ROOT, JOBS['main'][0])}"]) is None
 
 
@@ -493,11 +495,23 @@ def tensorboard_scalars(dump) -> dict[str, int]:
     return {tag: len(values) for tag, values in tensorboard_values(dump).items()}
 
 
+def tensorboard_texts(dump) -> dict[str, list[str]]:
+    """Tag -> its texts by step, of the one TensorBoard run under ``dump``."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    (run_dir,) = (dump / "tb").iterdir()
+    events = EventAccumulator(str(run_dir))
+    events.Reload()
+    return {tag.removesuffix("/text_summary"): [
+        event.tensor_proto.string_val[0].decode() for event in events.Tensors(tag)]
+        for tag in events.Tags()["tensors"]}
+
+
 LOSS, GRAD_NORM = "loss_metrics/global_avg_loss", "grad_norm"
-STATS_LINE = (r"rrfp step {step:2}: {label}pp0 idle \d+% out-of-hint \d+ backpressure \d+ held \d+ "
-              r"{activations} receive buffers \d+ B "
-              r"dispatch \d+ us/action \| {label}pp1 idle")
-METERED = r"activations \d+ B"
+STATS_LINE = (r"rrfp step {step:2}{fixed}: \d+ ms \| {label}pp0 idle \d+% out-of-hint \d+ held \d+"
+              r"{activations} \| {label}pp1 idle \d+% out-of-hint \d+ held \d+{activations}\n")
+METERED = r" activations \d+\.\d MiB"
+UNMETERED = ""
 
 
 def test_main_job_trains_on_cpu_and_logs_rrfp_stats(tmp_path):
@@ -518,9 +532,8 @@ def test_main_job_trains_on_cpu_and_logs_rrfp_stats(tmp_path):
     assert out.count("rrfp: closed the pipeline schedule") == 1, failure_excerpt(out)
     # The meter samples (meter_every=100): the first step measures activations, later ones
     # say they did not.
-    assert re.search(STATS_LINE.format(step=1, label="", activations=METERED), out)
-    assert re.search(STATS_LINE.format(step=8, label="", activations="activations not measured"),
-                     out)
+    assert re.search(STATS_LINE.format(step=1, fixed="", label="", activations=METERED), out)
+    assert re.search(STATS_LINE.format(step=8, fixed="", label="", activations=UNMETERED), out)
     scalars = tensorboard_scalars(tmp_path)
     for tag in ("rrfp/idle_fraction/pp0", "rrfp/out_of_hint_order/pp1",
                 "rrfp/backpressure_entries/pp0", "rrfp/peak_in_flight/pp1",
@@ -532,21 +545,45 @@ def test_main_job_trains_on_cpu_and_logs_rrfp_stats(tmp_path):
     (run_traces,) = (tmp_path / "traces").iterdir()
     assert re.fullmatch(r"\d{8}-\d{6}", run_traces.name)
     assert sorted(p.name for p in run_traces.iterdir()) == sorted(f"step{n}.json" for n in range(1, 9))
+    # At the end, the advisor's verdict and the run's summary, in the console and in
+    # TensorBoard; the advisor reads the run's own folder.
+    verdict = re.search(
+        r"rrfp: timing variability \d+%; .*; this run \(buffer_limit='hint', policy lookahead\) "
+        rf"\d\.\d\dx; python -m rrfp\.advise {re.escape(str(run_traces))}(?= \(end of run\))", out)
+    assert verdict, failure_excerpt(out)
+    summary = out[out.index("rrfp summary: 8 steps, hint Interleaved1F1B, policy lookahead; "
+                            "step time "):].splitlines()[:6]
+    assert [line.split(":")[0] for line in summary[1:]] == [
+        "  mean idle", "  out-of-hint actions", "  peak activations", "  advisor cost",
+        "  rrfp"], summary
+    assert re.fullmatch(r"  out-of-hint actions: pp0 \d+ of 238, pp1 \d+ of 238", summary[2])
+    assert re.match(r"  peak activations: pp0 \d+\.\d MiB \(fixed schedule \d+\.\d MiB\), "
+                    r"pp1 ", summary[3])
+    assert summary[5] == f"  {verdict[0]}"
+    texts = tensorboard_texts(tmp_path)
+    assert texts["rrfp/verdict"][-1].strip() == verdict[0]
+    assert texts["rrfp/summary"][-1].split("\n")[0].strip() == summary[0].split(" - INFO - ")[-1]
+    from rrfp.advise.__main__ import main as advise_main
+
+    assert advise_main([str(tmp_path), "--no-plots"]) == 0
 
 
-@pytest.mark.parametrize("fixed,nproc,steps,parallelism", [
-    ("Interleaved1F1B", 2, 4, []),
-    ("1F1B", 2, 4, []),
-    ("Interleaved1F1B", 4, 3, ["--parallelism.data_parallel_shard_degree", "2"]),
-    ("Interleaved1F1B", 4, 3, ["--parallelism.tensor_parallel_degree", "2"]),
-], ids=["pp-interleaved", "pp-1f1b", "pp-x-fsdp", "pp-x-tp"])
-def test_rrfp_trains_exactly_as_the_fixed_schedule(fixed, nproc, steps, parallelism, tmp_path):
+@pytest.mark.parametrize("fixed,nproc,steps,parallelism,rrfp", [
+    ("Interleaved1F1B", 2, 4, [], ["--rrfp.fixed_every", "2"]),
+    ("1F1B", 2, 4, [], []),
+    ("Interleaved1F1B", 4, 3, ["--parallelism.data_parallel_shard_degree", "2"], []),
+    ("Interleaved1F1B", 4, 3, ["--parallelism.tensor_parallel_degree", "2"], []),
+], ids=["pp-interleaved-with-in-run-ab", "pp-1f1b", "pp-x-fsdp", "pp-x-tp"])
+def test_rrfp_trains_exactly_as_the_fixed_schedule(fixed, nproc, steps, parallelism, rrfp,
+                                                   tmp_path):
     """Losses and gradient norms at every step, bitwise (float32), RRFP against torch's
-    fixed schedule of its hint under torchtitan."""
+    fixed schedule of its hint under torchtitan; with the in-run A/B (``rrfp`` options),
+    its fixed-order steps too, and its measured ratio beside the advisor's prediction."""
     runs = {}
     for schedule in (fixed, f"RRFP-{fixed}"):
         code, out = run_titan(nproc, "--training.steps", str(steps), *parallelism,
                               "--parallelism.pipeline_parallel_schedule", schedule,
+                              *(rrfp if schedule.startswith("RRFP") else []),
                               dump=str(tmp_path / schedule), timeout=400)
         assert code == 0, f"{schedule}: {failure_excerpt(out)}"
         assert sorted(logged_losses(out)) == list(range(1, steps + 1))
@@ -555,7 +592,16 @@ def test_rrfp_trains_exactly_as_the_fixed_schedule(fixed, nproc, steps, parallel
         runs[schedule] = {tag: values[tag] for tag in (LOSS, GRAD_NORM)}
     if "--parallelism.data_parallel_shard_degree" in parallelism:
         # Each replica's line; step 1 is the metered one (meter_every=100).
-        assert re.search(STATS_LINE.format(step=1, label="dp0/", activations=METERED), out), out[-3000:]
+        assert re.search(STATS_LINE.format(step=1, fixed="", label="dp0/", activations=METERED), out), out[-3000:]
+    if rrfp:  # steps 2 and 4 in the fixed order, each against the RRFP steps beside it
+        for step in (2, 4):
+            assert re.search(STATS_LINE.format(step=step, fixed=" \\(fixed order\\)", label="",
+                                               activations=UNMETERED), out), failure_excerpt(out)
+        assert re.search(r"rrfp A/B: fixed order / RRFP step time \d\.\d+x; so far "
+                         r"\d\.\d\dx \[\d\.\d\d-\d\.\d\d\] over 2 pairs", out), failure_excerpt(out)
+        assert re.search(r"  rrfp: timing variability .*; this run \(buffer_limit='hint', policy "
+                         r"lookahead\) \d\.\d\dx, measured \d\.\d\dx by the in-run A/B", out)
+        assert len(tensorboard_values(tmp_path / schedule)["rrfp/ab_speedup"]) == 2
     assert len(runs[fixed][LOSS]) == steps
     assert runs[fixed] == runs[f"RRFP-{fixed}"]
 
@@ -599,7 +645,8 @@ def test_bad_config_stops_before_training_with_a_clear_message(module, tmp_path)
 
 
 SETTINGS_LIST = ("buffer_limit, policy, coordination, launch_depth, variable_shapes, "
-                 "meter_activations, meter_every, stall_timeout, log_stats, trace_folder")
+                 "meter_activations, meter_every, stall_timeout, log_stats, trace_folder, advise, "
+        "fixed_every")
 
 
 def test_a_bad_setting_value_stops_the_job_with_one_line(tmp_path):
@@ -642,8 +689,8 @@ def test_stock_torchtitan_train_runs_rrfp(tmp_path):
     # RRFP's line alone (torchtitan 0.3 also logs one for the placement schedule it builds).
     assert out.count("Using pipeline schedule") == 1, failure_excerpt(out)
     assert sorted(logged_losses(out)) == [1, 2]
-    assert re.search(STATS_LINE.format(
-        step=2, label="", activations="activations not measured"), out)
+    assert re.search(STATS_LINE.format(step=2, fixed="", label="", activations=UNMETERED), out)
+    assert "peak activations: not measured (rrfp.meter_activations off)" in out
     scalars = tensorboard_scalars(tmp_path)
     assert scalars.get("rrfp/dispatch_overhead_us/pp1") == 2
     # TensorBoard is written by the rank with the loss (others have -1).

@@ -18,11 +18,8 @@ class RRFP:
     an integer (``4`` or ``"4"`` in TOML, ``--rrfp.buffer_limit 4`` on the command line) in
     microbatches; ``"busiest"``, a per-rank budget (``"12GiB"``) or ``"auto"`` (CUDA) in
     bytes, from the first step's measured bytes per microbatch. Parsed as ScheduleRRFP
-    parses it: ``rrfp.settings.BUFFER_LIMIT_HELP``. The default stays ``"hint"``: at
-    ``"busiest"`` the default policy gained 1.000x-1.005x (simulated, 1F1B 8 x 32, 7% of
-    the best known gain) and nothing the emulated device or the real-compute A/B could tell
-    from noise, and on the llama3 debug job it gives rank 0 one microbatch and rank 1 none
-    (docs/defaults.md)."""
+    parses it: ``rrfp.settings.BUFFER_LIMIT_HELP``. The default stays ``"hint"``, with
+    activation checkpointing too: docs/defaults.md gives the measurements and why."""
 
     policy: str = ""
     """Arbitration policy, case-insensitive: ``hint``, ``lookahead``, ``critical``,
@@ -73,6 +70,17 @@ class RRFP:
     """If set (relative to ``job.dump_folder``), write the realized timeline of the pipeline
     that logs the loss as a Chrome/Perfetto trace at each metrics step, in a folder of its
     own per run named by its start time: ``<folder>/<YYYYmmdd-HHMMSS>/step<N>.json``."""
+
+    advise: bool = True
+    """On the rank that logs the loss: the advisor's verdict (the best setting within a
+    memory margin, predicted from the run's own measured steps) after the first steps and
+    at the end, and an end-of-run summary; computed in a child process at the lowest CPU
+    priority (``python -m rrfp.advise``; docs/advisor.md)."""
+
+    fixed_every: int = 0
+    """The in-run A/B: every this-many-th training step (2 or more) runs the hint's fixed
+    order on the same stages (bitwise the same results), and the measured ratio of step
+    times, fixed over RRFP, is logged beside the advisor's prediction; 0: off."""
 
 
 @dataclass

@@ -3,15 +3,16 @@
 from __future__ import annotations
 
 import statistics
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
+from typing import Protocol
 
-from rrfp.sim.engine import SimResult
 from rrfp.sim.study import Comparison
+from rrfp.stats import Span
 
 COLOURS = {"F": "#4C72B0", "B": "#55A868", "I": "#DD8452", "W": "#8172B3"}
 
 
-def _pyplot():
+def pyplot():
     import matplotlib
 
     matplotlib.use("Agg")
@@ -20,10 +21,18 @@ def _pyplot():
     return plt
 
 
-def plot_timelines(results: Mapping[str, SimResult], path: str, title: str = "",
+class Timeline(Protocol):
+    """A step's actions per rank and its length (a simulated ``SimResult``, or a measured
+    step)."""
+
+    spans: Mapping[int, Sequence[Span]]
+    makespan: float
+
+
+def plot_timelines(results: Mapping[str, Timeline], path: str, title: str = "",
                    time_unit: str = "forward = 1") -> None:
     """One panel per run (e.g. fixed, RRFP), a row per rank; white gaps are idle."""
-    plt = _pyplot()
+    plt = pyplot()
     ranks = len(next(iter(results.values())).spans)
     end = max(r.makespan for r in results.values())
     fig, axes = plt.subplots(len(results), 1, figsize=(12, 0.35 * ranks * len(results) + 1.2),
@@ -50,7 +59,7 @@ def plot_timelines(results: Mapping[str, SimResult], path: str, title: str = "",
     plt.close(fig)
 
 
-def kinds_shown(results: Mapping[str, SimResult]) -> list[str]:
+def kinds_shown(results: Mapping[str, Timeline]) -> list[str]:
     """The action kinds the runs show, for the legend: a split-backward run has I and W,
     never B."""
     return [kind for kind in COLOURS if any(span.kind == kind for r in results.values()
@@ -63,7 +72,7 @@ def plot_tradeoff(sweeps: Mapping[str, Mapping[str, list[Comparison]]], path: st
 
     ``sweeps``: series label (e.g. a workload) -> limit label -> comparisons.
     """
-    plt = _pyplot()
+    plt = pyplot()
     fig, (speed, memory) = plt.subplots(1, 2, figsize=(11, 4))
     for label, by_limit in sweeps.items():
         limits = list(by_limit)

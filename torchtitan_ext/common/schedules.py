@@ -27,6 +27,7 @@ from torch.distributed.tensor import DTensor
 from rrfp import ScheduleRRFP
 from rrfp.coordination import COORDINATIONS
 from rrfp.hints import build_hint, Hint, HINT_NAMES, rule_reference, RULE_NAMES
+from rrfp.limit_plan import LimitPlan
 from rrfp.limits import first_step_limits
 from rrfp.platform import platform_for
 from rrfp.settings import (check_limit_can_be_measured, parse_launch_depth, parse_meter_every,
@@ -133,7 +134,8 @@ def schedule_arguments(settings: RRFP) -> dict:
     return dict(buffer_limit=settings.buffer_limit, policy=settings.policy,
                 launch_depth=settings.launch_depth, stall_timeout=settings.stall_timeout,
                 coordination=settings.coordination, variable_shapes=settings.variable_shapes,
-                meter_activations=settings.meter_activations, meter_every=settings.meter_every)
+                meter_activations=settings.meter_activations, meter_every=settings.meter_every,
+                fixed_every=settings.fixed_every)
 
 
 def validate(job_config, n_layers: int) -> None:
@@ -210,6 +212,9 @@ def check_settings(settings: RRFP, hint: Hint, device_type: str) -> None:
         "stall_timeout": lambda: parse_stall_timeout(settings.stall_timeout),
         "meter_every": lambda: parse_meter_every(settings.meter_every),
         "trace_folder": lambda: a_folder("trace_folder", settings.trace_folder),
+        "advise": lambda: a_flag("advise", settings.advise),
+        "fixed_every": lambda: LimitPlan(settings.buffer_limit, hint, 0, parse_policy(
+            settings.policy)).check_fixed_every(settings.fixed_every),
     }
     for field_name, check in checks.items():
         try:

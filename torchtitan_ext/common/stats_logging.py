@@ -1,5 +1,7 @@
-"""ScheduleRRFP's step statistics next to torchtitan's metrics: a console line, TensorBoard
-scalars ``rrfp/<metric>/<rank label>`` and Perfetto traces, at each metrics step."""
+"""ScheduleRRFP's step statistics next to torchtitan's metrics: a short console line,
+TensorBoard scalars ``rrfp/<metric>/<rank label>`` (every metric) and Perfetto traces, at
+each metrics step; and on the rank that logs the loss, the advisor's verdict, the in-run
+A/B and the end-of-run summary (``torchtitan_ext.common.run_advice``)."""
 
 from __future__ import annotations
 
@@ -16,37 +18,39 @@ from torchtitan.tools.logging import logger
 
 from rrfp import ScheduleRRFP, StepStats, write_chrome_trace
 from torchtitan_ext.common.log_ranks import log_ranks
+from torchtitan_ext.common.run_advice import RunAdvice
 
 
 @dataclass(frozen=True)
 class Metric:
-    """One statistic of a rank's step, logged to the console and to TensorBoard."""
+    """One statistic of a rank's step, logged to TensorBoard and, where it has a console
+    field, to the console line."""
 
     name: str
     """TensorBoard tag: ``rrfp/<name>/<rank label>``."""
     value: Callable[[StepStats], float | None]
-    """Reads it off the rank's ``StepStats`` (public fields only); None: not measured."""
-    console: str
-    """Its field in the console line, a ``str.format`` pattern of the value."""
-    unmeasured: str = "not measured"
-    """Its field in the console line when the value is None."""
+    """Reads it off the rank's ``StepStats`` (public fields only); None: not measured
+    (then left out of both)."""
+    console: str | None = None
+    """Its field in the console line, a ``str.format`` pattern of the value; None:
+    TensorBoard only (the line stays short enough to scan)."""
 
-    def show(self, stats: StepStats) -> str:
+    def show(self, stats: StepStats) -> str | None:
         value = self.value(stats)
-        return self.unmeasured if value is None else self.console.format(value)
+        return None if value is None or self.console is None else self.console.format(value)
 
 
 METRICS: tuple[Metric, ...] = (
     Metric("idle_fraction", lambda s: s.idle_fraction, "idle {:.0%}"),
     Metric("out_of_hint_order", lambda s: s.out_of_hint_order, "out-of-hint {}"),
-    Metric("backpressure_entries", lambda s: sum(s.backpressure_entries.values()),
-           "backpressure {}"),
     Metric("peak_in_flight", lambda s: s.peak_rank_in_flight, "held {}"),
-    Metric("peak_activation_bytes", lambda s: s.peak_activation_bytes,
-           "activations {:.0f} B", "activations not measured"),
-    Metric("receive_buffer_bytes", lambda s: s.receive_buffer_bytes, "receive buffers {:.0f} B"),
-    Metric("dispatch_overhead_us", lambda s: s.overhead_per_action * 1e6,
-           "dispatch {:.0f} us/action"),
+    Metric("peak_activation_bytes", lambda s: s.peak_activation_bytes),
+    Metric("peak_activation_mib",
+           lambda s: None if s.peak_activation_bytes is None else s.peak_activation_bytes / 2**20,
+           "activations {:.1f} MiB"),
+    Metric("backpressure_entries", lambda s: sum(s.backpressure_entries.values())),
+    Metric("receive_buffer_bytes", lambda s: s.receive_buffer_bytes),
+    Metric("dispatch_overhead_us", lambda s: s.overhead_per_action * 1e6),
 )
 
 
@@ -76,6 +80,8 @@ class StepStatsLog:
         shown in labels as ``dp<replica>/pp<rank>``; ``trace_folder``: where this rank writes
         ``step<N>.json`` (None: it writes no traces); ``reads``: whether this rank gathers
         the pipeline's stats (False: it only posts its own, and logs nothing)."""
+        self.advice: RunAdvice | None = None
+        """The run's verdict, A/B and summary, on the rank that logs the loss."""
         self.schedule = schedule
         self.pp_group = pp_group
         self.reads = reads
@@ -106,9 +112,14 @@ class StepStatsLog:
                     value = metric.value(stats)
                     if value is not None:
                         scalars[f"rrfp/{metric.name}/{self.label(stats)}"] = value
-            logger.info(f"rrfp step {step:2}: " + " | ".join(
-                f"{self.label(stats)} " + " ".join(metric.show(stats) for metric in METRICS)
+            step_ms = max(stats.step_time for stats in gathered) * 1e3
+            scalars["rrfp/step_time_ms"] = step_ms
+            fixed = " (fixed order)" if gathered[0].policy == "fixed" else ""
+            logger.info(f"rrfp step {step:2}{fixed}: {step_ms:.0f} ms | " + " | ".join(
+                " ".join([self.label(stats), *filter(None, (m.show(stats) for m in METRICS))])
                 for stats in gathered))
+        if self.advice is not None:
+            scalars.update(self.advice.add(step, gathered))
         if self.trace_folder:
             os.makedirs(self.trace_folder, exist_ok=True)
             write_chrome_trace(gathered, os.path.join(self.trace_folder, f"step{step}.json"))
@@ -135,12 +146,14 @@ class StepStatsLog:
 
 
 def log_step_stats(trainer, schedule: ScheduleRRFP, settings, metrics_rank: int,
-                   dump_folder: str) -> None:
+                   dump_folder: str, tensorboard_folder: str | None) -> None:
     """Add the pipeline's RRFP stats to each ``metrics_processor.log`` call of torchtitan's
     ``trainer`` (both versions): TensorBoard scalars where torchtitan writes TensorBoard
-    (``metrics_rank``), the console line where torchtitan's lines print, traces of each run
-    in a folder of their own under ``dump_folder``."""
-    if not (settings.log_stats or settings.trace_folder):
+    (``metrics_rank``, into ``tensorboard_folder``; None: TensorBoard off), the console
+    line where torchtitan's lines print, traces of each run in a folder of their own under
+    ``dump_folder``; on ``metrics_rank`` the advisor's verdict, the in-run A/B and, at the
+    trainer's close, the run's summary (``torchtitan_ext.common.run_advice``)."""
+    if not (settings.log_stats or settings.trace_folder or settings.advise):
         return
     parallel_dims = trainer.parallel_dims
     # The rank that logs the loss (and writes TensorBoard) writes its pipeline's traces,
@@ -156,6 +169,20 @@ def log_step_stats(trainer, schedule: ScheduleRRFP, settings, metrics_rank: int,
         replica=None if batch_mesh is None else batch_mesh.get_local_rank(),
         log_stats=settings.log_stats, trace_folder=trace_folder,
         reads=dist.get_rank() in {metrics_rank} | log_ranks(metrics_rank))
+    if dist.get_rank() == metrics_rank:
+        stats_log.advice = RunAdvice(
+            schedule, source=trace_folder or "(set rrfp.trace_folder to keep the traces)",
+            label=stats_log.label, advise=settings.advise, tensorboard_folder=tensorboard_folder)
+        torch_close = trainer.close
+
+        @functools.wraps(torch_close)
+        def close():
+            try:
+                stats_log.advice.finish()
+            finally:
+                torch_close()
+
+        trainer.close = close
     torch_log = trainer.metrics_processor.log
 
     @functools.wraps(torch_log)

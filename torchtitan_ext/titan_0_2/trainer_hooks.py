@@ -25,6 +25,7 @@ from torchtitan_ext.common.version import require, TOML_INSTEAD
 require((0, 2), "torchtitan_ext.titan_0_2.trainer_hooks", TOML_INSTEAD)
 
 import functools
+import os
 import sys
 from types import ModuleType
 
@@ -145,6 +146,9 @@ def _variable_shape_step(trainer, schedule: ScheduleRRFP, input_dict, labels,
 def _log_step_stats(trainer, schedule: ScheduleRRFP) -> None:
     """Add the pipeline's RRFP stats to each ``metrics_processor.log`` call of ``trainer``."""
     job_config = trainer.job_config
+    tensorboard = job_config.metrics
     log_step_stats(trainer, schedule, rrfp_settings(job_config),
                    metrics._get_metrics_rank(trainer.parallel_dims, job_config),
-                   job_config.job.dump_folder)
+                   job_config.job.dump_folder,
+                   os.path.join(job_config.job.dump_folder, tensorboard.save_tb_folder)
+                   if tensorboard.enable_tensorboard else None)

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
 from dataclasses import dataclass, field
 
 from torchtitan_ext.common.version import CONFIG_FN_INSTEAD, require
@@ -165,8 +166,11 @@ class RRFPTrainer(Trainer):
             force_sum_reductions(self.model_parts)
         schedule = getattr(self, "pp_schedule", None)
         if isinstance(schedule, ScheduleRRFP):
-            log_step_stats(self, schedule, self.config.rrfp,
+            config = self.config
+            log_step_stats(self, schedule, config.rrfp,
                            metrics_rank(self.parallel_dims,
-                                        self.config.parallelism.pipeline_parallel_schedule),
-                           self.config.dump_folder)
+                                        config.parallelism.pipeline_parallel_schedule),
+                           config.dump_folder,
+                           os.path.join(config.dump_folder, config.metrics.save_tb_folder)
+                           if config.metrics.enable_tensorboard else None)
         return super().train()

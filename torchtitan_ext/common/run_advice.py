@@ -1,0 +1,265 @@
+"""The advisor inside a torchtitan run (both versions), on the rank that logs the loss.
+
+* The verdict line (``rrfp.advise``: the timing variability, the best setting within a
+  memory margin and the best that keeps the job's peak, each with its predicted speedup
+  and bytes): once ``FIRST_VERDICT_AFTER`` steps after the first have run, and at the end.
+  It is computed by ``python -m rrfp.advise -`` in a child process at the lowest CPU
+  priority, fed the steps' trace events: training never waits for it, nor shares its
+  interpreter (and its GIL) with it; its line is logged at the first metrics step after it
+  is ready.
+* With ``rrfp.fixed_every`` (the in-run A/B), each fixed-order step's measured speedup
+  (its step time over the RRFP steps beside it).
+* At the trainer's close, one summary block: steps, median step time, the measured A/B,
+  mean idle fraction and out-of-hint actions per rank, peak activation bytes per rank
+  against the fixed schedule's, the final verdict.
+
+The verdict and the summary also go to TensorBoard as text (``rrfp/verdict``,
+``rrfp/summary``), in the run folder torchtitan's TensorBoard writer uses.
+"""
+
+from __future__ import annotations
+
+import collections
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import rrfp
+from rrfp import ScheduleRRFP, StepStats
+from rrfp.advise import ab_speedups
+from rrfp.advise.report import MIN_STEPS, size, spread
+from rrfp.limits import fixed_peak_bytes
+from torchtitan.tools.logging import logger
+
+FIRST_VERDICT_AFTER = MIN_STEPS
+"""Steps after the first (warm-up) one that the first verdict is predicted from."""
+KEPT_STEPS = 20
+"""The end-of-run verdict predicts from the last this-many steps."""
+FINAL_TIMEOUT_S = 300.0
+"""The most the trainer's close waits for the end-of-run verdict."""
+
+
+class AdvisorProcess:
+    """``python -m rrfp.advise - --json`` on steps' trace events, in a child process read
+    by a thread of its own; ``low_priority``: at the lowest CPU priority (``nice`` where
+    there is one), while training runs."""
+
+    def __init__(self, steps: list[list[dict]], source: str, *, low_priority: bool):
+        nice = shutil.which("nice") if low_priority else None
+        command = [*([nice, "-n", "19"] if nice else []), sys.executable, "-m", "rrfp.advise",
+                   "-", "--json", "--source", source]
+        # The child imports the rrfp this process runs (a checkout on PYTHONPATH or not).
+        root = os.path.dirname(os.path.dirname(os.path.abspath(rrfp.__file__)))
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(
+            filter(None, [root, os.environ.get("PYTHONPATH")])), "OMP_NUM_THREADS": "1"}
+        self._process = subprocess.Popen(command, stdin=subprocess.PIPE,
+                                         stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                         text=True, env=env)
+        self.answer: dict | None = None
+        self.failure: str | None = None
+        self._thread = threading.Thread(target=self._talk, args=(json.dumps(steps),),
+                                        name="rrfp-advise", daemon=True)
+        self._thread.start()
+
+    def _talk(self, payload: str) -> None:
+        out, err = self._process.communicate(payload)
+        if self._process.returncode == 0:
+            self.answer = json.loads(out)
+        else:
+            self.failure = (err.strip().splitlines() or [f"exit status {self._process.returncode}"])[-1]
+
+    def done(self, timeout: float = 0.0) -> bool:
+        self._thread.join(timeout)
+        return not self._thread.is_alive()
+
+    def stop(self) -> None:
+        if not self.done():
+            self._process.kill()
+            self.done(10.0)
+
+
+class TextLog:
+    """TensorBoard text beside torchtitan's scalars: a writer of its own in the folder of
+    torchtitan's, found by its event file's name (``events.out.tfevents.<time>.<host>.
+    <pid>...``: torchtitan keeps its writer in a private field)."""
+
+    def __init__(self, tensorboard_folder: str | None):
+        self._folder = tensorboard_folder
+        self._writer = None
+
+    def add(self, tag: str, text: str, step: int) -> None:
+        if self._writer is None:
+            folder = self._run_folder()
+            if folder is None:
+                return
+            from torch.utils.tensorboard import SummaryWriter
+
+            self._writer = SummaryWriter(folder)
+        # Markdown: a line break needs two spaces; a block, a code block.
+        self._writer.add_text(tag, "    " + text.replace("\n", "\n    "), step)
+        self._writer.flush()
+
+    def _run_folder(self) -> str | None:
+        mine = f".{os.getpid()}."
+        for folder, _, names in os.walk(self._folder or "/nonexistent"):
+            if any(n.startswith("events.out.tfevents.") and mine in n for n in names):
+                return folder
+        return None
+
+    def close(self) -> None:
+        if self._writer is not None:
+            self._writer.close()
+
+
+@dataclass(frozen=True)
+class StepRecord:
+    """What the summary keeps of one step of the pipeline."""
+
+    step: int
+    fixed_order: bool
+    step_time: float
+    idle: dict[str, float]
+    out_of_hint: dict[str, int]
+    actions: dict[str, int]
+    activation_bytes: dict[str, int | None]
+
+
+class RunAdvice:
+    """The verdict, the A/B and the summary of one run (see the module)."""
+
+    def __init__(self, schedule: ScheduleRRFP, *, source: str,
+                 label: Callable[[StepStats], str], advise: bool,
+                 tensorboard_folder: str | None):
+        """``source``: how the verdict names the run (its traces' folder, where written);
+        ``label``: a rank's name in the lines (``StepStats -> str``); ``advise``: whether
+        to predict (the ``rrfp.advise`` setting)."""
+        self.schedule, self.source, self.label, self.advise = schedule, source, label, advise
+        self.text = TextLog(tensorboard_folder)
+        self.records: list[StepRecord] = []
+        self.events: collections.deque[list[dict]] = collections.deque(maxlen=KEPT_STEPS)
+        self.bytes_per_microbatch: dict[int, int] = {}
+        self.first_verdict: AdvisorProcess | None = None
+        self._pairs_logged = 0
+        self.bookkeeping_s = 0.0
+        """Seconds this rank's main thread spent in ``add`` (what training pays)."""
+        self.child_cpu_s = 0.0
+        """CPU seconds the verdicts' child processes reported."""
+
+    def add(self, step: int, gathered: list[StepStats]) -> dict[str, float]:
+        """Keep the step (every rank's stats); log the A/B pair or the verdict that became
+        ready. Returns TensorBoard scalars."""
+        start = time.perf_counter()
+        try:
+            return self._add(step, gathered)
+        finally:
+            self.bookkeeping_s += time.perf_counter() - start
+
+    def _add(self, step: int, gathered: list[StepStats]) -> dict[str, float]:
+        fixed = gathered[0].policy == "fixed"
+        self.records.append(StepRecord(
+            step, fixed, max(s.step_time for s in gathered),
+            {self.label(s): s.idle_fraction for s in gathered},
+            {self.label(s): s.out_of_hint_order for s in gathered},
+            {self.label(s): s.dispatched for s in gathered},
+            {self.label(s): s.peak_activation_bytes for s in gathered}))
+        for s in gathered:
+            for stage, nbytes in (s.activation_bytes_per_microbatch or {}).items():
+                self.bytes_per_microbatch[stage] = nbytes
+        if self.advise:
+            self.events.append([e for s in gathered for e in s.chrome_trace_events()])
+            if self.first_verdict is None and len(self.records) == FIRST_VERDICT_AFTER + 1:
+                self.first_verdict = AdvisorProcess(list(self.events), self.source,
+                                                    low_priority=True)
+        scalars = self._ab_pair()
+        if self.first_verdict is not None and self.first_verdict.done():
+            self._say_verdict(self.first_verdict, step,
+                              f"from steps 2-{FIRST_VERDICT_AFTER + 1}")
+            self.first_verdict = None
+        return scalars
+
+    def _ab_pair(self) -> dict[str, float]:
+        """The in-run A/B's newest pair, once a step after its fixed-order step has run."""
+        pairs = ab_speedups([(r.fixed_order, r.step_time) for r in self.records[1:]])
+        if len(pairs) == self._pairs_logged:
+            return {}
+        self._pairs_logged = len(pairs)
+        logger.info(f"rrfp A/B: fixed order / RRFP step time {pairs[-1]:.3f}x; so far "
+                    f"{spread(pairs)} over {len(pairs)} pairs")
+        return {"rrfp/ab_speedup": pairs[-1]}
+
+    def _say_verdict(self, process: AdvisorProcess, step: int, when: str) -> str:
+        if process.answer is not None:
+            line = process.answer["verdict"]
+            self.child_cpu_s += process.answer["cpu_seconds"]
+        else:
+            line = f"rrfp: no verdict ({process.failure})"
+        logger.info(f"{line} ({when})")
+        self.text.add("rrfp/verdict", line, step)
+        return line
+
+    def finish(self) -> None:
+        """At the trainer's close: the end-of-run verdict and the summary block (a first
+        verdict not ready by then is dropped: the last one says more)."""
+        if not self.records:
+            return
+        if self.first_verdict is not None:
+            self.first_verdict.stop()
+        verdict = None
+        if self.advise and len(self.events) > 1:
+            # Training is over: no need to yield the CPU.
+            final = AdvisorProcess(list(self.events), self.source, low_priority=False)
+            if not final.done(FINAL_TIMEOUT_S):
+                final.stop()
+                final.failure = f"not ready within {FINAL_TIMEOUT_S:.0f} s"
+            verdict = self._say_verdict(final, self.records[-1].step, "end of run")
+        lines = self.summary(verdict)
+        logger.info("\n".join(lines))
+        self.text.add("rrfp/summary", "\n".join(lines), self.records[-1].step)
+        self.text.close()
+
+    def summary(self, verdict: str | None) -> list[str]:
+        steps = self.records[1:] or self.records  # the first step warms up
+        own = [r for r in steps if not r.fixed_order] or steps
+        hint = self.schedule.hint
+        lines = [f"rrfp summary: {len(self.records)} steps, hint {hint.name}, policy "
+                 f"{self.schedule.policy}; step time {statistics.median(r.step_time for r in own) * 1e3:.1f} ms "
+                 f"(median of steps {own[0].step}-{own[-1].step}"
+                 + (", RRFP steps)" if len(own) < len(steps) else ")")]
+        pairs = ab_speedups([(r.fixed_order, r.step_time) for r in steps])
+        if pairs:
+            lines.append(f"  measured fixed order / RRFP step time (in-run A/B): {spread(pairs)} "
+                         f"over {len(pairs)} pairs")
+        labels = list(own[0].idle)
+        lines.append("  mean idle: " + ", ".join(
+            f"{k} {statistics.mean(r.idle[k] for r in own):.0%}" for k in labels))
+        lines.append("  out-of-hint actions: " + ", ".join(
+            f"{k} {sum(r.out_of_hint[k] for r in own)} of {sum(r.actions[k] for r in own)}"
+            for k in labels))
+        lines.append("  peak activations: " + self._peaks(labels))
+        lines.append(f"  advisor cost: {self.bookkeeping_s / len(self.records) * 1e3:.1f} ms per "
+                     f"step on this rank's main thread; {self.child_cpu_s:.1f} s of CPU in its "
+                     "verdicts' child processes")
+        if verdict is not None:
+            lines.append(f"  {verdict}")
+        return lines
+
+    def _peaks(self, labels: list[str]) -> str:
+        measured = {k: max((r.activation_bytes[k] for r in self.records
+                            if r.activation_bytes[k] is not None), default=None) for k in labels}
+        hint = self.schedule.hint
+        fixed = (fixed_peak_bytes(hint, self.bytes_per_microbatch)
+                 if len(self.bytes_per_microbatch) == hint.num_stages else None)
+        if all(v is None for v in measured.values()):
+            return "not measured (rrfp.meter_activations off)"
+        return ", ".join(
+            f"{k} {'-' if measured[k] is None else size(measured[k])}"
+            + ("" if fixed is None else f" (fixed schedule {size(fixed[rank])})")
+            for rank, k in enumerate(labels)) + " (measured in the metered steps; the fixed " \
+            "schedule's at the measured bytes per microbatch)"
