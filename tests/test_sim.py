@@ -14,6 +14,10 @@ from rrfp.sim.engine import simulate
 from rrfp.testing.stats import made_up_stats
 from tests.test_arbiter import FITTING
 
+# The simulator depends on torch only through the hints (tested on every torch in
+# tests/test_hints.py): .ci/run runs these tests on the first torch only.
+pytestmark = pytest.mark.simulator
+
 
 def _uniform(action):
     ctype = action.computation_type
