@@ -36,8 +36,8 @@ from torchtitan_ext.config import RRFP
 
 PREFIX = "RRFP"
 DEFAULT_HINT = "Interleaved1F1B"
-"""What the bare name ``RRFP`` means: the BF rule was 0.93-0.96x of Interleaved1F1B on
-that placement even with uniform times (benchmarks/results/simulation.md)."""
+"""What the bare name ``RRFP`` means: on that placement the BF rule is slower than
+Interleaved1F1B even with uniform times (benchmarks/results/simulation.md)."""
 _V_HINTS = {"ZBVZeroBubble", "DualPipeV"}
 _SINGLE_STAGE_HINTS = {"1F1B", "GPipe"}
 
