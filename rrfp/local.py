@@ -12,7 +12,7 @@ import socket
 import tempfile
 import time
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from typing import Any
 
 import torch
@@ -21,10 +21,12 @@ import torch.multiprocessing as mp
 
 
 def run_local_world(world_size: int, fn: Callable[..., Any], *args: Any, timeout: float = 120.0,
-                    store: str = "file") -> list[Any]:
+                    store: str = "file", may_die: Collection[int] = ()) -> list[Any]:
     """Run ``fn(rank, world_size, *args)`` on every rank; return the per-rank results.
 
     Fails (and kills every rank) if any rank raises or the world runs past ``timeout``.
+    Ranks in ``may_die`` may end without reporting (a test that kills one on purpose):
+    their result is None.
     ``fn`` must be importable (module level): ranks are fresh processes forked from a fork
     server, which sees neither the caller's state nor later changes to its environment. ``store``:
     ``"file"`` (a FileStore in a temporary folder) or ``"tcp"`` (a TCPStore on a free
@@ -63,7 +65,10 @@ def run_local_world(world_size: int, fn: Callable[..., Any], *args: Any, timeout
                 except queue.Empty:
                     dead = [r for r, p in enumerate(procs)
                             if r not in outcomes and p.exitcode not in (None, 0)]
-                    if dead:
+                    for r in dead:
+                        if r in may_die:
+                            outcomes[r] = (True, None)
+                    if set(dead) - set(may_die):
                         raise RuntimeError(f"ranks {dead} died without reporting") from None
                     continue
                 outcomes[rank] = (ok, payload)

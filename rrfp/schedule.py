@@ -14,6 +14,7 @@ the hint, and registered custom functions replace an action's compute.
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import math
 from collections.abc import Callable, Mapping
@@ -33,8 +34,10 @@ from rrfp.coordination import COORDINATIONS, CoordinationGroup, refuse_uncovered
 from rrfp.data_parallel import DataParallel
 from rrfp.device import EmulatedDevice, Wakeup
 from rrfp.executor import Reduction, StepInputs
+from rrfp.hang_report import HANG_REPORT_WAIT_S, HangReport
 from rrfp.hints import build_hint, declares_split_backward, Hint, HintSource, infer_layout, Layout
 from rrfp.inputs import microbatch_inputs
+from rrfp.job import agree_on_settings, collective_groups, JobGroups, JobScope
 from rrfp.limit_plan import LimitPlan
 from rrfp.loop import DEFAULT_LAUNCH_DEPTH
 from rrfp.memory import ActivationMeter, DEFAULT_METER_EVERY
@@ -109,6 +112,8 @@ class ScheduleRRFP(TorchRuntimeInterface, RuntimeReadout):
             saving untouched (not with a byte ``buffer_limit``, which needs the bytes).
         meter_every: meter every this-many-th step (and the first training step); 1:
             every step (the meter costs CPU time per saved tensor: docs/memory.md).
+        report_folder: where the job's hang report goes when a step stalls (the run
+            folder; ``None``: the current working directory); docs/failures.md.
     """
 
     def __init__(
@@ -134,6 +139,7 @@ class ScheduleRRFP(TorchRuntimeInterface, RuntimeReadout):
         variable_shapes: bool = False,
         meter_activations: bool = True,
         meter_every: int = DEFAULT_METER_EVERY,
+        report_folder: str | None = None,
     ):
         policy = parse_policy(policy)
         depth = parse_launch_depth(launch_depth)
@@ -174,11 +180,20 @@ class ScheduleRRFP(TorchRuntimeInterface, RuntimeReadout):
         self._coordination_group = coordination_group
         self._set_up_checked = False
         self._finalize_gradients = True
+        job = JobScope.new()
+        agree_on_settings(job, _settings_that_must_agree(
+            self._hint, n_microbatches, buffer_limit=buffer_limit, policy=policy,
+            coordination=coordination, stall_timeout=stall_timeout, launch_depth=depth,
+            variable_shapes=self.variable_shapes), stall_timeout)
         twin = (CoordinationGroup(coordination_group, self.stall_timeout)
                 if coordination_group is not None
                 and dist.get_world_size(coordination_group) > 1 else None)
+        job_groups = JobGroups([
+            *collective_groups(stage.submod for stage in stages), *self._data_parallel.groups(),
+            coordination_group, twin.group if twin is not None else None])
         self._runtime = _wired_runtime(
-            self._hint, self.rank, self._stages, platform, limits,
+            self._hint, self.rank, self._stages, platform, limits, job=job,
+            job_groups=job_groups, report_folder=report_folder,
             device=device, send_delay=send_delay, variable_shapes=self.variable_shapes,
             coordination=Coordination(coordination, twin),
             metering=Metering(ActivationMeter() if meter_activations else None, meter_every),
@@ -402,8 +417,19 @@ def _refuse_compiled_stages(stages: list[_PipelineStageBase], hint_name: str) ->
         raise IncompatibleStagesError(f"{e}; use a hint without split backward (I/W)") from None
 
 
+def _settings_that_must_agree(hint: Hint, n_microbatches: int, **settings: object) -> dict:
+    """What every rank of the job must be given alike, as text: the hint (its name and a
+    digest of its orders), the microbatches, and ``settings`` as given."""
+    orders = repr(sorted((rank, [str(a) for a in actions])
+                         for rank, actions in hint.orders.items()))
+    digest = hashlib.sha1(orders.encode()).hexdigest()[:12]
+    return {"hint": f"{hint.name} (orders {digest})", "n_microbatches": str(n_microbatches),
+            **{name: repr(value) for name, value in settings.items()}}
+
+
 def _wired_runtime(hint: Hint, rank: int, stages: list[_PipelineStageBase], platform: Platform,
-                   limits: LimitPlan, *, device: EmulatedDevice | None,
+                   limits: LimitPlan, *, job: JobScope, job_groups: JobGroups,
+                   report_folder: str | None, device: EmulatedDevice | None,
                    send_delay: SendDelay | None, variable_shapes: bool,
                    coordination: Coordination, metering: Metering, stall_timeout: float,
                    launch_depth: float, reorder_ahead: bool) -> PipelineRuntime:
@@ -414,7 +440,7 @@ def _wired_runtime(hint: Hint, rank: int, stages: list[_PipelineStageBase], plat
                                           platform.channel_backend,
                                           header_channels=variable_shapes),
                           wakeup, send_delay=send_delay,
-                          receive_streams=platform.receive_streams())
+                          receive_streams=platform.receive_streams(), job=job)
     device = device if device is not None else platform.step_device()
     local, peaks = hint.stages_on(rank), hint.plan.stage_peaks
     logger.info(
@@ -429,5 +455,7 @@ def _wired_runtime(hint: Hint, rank: int, stages: list[_PipelineStageBase], plat
         device=device, wakeup=wakeup, transport=transport,
         receives=ReceiveRings(variable_shapes, platform), limits=limits,
         coordination=coordination, metering=metering, stall_timeout=stall_timeout,
-        launch_depth=launch_depth, reorder_ahead=bool(reorder_ahead))
+        launch_depth=launch_depth, reorder_ahead=bool(reorder_ahead), job_groups=job_groups,
+        report=HangReport(transport.failures, job.name, report_folder,
+                          min(HANG_REPORT_WAIT_S, stall_timeout)))
 

@@ -1,0 +1,273 @@
+"""Per-rank bodies of the job-wide tests (``tests/test_job.py``): two pipelines joined by
+data-parallel or tensor-parallel replicas, failures, stalls and settings that disagree."""
+
+from __future__ import annotations
+
+import copy
+import datetime
+import os
+import signal
+import time
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.pipelining import PipelineStage
+
+from rrfp import ScheduleRRFP
+from rrfp.device import EmulatedDevice
+from rrfp.transport import Transport
+from tests import nccl_like_collectives
+from tests.workers import (_channels_of, error_chain, loss_fn, make_batch, make_chain, MLPBlock,
+                           rrfp_threads, run_steps)
+
+M = 4
+COLLECTIVE_TIMEOUT = datetime.timedelta(seconds=300)
+
+
+def _test_store() -> dist.Store:
+    """Where the planted situations coordinate (apart from everything rrfp uses)."""
+    return dist.PrefixStore("test/", dist.distributed_c10d._get_default_store())
+
+
+def _wait_for(store: dist.Store, keys: list[str]) -> None:
+    store.wait(keys, datetime.timedelta(seconds=60))
+
+
+class _AllReduceForward(torch.autograd.Function):
+    """A row-parallel layer's output: summed over the group; its gradient passes as is."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        x = x.clone()
+        dist.all_reduce(x, group=group)
+        return x
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None
+
+
+class _AllReduceBackward(torch.autograd.Function):
+    """A column-parallel layer's input: passed as is; its gradient summed over the group."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return x
+
+    @staticmethod
+    def backward(ctx, grad):
+        grad = grad.clone()
+        dist.all_reduce(grad, group=ctx.group)
+        return grad, None
+
+
+class HandMadeTensorParallel(torch.nn.Module):
+    """``MLPBlock`` split over a group by hand (up by rows, down by columns), its
+    collectives issued with ``dist.all_reduce`` on the group inside forward and backward:
+    tensor parallel over a group of any backend (the NCCL-like one)."""
+
+    def __init__(self, block: MLPBlock, group: dist.ProcessGroup):
+        super().__init__()
+        me, size = dist.get_rank(group), dist.get_world_size(group)
+        rows = block.up.out_features // size
+        self.group = group
+        self.up = torch.nn.Linear(block.up.in_features, rows).double()
+        self.down = torch.nn.Linear(rows, block.down.out_features, bias=me == 0).double()
+        with torch.no_grad():
+            self.up.weight.copy_(block.up.weight[me * rows:(me + 1) * rows])
+            self.up.bias.copy_(block.up.bias[me * rows:(me + 1) * rows])
+            self.down.weight.copy_(block.down.weight[:, me * rows:(me + 1) * rows])
+            if me == 0:
+                self.down.bias.copy_(block.down.bias)
+
+    def forward(self, x):
+        x = _AllReduceBackward.apply(x, self.group)
+        return _AllReduceForward.apply(self.down(torch.tanh(self.up(x))), self.group)
+
+
+class Strike(torch.nn.Module):
+    """Runs ``inner``; armed, its ``at``-th forward first waits until ``wait_keys`` are in
+    the test store (the peers are inside their collectives), then strikes: ``"raise"`` an
+    error, or ``"kill"`` the process (SIGKILL: nothing is published). Saying ``say`` at
+    that forward instead marks this rank's own entry into it."""
+
+    def __init__(self, inner: torch.nn.Module, how: str | None, at: int,
+                 wait_keys: list[str] = (), say: str | None = None):
+        super().__init__()
+        self.inner, self.how, self.at = inner, how, at
+        self.wait_keys, self.say = list(wait_keys), say
+        self.calls, self.armed = 0, False
+
+    def forward(self, x):
+        self.calls += 1
+        if self.armed and self.calls == self.at:
+            store = _test_store()
+            if self.say is not None:
+                store.set(self.say, "1")
+            if self.how is not None:
+                _wait_for(store, self.wait_keys)
+                time.sleep(0.3)  # the peers are blocked in their collectives by now
+                store.set("struck", repr(time.time()))
+                if self.how == "kill":
+                    os.kill(os.getpid(), signal.SIGKILL)
+                raise RuntimeError("forward failed on purpose")
+        return self.inner(x)
+
+
+def _layout(rank: int, parallel: str) -> tuple[int, int, list[list[int]], list[list[int]]]:
+    """(pipeline rank, replica, pipelines, replica groups) of PP 2 x DP 2 (pipelines {0, 1}
+    and {2, 3}) or PP 2 x TP 2 (pipelines {0, 2} and {1, 3}, TP groups {0, 1}, {2, 3})."""
+    if parallel == "dp":
+        return rank % 2, rank // 2, [[0, 1], [2, 3]], [[0, 2], [1, 3]]
+    return rank // 2, rank % 2, [[0, 2], [1, 3]], [[0, 1], [2, 3]]
+
+
+WRAPPERS = {("dp", "gloo"): "fsdp", ("dp", "nccl-like"): "ddp", ("tp", "gloo"): "dtensor",
+            ("tp", "nccl-like"): "by hand"}
+"""How each test makes replicas: FSDP and DTensor need a gloo group; DDP and the hand-made
+split run on the NCCL-like one too."""
+
+
+def _replicated(module: torch.nn.Module, wrapper: str, group: dist.ProcessGroup):
+    """``module`` as a data-parallel (``"fsdp"``, ``"ddp"``) or tensor-parallel replica
+    (``"dtensor"``: its ``up``/``down`` pair, found anywhere in it, as DTensors;
+    ``"by hand"``: an ``MLPBlock`` split by ``HandMadeTensorParallel``)."""
+    if wrapper == "fsdp":
+        from torch.distributed.fsdp import fully_shard
+
+        fully_shard(module, mesh=DeviceMesh.from_group(group, "cpu"))
+        return module
+    if wrapper == "ddp":
+        from torch.nn.parallel import DistributedDataParallel
+
+        return DistributedDataParallel(module, process_group=group)
+    if wrapper == "dtensor":
+        from torch.distributed.tensor.parallel import (
+            ColwiseParallel, parallelize_module, RowwiseParallel)
+
+        return parallelize_module(module, DeviceMesh.from_group(group, "cpu"),
+                                  {"up": ColwiseParallel(), "down": RowwiseParallel()})
+    return HandMadeTensorParallel(module, group)
+
+
+def _groups(rank: int, parallel: str, kind: str):
+    """This rank's pipeline group (gloo) and replica group (gloo or NCCL-like, with the
+    300 s collective timeout); every rank creates every group, in one order."""
+    _, _, pipelines, replicas = _layout(rank, parallel)
+    backend = nccl_like_collectives.BACKEND if kind == "nccl-like" else "gloo"
+    if kind == "nccl-like":
+        nccl_like_collectives.register()
+    pp = [dist.new_group(ranks) for ranks in pipelines]
+    rep = [dist.new_group(ranks, backend=backend, timeout=COLLECTIVE_TIMEOUT) for ranks in replicas]
+    return (next(g for g, r in zip(pp, pipelines) if rank in r),
+            next(g for g, r in zip(rep, replicas) if rank in r))
+
+
+def _say_when_reducing(key: str) -> None:
+    """From now on, this rank's stages say ``key`` in the test store as they start their
+    gradient reduction (a data-parallel collective)."""
+    from rrfp.data_parallel import DataParallel
+
+    reduce = DataParallel.reduce
+
+    def reducing(self, stage, **kwargs):
+        _test_store().set(key, "1")
+        return reduce(self, stage, **kwargs)
+
+    DataParallel.reduce = reducing
+
+
+def job_failure(rank: int, world_size: int, kind: str, parallel: str, how: str,
+                stall_timeout: float) -> dict:
+    """PP 2 x DP 2 or PP 2 x TP 2 (``parallel``), 1F1B over 4 microbatches, on gloo
+    (synchronous host device: a rank blocked in a collective blocks its step loop) or on
+    NCCL-like channels and groups (emulated asynchronous device: the device thread
+    blocks, as a CUDA stream would). Step 1 runs; in step 2 global rank 0's forward of
+    microbatch 2 strikes (``how``: raises, or SIGKILLs its process) once the other ranks
+    are blocked in collectives that need rank 0's pipeline: DP, the other pipeline's
+    gradient reductions; TP, its TP peer's forward all-reduce. Each rank returns what it
+    raised and when."""
+    pp, replica, pipelines, _ = _layout(rank, parallel)
+    _channels_of(kind)
+    pp_group, replica_group = _groups(rank, parallel, kind)
+    torch.manual_seed(0)
+    chain = [MLPBlock().double() for _ in range(2)]
+    x, y = make_batch(M, seed=1 + replica if parallel == "dp" else 1)
+    if parallel == "dp":  # rank 0 strikes once the other pipeline reduces its gradients
+        waits, say = [f"reducing/{r}" for r in pipelines[1]], None
+    else:  # rank 0 strikes once its TP peer runs the same forward
+        waits, say = ["forward/1"], "forward/1" if rank == 1 else None
+    wrapper = WRAPPERS[(parallel, kind)]
+    block = copy.deepcopy(chain[pp])
+    if parallel == "dp":
+        strike = Strike(block, how if rank == 0 else None, 3, waits, say)
+        module = _replicated(strike, wrapper, replica_group)
+    else:
+        strike = module = Strike(_replicated(block, wrapper, replica_group),
+                                 how if rank == 0 else None, 3, waits, say)
+    stage = PipelineStage(module, pp, 2, torch.device("cpu"), group=pp_group)
+    schedule = ScheduleRRFP(
+        stage, M, loss_fn=loss_fn, hint="1F1B", stall_timeout=stall_timeout,
+        device=EmulatedDevice() if kind == "nccl-like" else None,
+        coordination_group=replica_group if parallel == "tp" else None)
+    run_steps(schedule, [stage], [strike], x, y, 1)
+    strike.calls, strike.armed = 0, True  # the third forward of step 2: microbatch 2
+    if parallel == "dp" and rank in pipelines[1]:
+        _say_when_reducing(f"reducing/{rank}")
+    error, failed_rank = None, None
+    try:
+        run_steps(schedule, [stage], [strike], x, y, 1)
+    except Exception as e:
+        error, failed_rank = error_chain(e), getattr(e, "failed_rank", None)
+    raised_at = time.time()
+    struck_at = float(_test_store().get("struck").decode())
+    return {"error": error, "failed_rank": failed_rank, "raised_at": raised_at,
+            "struck_at": struck_at, "threads": rrfp_threads()}
+
+
+def planted_stall(rank: int, world_size: int, folder: str) -> dict:
+    """1F1B over a pipeline of ``world_size`` ranks, one stage each, ``stall_timeout``
+    2 s; global rank 1 never sends its activation of microbatch 1 to stage 2. Each rank
+    returns what it raised; the hang report goes to ``folder``."""
+    if rank == 1:
+        send = Transport.send
+
+        def dropping(self, edge, microbatch, tensors, *, header=False):
+            if (edge.src, edge.dst, microbatch) == (1, 2, 1):
+                return None
+            return send(self, edge, microbatch, tensors, header=header)
+
+        Transport.send = dropping
+    chain = make_chain(world_size)
+    x, y = make_batch(M)
+    stage = PipelineStage(copy.deepcopy(chain[rank]), rank, world_size, torch.device("cpu"))
+    schedule = ScheduleRRFP(stage, M, loss_fn=loss_fn, hint="1F1B", stall_timeout=2.0,
+                            report_folder=folder)
+    start = time.perf_counter()
+    try:
+        run_steps(schedule, [stage], [stage.submod], x, y, 1)
+        error = None
+    except Exception as e:
+        error = error_chain(e)
+    return {"error": error, "elapsed": time.perf_counter() - start, "threads": rrfp_threads()}
+
+
+def settings_disagree(rank: int, world_size: int, setting: str) -> dict:
+    """PP 2 x DP 2 (DDP, gloo): the second pipeline (global ranks 2 and 3) is given another
+    ``setting`` (``"hint"``: GPipe instead of 1F1B; ``"buffer_limit"``: hint+1). Each rank
+    returns the error its ScheduleRRFP raised and whether any step ran."""
+    pp, replica, _, _ = _layout(rank, "dp")
+    pp_group, replica_group = _groups(rank, "dp", "gloo")
+    chain = make_chain(2)
+    module = _replicated(copy.deepcopy(chain[pp]), "ddp", replica_group)
+    stage = PipelineStage(module, pp, 2, torch.device("cpu"), group=pp_group)
+    settings = {"hint": "1F1B", "buffer_limit": "hint"}
+    if replica == 1:
+        settings[setting] = {"hint": "GPipe", "buffer_limit": "hint+1"}[setting]
+    try:
+        ScheduleRRFP(stage, M, loss_fn=loss_fn, stall_timeout=60, **settings)
+    except ValueError as e:
+        return {"error": str(e), "threads": rrfp_threads()}
+    return {"error": None}
