@@ -249,12 +249,12 @@ class HangReport:
     """The job's hang report: where it goes, and telling and collecting the states."""
 
     def __init__(self, board: FailureBoard, job: str, folder: str | None, wait_s: float):
-        self._board, self.job, self._folder, self.wait_s = board, job, folder, wait_s
+        self._board, self.job, self.folder, self.wait_s = board, job, folder, wait_s
 
     @property
     def path(self) -> str:
         """The report file: in ``folder`` (None: the current working directory)."""
-        return os.path.abspath(os.path.join(self._folder or os.getcwd(),
+        return os.path.abspath(os.path.join(self.folder or os.getcwd(),
                                             f"rrfp-hang-report-{self.job}.txt"))
 
     def tell(self, state: dict) -> None:

@@ -359,6 +359,15 @@ class RuntimeReadout:
         return self._runtime.launch_depth
 
     @property
+    def report_folder(self) -> str | None:
+        """Where the job's hang report goes (``ScheduleRRFP``'s ``report_folder``)."""
+        return self._runtime.report.folder
+
+    @report_folder.setter
+    def report_folder(self, folder: str | None) -> None:
+        self._runtime.report.folder = folder
+
+    @property
     def last_step_stats(self) -> StepStats | None:
         """What happened in the last step on this rank (``rrfp.stats.StepStats``)."""
         return self._runtime.last_step_stats

@@ -180,20 +180,15 @@ class ScheduleRRFP(TorchRuntimeInterface, RuntimeReadout):
         self._coordination_group = coordination_group
         self._set_up_checked = False
         self._finalize_gradients = True
-        job = JobScope.new()
-        agree_on_settings(job, _settings_that_must_agree(
-            self._hint, n_microbatches, buffer_limit=buffer_limit, policy=policy,
-            coordination=coordination, stall_timeout=stall_timeout, launch_depth=depth,
-            variable_shapes=self.variable_shapes), stall_timeout)
+        job = _joined_job(self._hint, n_microbatches, stall_timeout, buffer_limit=buffer_limit,
+                          policy=policy, coordination=coordination, launch_depth=depth,
+                          variable_shapes=self.variable_shapes)
         twin = (CoordinationGroup(coordination_group, self.stall_timeout)
                 if coordination_group is not None
                 and dist.get_world_size(coordination_group) > 1 else None)
-        job_groups = JobGroups([
-            *collective_groups(stage.submod for stage in stages), *self._data_parallel.groups(),
-            coordination_group, twin.group if twin is not None else None])
         self._runtime = _wired_runtime(
             self._hint, self.rank, self._stages, platform, limits, job=job,
-            job_groups=job_groups, report_folder=report_folder,
+            beside=[*self._data_parallel.groups(), coordination_group], report_folder=report_folder,
             device=device, send_delay=send_delay, variable_shapes=self.variable_shapes,
             coordination=Coordination(coordination, twin),
             metering=Metering(ActivationMeter() if meter_activations else None, meter_every),
@@ -417,24 +412,32 @@ def _refuse_compiled_stages(stages: list[_PipelineStageBase], hint_name: str) ->
         raise IncompatibleStagesError(f"{e}; use a hint without split backward (I/W)") from None
 
 
-def _settings_that_must_agree(hint: Hint, n_microbatches: int, **settings: object) -> dict:
-    """What every rank of the job must be given alike, as text: the hint (its name and a
-    digest of its orders), the microbatches, and ``settings`` as given."""
+def _joined_job(hint: Hint, n_microbatches: int, stall_timeout: float,
+                **settings: object) -> JobScope:
+    """A new schedule's job scope, once every rank of the job said the same hint (its name
+    and a digest of its orders), microbatches, ``stall_timeout`` and ``settings`` (as
+    given); ``ValueError`` on every rank where they differ."""
     orders = repr(sorted((rank, [str(a) for a in actions])
                          for rank, actions in hint.orders.items()))
     digest = hashlib.sha1(orders.encode()).hexdigest()[:12]
-    return {"hint": f"{hint.name} (orders {digest})", "n_microbatches": str(n_microbatches),
-            **{name: repr(value) for name, value in settings.items()}}
+    job = JobScope.new()
+    agree_on_settings(job, {
+        "hint": f"{hint.name} (orders {digest})", "n_microbatches": str(n_microbatches),
+        "stall_timeout": repr(stall_timeout),
+        **{name: repr(value) for name, value in settings.items()}}, stall_timeout)
+    return job
 
 
 def _wired_runtime(hint: Hint, rank: int, stages: list[_PipelineStageBase], platform: Platform,
-                   limits: LimitPlan, *, job: JobScope, job_groups: JobGroups,
+                   limits: LimitPlan, *, job: JobScope, beside: list[dist.ProcessGroup | None],
                    report_folder: str | None, device: EmulatedDevice | None,
                    send_delay: SendDelay | None, variable_shapes: bool,
                    coordination: Coordination, metering: Metering, stall_timeout: float,
                    launch_depth: float, reorder_ahead: bool) -> PipelineRuntime:
     """The channels (created and connected now, in one order on every rank of the
-    pipeline), the device and the receive rings, wired into the runtime; logs the set-up."""
+    pipeline), the device and the receive rings, wired into the runtime with the job's
+    groups (``beside``, the coordination twin, the meshes of the stages' DTensor
+    parameters); logs the set-up."""
     wakeup = Wakeup()
     transport = Transport(create_channels(hint, stages[0].group, platform.device,
                                           platform.channel_backend,
@@ -455,7 +458,9 @@ def _wired_runtime(hint: Hint, rank: int, stages: list[_PipelineStageBase], plat
         device=device, wakeup=wakeup, transport=transport,
         receives=ReceiveRings(variable_shapes, platform), limits=limits,
         coordination=coordination, metering=metering, stall_timeout=stall_timeout,
-        launch_depth=launch_depth, reorder_ahead=bool(reorder_ahead), job_groups=job_groups,
+        launch_depth=launch_depth, reorder_ahead=bool(reorder_ahead),
+        job_groups=JobGroups([*collective_groups(s.submod for s in stages), *beside,
+                              coordination.twin.group if coordination.twin else None]),
         report=HangReport(transport.failures, job.name, report_folder,
                           min(HANG_REPORT_WAIT_S, stall_timeout)))
 

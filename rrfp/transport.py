@@ -29,7 +29,6 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
 from typing import NamedTuple
 
 import torch
@@ -41,6 +40,7 @@ from rrfp.device import Wakeup
 from rrfp.errors import PeerFailedError
 from rrfp.failures import FAILURE_POLL_S, FailureBoard
 from rrfp.job import JobScope
+from rrfp.ledger import Ledger
 from rrfp.platform import ReceiveStreams
 
 class Received(NamedTuple):
@@ -321,23 +321,6 @@ class _DelayedSender:
             self._closed = True
             self._cond.notify_all()
 
-@dataclass
-class ChannelLedger:
-    """One channel's messages in the current step, by microbatch (for hang reports)."""
-
-    posted: list[int] = field(default_factory=list)
-    """Receives posted (this rank consumes the channel)."""
-    arrived: list[int] = field(default_factory=list)
-    sent: list[int] = field(default_factory=list)
-    """Messages sent (this rank produces on the channel)."""
-
-    @property
-    def outstanding(self) -> list[int]:
-        """Receives posted whose message has not arrived."""
-        arrived = set(self.arrived)
-        return [mb for mb in self.posted if mb not in arrived]
-
-
 class Transport:
     """Sends and receives of one rank's stages over their channels."""
 
@@ -367,13 +350,13 @@ class Transport:
             channels.store, dist.get_rank() if dist.is_initialized() else 0,
             channels.global_ranks, job_store=job.store if job is not None else None,
             job_ranks=job.ranks if job is not None else ())
-        self.ledger: dict[Edge, ChannelLedger] = {}
+        self.ledger = Ledger()
         """This step's messages per channel (``start_step`` clears it)."""
         self._closed = False
 
     def start_step(self) -> None:
         """A step begins: its ledger starts empty."""
-        self.ledger = {edge: ChannelLedger() for edge in self.channels}
+        self.ledger.start_step(self.channels)
 
     def _describe_send(self, edge: Edge, microbatch: int) -> str:
         return f"the send of microbatch {microbatch} on {self.channels[edge]}"
@@ -388,8 +371,8 @@ class Transport:
         """
         channel = self.channels[edge]
         self.operations += 1
-        if not header and edge in self.ledger:
-            self.ledger[edge].posted.append(microbatch)
+        if not header:
+            self.ledger.posted(edge, microbatch)
         if header and channel.headers is not None:
             works = [channel.headers.recv(b) for b in buffers]
             self._header_arrivals.watch(edge, microbatch, works, header)
@@ -411,8 +394,8 @@ class Transport:
              header: bool = False) -> None:
         """Send ``tensors`` (``header``: the shape header of the message to follow)."""
         self.operations += 1
-        if not header and edge in self.ledger:
-            self.ledger[edge].sent.append(microbatch)
+        if not header:
+            self.ledger.sent(edge, microbatch)
         self._messages_sent += len(tensors)
         self._bytes_sent += sum(t.nbytes for t in tensors)
         headers = self.channels[edge].headers
@@ -442,8 +425,8 @@ class Transport:
             if self._header_arrivals is not None:
                 arrived += self._header_arrivals.collect()
             for received in arrived:
-                if not received.header and received.edge in self.ledger:
-                    self.ledger[received.edge].arrived.append(received.microbatch)
+                if not received.header:
+                    self.ledger.arrived(received.edge, received.microbatch)
             return arrived
         except RuntimeError as e:
             try:

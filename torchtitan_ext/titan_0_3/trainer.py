@@ -165,6 +165,7 @@ class RRFPTrainer(Trainer):
             force_sum_reductions(self.model_parts)
         schedule = getattr(self, "pp_schedule", None)
         if isinstance(schedule, ScheduleRRFP):
+            schedule.report_folder = self.config.dump_folder  # a hang report goes there
             log_step_stats(self, schedule, self.config.rrfp,
                            metrics_rank(self.parallel_dims,
                                         self.config.parallelism.pipeline_parallel_schedule),
