@@ -106,7 +106,8 @@ class FailureBoard:
         failure = self.failure()
         if failure is not None and failure[0] != self._me:
             rank, message = failure
-            where = "pipeline" if rank in self._ranks else "job"
+            where = "job" if self._job_store is not None and rank not in self._ranks \
+                else "pipeline"
             raise PeerFailedError(f"global rank {rank} of the {where} failed: {message}", rank)
 
     def tell(self, key: str, value: str, *, job: bool = False) -> None:

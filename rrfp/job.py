@@ -3,7 +3,7 @@ tensor/expert-parallel replicas (the default group's ranks).
 
 * **Its board** (``JobScope``): a prefix in the default store that every rank of the job
   agrees on without talking, also after torchrun restarts the workers:
-  ``rrfp/job/attempt-<TORCHELASTIC_RESTART_COUNT>/<generation>/``, a generation per
+  ``rrfp/attempt-<TORCHELASTIC_RESTART_COUNT>/job/<generation>/``, a generation per
   ``ScheduleRRFP`` this process built (every rank of the job builds as many as the
   others, as the ranks of a pipeline do for its channels). A failure published there
   (``rrfp.failures``) reaches every rank; nothing of an earlier generation or attempt is
@@ -37,7 +37,6 @@ from __future__ import annotations
 import functools
 import json
 import logging
-import os
 import threading
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
@@ -52,8 +51,6 @@ from rrfp.failures import FAILURE_POLL_S, FailureBoard
 
 logger = logging.getLogger(__name__)
 
-RESTART_COUNT = "TORCHELASTIC_RESTART_COUNT"
-"""torchrun's count of worker-group restarts: part of the job's prefix."""
 ABORT_TIMEOUT_S = 10.0
 """How long aborting the job's groups may take before the rank goes on without them."""
 
@@ -73,13 +70,12 @@ class JobScope:
         """The scope of the next schedule built in this process (a new generation)."""
         if not dist.is_initialized():
             return JobScope("", None, ())
-        attempt = int(os.environ.get(RESTART_COUNT, "0") or 0)
-        prefix, store = generation_store(f"job/attempt-{attempt}", ())
+        prefix, store = generation_store("job", ())
         return JobScope(prefix, store, tuple(range(dist.get_world_size())))
 
     @property
     def name(self) -> str:
-        """The prefix as a file name part (``job-attempt-0-3``)."""
+        """The prefix as a file name part (``attempt-0-job-3``)."""
         return "-".join(part for part in self.prefix.split("/")[1:] if part)
 
 

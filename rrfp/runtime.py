@@ -222,6 +222,10 @@ class PipelineRuntime:
         report = ""
         if stalled and first is not None and first[0] == board.me:
             report = f"\nhang report: {self.report.write(state)}"
+        elif stalled and first is not None:  # another rank's stall came first: its report
+            report = "".join(f"\n{line} (by global rank {first[0]}, whose failure came first)"
+                             for line in first[1].splitlines()[-1:]
+                             if line.startswith("hang report: "))
         if isinstance(error, TimeoutError):
             raise PipelineStallError(f"pipeline rank {self.rank}: {error}{report}") from error
         if report:

@@ -59,8 +59,9 @@ SendDelay = Callable[[Edge, int], float]
 class _WaiterThreads:
     """Arrival detection by waiting: a thread per channel calls ``wait()`` in order."""
 
-    def __init__(self, wakeup: Wakeup) -> None:
+    def __init__(self, wakeup: Wakeup, describe: Callable[[Edge], str] = str) -> None:
         self._wakeup = wakeup
+        self._describe = describe
         self._arrived: queue.SimpleQueue = queue.SimpleQueue()
         self._jobs: dict[Edge, queue.SimpleQueue] = {}
         self._threads: list[threading.Thread] = []
@@ -95,8 +96,8 @@ class _WaiterThreads:
             except queue.Empty:
                 return arrived
             if error is not None:
-                raise RuntimeError(f"receive of {arrival.edge} microbatch {arrival.microbatch} "
-                                   "failed") from error
+                raise RuntimeError(f"receive of microbatch {arrival.microbatch} on "
+                                   f"{self._describe(arrival.edge)} failed") from error
             arrived.append(arrival)
 
     def close(self, timeout: float) -> list[threading.Thread]:
@@ -330,7 +331,8 @@ class Transport:
                  job: JobScope | None = None):
         self.channels = channels
         polled = any(c.backend_name == "nccl" for c in channels.values())
-        self._arrivals = _Polling(wakeup) if polled else _WaiterThreads(wakeup)
+        self._arrivals = _Polling(wakeup) if polled else _WaiterThreads(
+            wakeup, lambda edge: str(channels[edge]))
         self._send_delay = send_delay
         self._sends = _SendCompletion(polled, self._describe_send)
         self._messages_sent = 0

@@ -135,7 +135,7 @@ def test_the_holder_is_the_silent_rank_the_waits_lead_to_before_a_cycle_among_th
     }
     holder, led = find_holder(states, [0, 1, 2, 3])
     assert (holder.rank, holder.channel, holder.kind, led) == (0, "0->3", SILENT, [3])
-    text = report_text(states, [0, 1, 2, 3], reporter=1, job="job-attempt-0-0")
+    text = report_text(states, [0, 1, 2, 3], reporter=1, job="attempt-0-job-0")
     assert text.splitlines()[0].startswith("rrfp hang report: global rank 0 on channel 0->3 "
                                            "holds the others: it said nothing (silent")
     assert "3 of 4 ranks told their state; silent (said nothing within the report's wait): [0]" \
@@ -160,7 +160,7 @@ def test_settings_are_compared_over_every_rank_of_the_job():
     """Ranks' settings as they said them in the store (ranks 1 and 2 said theirs before
     rank 0): one message naming each setting that differs and who holds which value."""
     store = dist.HashStore()
-    job = JobScope("rrfp/job/attempt-0/0/", store, (0, 1, 2))
+    job = JobScope("rrfp/attempt-0/job/0/", store, (0, 1, 2))
     store.set("settings/1", '{"buffer_limit": "\'hint\'", "policy": "None"}')
     store.set("settings/2", '{"buffer_limit": "\'hint+2\'", "policy": "None"}')
     with pytest.raises(ValueError, match=r"buffer_limit is 'hint' on global ranks 0-1 but "

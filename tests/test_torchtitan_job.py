@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -102,37 +103,42 @@ def test_a_rank_killed_mid_step_resumes_from_the_last_checkpoint_and_ends_bitwis
     """6 steps, a checkpoint every 2. Uninterrupted; then with global rank 1 SIGKILLed in
     its step 5 (mid-step), ``--max-restarts 1``: torchrun restarts both ranks, torchtitan
     resumes from step 4 and finishes. The final parameters are bitwise the uninterrupted
-    run's; the new attempt's rrfp keys in torchrun's store (shared by both attempts) are
-    its own and its board saw no failure, while the dead attempt's failure key stays where
-    it was written; no rrfp thread outlives the close."""
+    run's; the new attempt's rrfp keys are its own (``attempt-1``) and hold no failure;
+    the schedule's threads are its own, once each, and none outlives its close.
+
+    torchrun's default store is shared by its attempts (pytorch#135712, #167288): a
+    restarted worker may read the dead attempt's address for torch's own default group and
+    fail to connect (2 of 3 restarts here on torch 2.13), so the job opts out
+    (``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1``, as docs/torchtitan.md says); rrfp's own
+    keys carry the attempt either way."""
     overrides = ["--training.steps", "6", "--checkpoint.enable", "--checkpoint.interval", "2"]
     launcher = ["--standalone", "--nproc-per-node", "2", "--max-restarts", "1",
                 # The survivor tells its failure within milliseconds of its peer's death;
                 # torchrun notices the death within this interval, and then stops it.
                 "--monitor-interval", "2"]
     ((code, out),) = _run([_torchrun(launcher, *overrides, dump=str(tmp_path / "whole"))],
-                          timeout=600)
+                          timeout=600, TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1")
     assert code == 0, failure_excerpt(out)
     record = tmp_path / "record"
     record.mkdir()
     ((code, out),) = _run([_torchrun(launcher, *overrides, dump=str(tmp_path / "resumed"),
                                      module="tests.titan_job_hooks")], timeout=900,
-                          RRFP_TEST_KILL="1:5", RRFP_TEST_RECORD=str(record))
+                          RRFP_TEST_KILL="1:5", RRFP_TEST_RECORD=str(record),
+                          TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1")
     assert code == 0, failure_excerpt(out)
-    assert "Signal 9" in out or "SIGKILL" in out or "exitcode: -9" in out, out[-3000:]
-    assert "step-4" in out, "the new attempt did not load the checkpoint of step 4"
+    # Rank 1 of the first attempt stepped, and was killed before its schedule's close.
+    assert (record / "0-1-keys.json").exists() and not (record / "0-1-threads.json").exists()
+    assert re.search(r"Loading the checkpoint from \S+/step-4", out), out[-3000:]
+    assert "Training starts at step 5" in out, out[-3000:]
     whole, resumed = _final_parameters(tmp_path / "whole"), _final_parameters(tmp_path / "resumed")
     assert whole.keys() == resumed.keys() and whole
     different = [k for k in whole if not torch.equal(whole[k], resumed[k])]
     assert not different, different
     for rank in (0, 1):
-        seen = json.loads((record / f"1-{rank}.json").read_text())
-        assert seen["threads_after_close"] == [], seen
-        assert "rrfp-job-watch" in seen["threads_before_close"]
-        assert len(set(seen["threads_before_close"])) == len(seen["threads_before_close"])
-        new = [k for k in seen["keys"] if k.startswith("/worker/attempt_1/")]
-        old = [k for k in seen["keys"] if k.startswith("/worker/attempt_0/")]
-        assert new and all("attempt-0" not in k for k in new), new
-        assert not any(k.endswith("/failed") for k in new), new
-        assert any(k.endswith("rrfp/job/attempt-0/0/failed") for k in old), old
-    assert not (record / "1-2.json").exists()
+        threads = json.loads((record / f"1-{rank}-threads.json").read_text())
+        assert threads["after_close"] == [], threads
+        assert "rrfp-job-watch" in threads["before_close"], threads
+        assert len(set(threads["before_close"])) == len(threads["before_close"]), threads
+        keys = json.loads((record / f"1-{rank}-keys.json").read_text())
+        assert keys and all("rrfp/attempt-1/" in k for k in keys), keys
+        assert not any(k.endswith("/failed") for k in keys), keys

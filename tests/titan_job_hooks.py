@@ -6,9 +6,9 @@ then ``torchtitan_ext.train`` as ``python -m torchtitan_ext.train`` runs it.
   (``TORCHELASTIC_RESTART_COUNT`` 0) that rank SIGKILLs its own process in that training
   step, as its stages start their second action (mid-step: after a forward, before the
   step's last backward).
-* ``RRFP_TEST_RECORD=<folder>``: as the trainer closes the schedule, each rank writes
-  ``<attempt>-<rank>.json``: the rrfp threads alive before and after the close, and every
-  key of torchrun's store (the agent's, which every attempt shares) under an rrfp prefix.
+* ``RRFP_TEST_RECORD=<folder>``: each rank writes every key of the job's store under an
+  rrfp prefix after its first step, and the rrfp threads alive before and after the
+  schedule's close (``_record``).
 """
 
 from __future__ import annotations
@@ -50,20 +50,32 @@ def _rrfp_threads() -> list[str]:
     return sorted(t.name for t in threading.enumerate() if t.name.startswith("rrfp-"))
 
 
-def _record_at_close(folder: str) -> None:
-    close = ScheduleRRFP.close
+def _record(folder: str) -> None:
+    """Each rank writes ``<attempt>-<rank>-keys.json`` after its first step (every rank is
+    alive then: the store's server is a worker's) and ``<attempt>-<rank>-threads.json`` as
+    the schedule closes."""
+    schedule_step, close = ScheduleRRFP.step, ScheduleRRFP.close
+    stepped = [False]
+
+    def write(what: str, value) -> None:
+        with open(os.path.join(folder, f"{ATTEMPT}-{dist.get_rank()}-{what}.json"), "w") as f:
+            json.dump(value, f)
+
+    def recording_step(self, *args, **kwargs):
+        result = schedule_step(self, *args, **kwargs)
+        if not stepped[0]:
+            stepped[0] = True
+            store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
+                                  is_master=False, timeout=datetime.timedelta(seconds=60))
+            write("keys", sorted(k for k in store.list_keys() if "rrfp/" in k))
+        return result
 
     def recording_close(self, *args, **kwargs):
         before = _rrfp_threads()
         close(self, *args, **kwargs)
-        agent_store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
-                                    is_master=False, timeout=datetime.timedelta(seconds=60))
-        keys = sorted(k for k in agent_store.list_keys() if "rrfp/" in k)
-        with open(os.path.join(folder, f"{ATTEMPT}-{dist.get_rank()}.json"), "w") as f:
-            json.dump({"threads_before_close": before, "threads_after_close": _rrfp_threads(),
-                       "keys": keys}, f)
+        write("threads", {"before_close": before, "after_close": _rrfp_threads()})
 
-    ScheduleRRFP.close = recording_close
+    ScheduleRRFP.step, ScheduleRRFP.close = recording_step, recording_close
 
 
 if __name__ == "__main__":
@@ -71,5 +83,5 @@ if __name__ == "__main__":
     if kill and ATTEMPT == 0:
         _kill_in(*(int(part) for part in kill.split(":")))
     if os.environ.get("RRFP_TEST_RECORD"):
-        _record_at_close(os.environ["RRFP_TEST_RECORD"])
+        _record(os.environ["RRFP_TEST_RECORD"])
     runpy.run_module("torchtitan_ext.train", run_name="__main__", alter_sys=True)
