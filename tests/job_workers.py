@@ -181,10 +181,13 @@ def _say_when_reducing(key: str) -> None:
 
 def job_failure(rank: int, world_size: int, kind: str, parallel: str, how: str,
                 stall_timeout: float) -> dict:
-    """PP 2 x DP 2 or PP 2 x TP 2 (``parallel``), 1F1B over 4 microbatches, on gloo
-    (synchronous host device: a rank blocked in a collective blocks its step loop) or on
-    NCCL-like channels and groups (emulated asynchronous device: the device thread
-    blocks, as a CUDA stream would). Step 1 runs; in step 2 global rank 0's forward of
+    """PP 2 x DP 2 or PP 2 x TP 2 (``parallel``), 1F1B over 4 microbatches, on gloo or on
+    NCCL-like channels and groups (``kind``). On gloo, and on NCCL-like groups with data
+    parallelism, the stages run on the host: a rank blocked in a collective blocks its step
+    loop (on NCCL-like groups as a host blocks at a CUDA synchronization behind a hung
+    NCCL kernel; their abort is local, so only the rank's own watch can release it). With
+    tensor parallelism on NCCL-like groups they run on the emulated asynchronous device:
+    its thread blocks, as a CUDA stream would, and the step loop goes on. Step 1 runs; in step 2 global rank 0's forward of
     microbatch 2 strikes (``how``: raises, or SIGKILLs its process) once the other ranks
     are blocked in collectives that need rank 0's pipeline: DP, the other pipeline's
     gradient reductions; TP, its TP peer's forward all-reduce. Each rank returns what it
@@ -210,7 +213,7 @@ def job_failure(rank: int, world_size: int, kind: str, parallel: str, how: str,
     stage = PipelineStage(module, pp, 2, torch.device("cpu"), group=pp_group)
     schedule = ScheduleRRFP(
         stage, M, loss_fn=loss_fn, hint="1F1B", stall_timeout=stall_timeout,
-        device=EmulatedDevice() if kind == "nccl-like" else None,
+        device=EmulatedDevice() if (kind, parallel) == ("nccl-like", "tp") else None,
         coordination_group=replica_group if parallel == "tp" else None)
     run_steps(schedule, [stage], [strike], x, y, 1)
     strike.calls, strike.armed = 0, True  # the third forward of step 2: microbatch 2
@@ -222,7 +225,12 @@ def job_failure(rank: int, world_size: int, kind: str, parallel: str, how: str,
     except Exception as e:
         error, failed_rank = error_chain(e), getattr(e, "failed_rank", None)
     raised_at = time.time()
-    struck_at = float(_test_store().get("struck").decode())
+    store = _test_store()
+    struck_at = float(store.get("struck").decode())
+    # No process ends before every living rank has raised: an ending process closes its
+    # gloo connections, which would release its peers whatever rrfp did.
+    store.set(f"raised/{rank}", "1")
+    _wait_for(store, [f"raised/{r}" for r in range(world_size) if r or how != "kill"])
     return {"error": error, "failed_rank": failed_rank, "raised_at": raised_at,
             "struck_at": struck_at, "threads": rrfp_threads()}
 

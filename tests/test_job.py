@@ -15,10 +15,12 @@ from rrfp.job import agree_on_settings, JobScope
 from rrfp.local import run_local_world
 from tests import job_workers
 
-SCENARIOS = [("gloo", "dp"), ("nccl-like", "tp")]
-"""In the default run: PP 2 x FSDP 2 on gloo, PP 2 x hand-made TP 2 on NCCL-like groups."""
-MORE = [("gloo", "tp"), ("nccl-like", "dp")]
-"""PP 2 x DTensor TP 2 on gloo, PP 2 x DDP 2 on NCCL-like groups: ``-m job``."""
+SCENARIOS = [("gloo", "dp"), ("nccl-like", "dp")]
+"""In the default run: PP 2 x FSDP 2 on gloo, PP 2 x DDP 2 on NCCL-like groups (the host
+blocked in the collective: only the rank's own watch releases it)."""
+MORE = [("gloo", "tp"), ("nccl-like", "tp")]
+"""PP 2 x DTensor TP 2 on gloo, PP 2 x hand-made TP 2 on NCCL-like groups (the emulated
+device blocked in the collective): ``-m job``."""
 
 
 def _check_every_rank_names_rank_0(ranks: list[dict], bound: float) -> None:
