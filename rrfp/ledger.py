@@ -4,6 +4,7 @@ hang report (``rrfp.hang_report``)."""
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from rrfp.actions import Edge
@@ -29,7 +30,8 @@ class ChannelLedger:
 class Ledger(dict):
     """``ChannelLedger`` by edge, for the channels of one rank (empty until a step starts)."""
 
-    def start_step(self, edges) -> None:
+    def start_step(self, edges: Iterable[Edge]) -> None:
+        """A step begins: an empty ledger per channel of ``edges``."""
         self.clear()
         self.update({edge: ChannelLedger() for edge in edges})
 

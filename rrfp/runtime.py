@@ -167,7 +167,7 @@ class PipelineRuntime:
         ranks (or name the peer whose failure broke this step) and abandon the step, unless
         it failed before this rank communicated (then it stays usable)."""
         self.device.begin_step(origin, self.wakeup)
-        self.transport.start_step()
+        self.transport.ledger.start_step(self.transport.channels)
         operations = self.transport.operations
         try:
             self.receives.start(self.transport, hint.plan, self.stages,

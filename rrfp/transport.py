@@ -353,12 +353,8 @@ class Transport:
             channels.global_ranks, job_store=job.store if job is not None else None,
             job_ranks=job.ranks if job is not None else ())
         self.ledger = Ledger()
-        """This step's messages per channel (``start_step`` clears it)."""
+        """This step's messages per channel (``Ledger.start_step`` clears it)."""
         self._closed = False
-
-    def start_step(self) -> None:
-        """A step begins: its ledger starts empty."""
-        self.ledger.start_step(self.channels)
 
     def _describe_send(self, edge: Edge, microbatch: int) -> str:
         return f"the send of microbatch {microbatch} on {self.channels[edge]}"

@@ -1,8 +1,8 @@
 """How torch's own pipelining tests run here.
 
 torch runs them as methods of ``MultiProcContinuousTest`` on 2-4 GPUs with NCCL. Here each
-test method runs on CPU/gloo in a world of processes (``rrfp.local.run_local_world``), once
-with torch's schedule class (``runtime="torch"``) and once with ``ScheduleRRFP`` given that
+test method runs on CPU/gloo in a world of processes
+(``rrfp.testing.worlds.run_local_world``), once with torch's schedule class (``runtime="torch"``) and once with ``ScheduleRRFP`` given that
 class as hint (``runtime="rrfp"``): the test body builds its schedule through
 ``RankCase.under_test``, the one line changed in each. As in torch's continuous test
 classes, one world runs every selected case of a test class in sequence; a case passes when
@@ -28,7 +28,7 @@ import torch.distributed as dist
 from torch.distributed.pipelining.schedules import _PipelineScheduleRuntime, PipelineScheduleMulti
 
 from rrfp import ScheduleRRFP
-from rrfp.local import run_local_world
+from rrfp.testing.worlds import run_local_world
 
 RUNTIMES = ("torch", "rrfp")
 STALL_TIMEOUT_S = 60.0

@@ -1,5 +1,5 @@
 """A process group whose collectives behave as NCCL's where ``rrfp.job`` depends on them,
-for CPU tests (there is no GPU or NCCL here; ``tests.nccl_like`` fakes the channels).
+for CPU tests (there is no GPU or NCCL here; ``rrfp.testing.nccl_like`` fakes the channels).
 
 As torch's ``ProcessGroupNCCL`` (``torch/csrc/distributed/c10d/ProcessGroupNCCL.cpp``):
 
