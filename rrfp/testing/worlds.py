@@ -31,7 +31,9 @@ def run_local_world(world_size: int, fn: Callable[..., Any], *args: Any, timeout
     imports its module by name): ranks are fresh processes forked from a fork server, which
     sees neither the caller's state nor later changes to its environment. ``store``:
     ``"file"`` (a FileStore in a temporary folder) or ``"tcp"`` (a TCPStore on a free
-    local port, as torchrun uses).
+    local port, as torchrun uses). Ranks run in that temporary folder (their working
+    directory), so what a rank writes by a relative path, such as a hang report without a
+    ``report_folder``, goes away with the world instead of landing in the caller's folder.
     """
     ctx = _context()
     with tempfile.TemporaryDirectory() as tmp:
@@ -46,7 +48,7 @@ def run_local_world(world_size: int, fn: Callable[..., Any], *args: Any, timeout
         results: queue.Queue = ctx.Queue()
         procs = [
             ctx.Process(target=_rank_main, daemon=True,
-                        args=(rank, world_size, init_method, results, fn, args))
+                        args=(rank, world_size, init_method, tmp, results, fn, args))
             for rank in range(world_size)
         ]
         for p in procs:
@@ -96,8 +98,9 @@ def _context():
     return ctx
 
 
-def _rank_main(rank, world_size, init_method, results, fn, args) -> None:
+def _rank_main(rank, world_size, init_method, folder, results, fn, args) -> None:
     try:
+        os.chdir(folder)
         torch.set_num_threads(1)
         dist.init_process_group(
             "gloo", init_method=init_method, rank=rank, world_size=world_size,
