@@ -229,7 +229,7 @@ def page(figures: dict, commit: str, seconds: float) -> list[str]:
         "(a follower posts the receive of a decision only when it needs it, over the user's "
         "group), \"now\" this code's (posted ahead, over a private twin); they alternate "
         f"on the same machine load. Machine: this CPU box (2 shared cores), gloo; "
-        f"{seconds:.0f} s in all.",
+        f"{seconds:.0f} s in all (`python -m benchmarks.coordination_bench --before {commit}`).",
         "",
         f"## Per action (us of settle time per action, median of {REPEATS} runs x ranks; "
         f"{ACTION_S * 1e3:g} ms emulated compute per action)",
