@@ -35,6 +35,8 @@ class Wait:
     peer_stage: int | None = None
     peer_rank: int | None = None
     """Pipeline rank (index in the PP group) the message comes from."""
+    message: tuple[Edge, int] | None = None
+    """The message waited for: its edge and microbatch."""
 
     def __str__(self) -> str:
         return f"{describe(self.action)} waits for {self.reason}"
@@ -210,7 +212,7 @@ class Arbiter:
             what = "input activation" if edge.is_forward else "output gradient"
             peer = self.hint.stage_to_rank[edge.src]
             return Wait(node.action, f"its {what} from stage {edge.src} on pipeline rank {peer}",
-                        peer_stage=edge.src, peer_rank=peer)
+                        peer_stage=edge.src, peer_rank=peer, message=node.message)
         if node.kind == "F" and self.limits is not None and not self._fits(node):
             limit = self.limits[node.stage]
             return Wait(node.action, f"a backward of stage {node.stage} or another of this "

@@ -147,6 +147,23 @@ def make_channel_group(name: str, store: dist.Store, rank: int,
 _MESSAGE_TAG = 0
 _CLOSE_TAG = 1  # never sent: a receive on it only serves to close a gloo connection
 
+
+def break_gloo_group(group: dist.ProcessGroup, peer: int) -> None:
+    """Fail every pending operation of a gloo group, here and at its other ranks.
+
+    ``ProcessGroupGloo`` has no abort of its own (``ProcessGroup.abort`` leaves it as it
+    is on torch 2.13-2.15) and cannot cancel a receive or a collective. But a receive that
+    times out makes gloo signal an error to the group's whole context: every connection
+    of the group at this rank closes, which fails every collective or point-to-point
+    operation pending on the group, here (gloo: "Application timeout caused pair
+    closure") and at each peer ("Connection closed by peer"). The group is not usable
+    afterwards. ``peer``: any other rank of the group (its rank in the group)."""
+    try:
+        work = group.recv([torch.zeros(1)], peer, _CLOSE_TAG)
+        work.wait(datetime.timedelta(milliseconds=1))
+    except RuntimeError:
+        pass
+
 @dataclass(frozen=True)
 class Channel:
     """One direction of one stage edge: the producer is rank 0 of its group."""
@@ -184,13 +201,7 @@ class Channel:
         if self.backend_name == "nccl":
             self.group.abort()
             return
-        # gloo cannot cancel a receive, but a receive that times out closes the connection,
-        # which fails every pending operation on it at once (here and at the peer).
-        try:
-            work = self.group.recv([torch.zeros(1)], 1 - self.rank, _CLOSE_TAG)
-            work.wait(datetime.timedelta(milliseconds=1))
-        except RuntimeError:
-            pass
+        break_gloo_group(self.group, 1 - self.rank)
 
     def shutdown(self) -> None:
         """A healthy end: every operation on the channel has completed. NCCL: the
@@ -231,19 +242,33 @@ def concurrently(calls: dict[str, Callable[[], None]], timeout: float) -> list[t
     return [t for t in threads if t.is_alive()]
 
 _generations: dict[tuple[str, tuple[int, ...]], int] = {}
+RESTART_COUNT = "TORCHELASTIC_RESTART_COUNT"
+"""torchrun's count of worker-group restarts: part of every rrfp prefix in the store."""
+
+
+def attempt_prefix() -> str:
+    """``rrfp/attempt-<a>/``, where every rrfp key in the store lives: ``a`` is torchrun's
+    restart count (``TORCHELASTIC_RESTART_COUNT``; 0 without torchrun)."""
+    return f"rrfp/attempt-{os.environ.get(RESTART_COUNT) or '0'}/"
 
 
 def generation_store(scope: str, ranks: Sequence[int]) -> tuple[str, dist.PrefixStore]:
     """A new generation's prefix in the default store for groups over ``ranks``
-    (``rrfp/<scope>/<ranks>/<generation>/``; ``scope`` "" for a pipeline's channels), and
+    (``rrfp/attempt-<a>/<scope>/<ranks>/<generation>/``; ``scope`` "" for a pipeline's
+    channels; no ranks: ``rrfp/attempt-<a>/<scope>/<generation>/``, for the whole job), and
     the store under it. Every member makes as many generations for the same ranks and
     scope as the others, so they agree on the prefix without talking; a new generation
     starts with keys of its own, which no stale receive or failure of an earlier one
-    reaches."""
+    reaches. ``a`` is torchrun's restart count (``TORCHELASTIC_RESTART_COUNT``, 0 without
+    torchrun): restarted workers count generations from 0 again, and torchrun's shared
+    store (its default) still holds the dead attempt's keys, among them the addresses its
+    channels' groups connected to."""
     key = (scope, tuple(ranks))
     generation = _generations.get(key, 0)
     _generations[key] = generation + 1
-    prefix = f"rrfp/{scope + '/' if scope else ''}{'-'.join(map(str, ranks))}/{generation}/"
+    members = "-".join(map(str, ranks))
+    prefix = (f"{attempt_prefix()}{scope + '/' if scope else ''}"
+              f"{members + '/' if members else ''}{generation}/")
     return prefix, dist.PrefixStore(prefix, dist.distributed_c10d._get_default_store())
 
 

@@ -37,6 +37,10 @@ class DataParallel:
         self._stages = sorted(stages, key=lambda s: s.stage_index)
         self._ddp = _unwrap_ddp(stages)
 
+    def groups(self) -> list[dist.ProcessGroup]:
+        """The DDP wrappers' groups (FSDP's are its sharded parameters' meshes)."""
+        return [ddp.process_group for ddp in self._ddp.values()]
+
     def unshard(self) -> list[FSDPModule]:
         """Unshard the stages' FSDP modules now, in stage order, for the whole step;
         return them."""

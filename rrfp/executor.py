@@ -76,11 +76,16 @@ class StageExecutor:
     sends: list[tuple[int, int, int, float]] = field(default_factory=list)
     """(source stage, destination stage, microbatch, seconds after start) per send."""
 
+    running: _Action | None = None
+    """The action whose work runs now, or failed (None between actions)."""
+
     def work(self, action: _Action, sends: list[Edge]) -> Callable[[], None]:
         def run() -> None:
+            self.running = action
             self.compute(action)
             for edge in sends:
                 self.send(action, edge)
+            self.running = None
         return run
 
     def completed(self, action: _Action) -> None:

@@ -1,11 +1,15 @@
 """Failure is told through the store, not the channels.
 
-A rank whose step fails publishes it under the pipeline's store prefix (its channels'
-generation) before it closes its channels, and every rank of the pipeline checks that key
-while it waits (at most every ``FAILURE_POLL_S``), raising ``PeerFailedError`` naming the
-failed rank. On gloo the closed connections would fail the peers too, but on NCCL an abort
-is local: a peer would wait out its ``stall_timeout``. The same board carries values every
-rank says once (a refusal to run, exchanged before any stage's data moves).
+A rank whose step fails publishes it twice: under the pipeline's store prefix (its
+channels' generation) and under the job's (``rrfp.job``: every rank of every pipeline, its
+data-parallel and tensor/expert-parallel replicas), before it closes its channels. Every
+rank checks those keys while it waits (at most every ``FAILURE_POLL_S``), raising
+``PeerFailedError`` naming the failed rank; a watch thread per schedule reads the job's key
+even while its rank is blocked elsewhere (``rrfp.job.JobWatch``). On gloo the closed
+connections would fail the peers too, but on NCCL an abort is local: a peer would wait out
+its ``stall_timeout``. The same board carries values every rank says once (a refusal to
+run, the job's settings, a rank's state for a hang report), exchanged before or apart
+from any stage's data.
 """
 
 from __future__ import annotations
@@ -26,49 +30,70 @@ FAILURE_POLL_S = 0.1
 
 
 class FailureBoard:
-    """What the ranks of one pipeline tell each other through the store, apart from the
-    channels: the first failure (a failed rank says so, its peers check), and values every
-    rank says once (``gather``).
+    """What the ranks of one pipeline, and of the job around it, tell each other through
+    the store, apart from the channels: the first failure (a failed rank says so, its peers
+    check), and values every rank says once (``gather``).
 
     The channels cannot tell the peers on NCCL (an abort is local) and a gloo peer learns
     only of a closed connection, not who failed or why; the store always works. Keys live
-    under the channels' generation prefix, so a new schedule starts with a clean board.
-    ``ranks``: the pipeline's global ranks (``gather`` waits for each of them).
+    under the channels' generation prefix (``store``, over the pipeline's ``ranks``) and
+    the job's (``job_store``, over ``job_ranks``: ``rrfp.job.job_store``), so a new
+    schedule starts with a clean board. Without a ``job_store`` the board is the
+    pipeline's alone.
     """
 
     KEY = "failed"
 
     def __init__(self, store: dist.Store | None, me: int, ranks: Sequence[int] = (),
                  interval: float = FAILURE_POLL_S,
-                 clock: Callable[[], float] = time.perf_counter):
+                 clock: Callable[[], float] = time.perf_counter, *,
+                 job_store: dist.Store | None = None, job_ranks: Sequence[int] = ()):
         self._store = store
         self._me = me
         self._ranks = tuple(ranks)
+        self._job_store = job_store
+        self.job_ranks = tuple(job_ranks) if job_store is not None else self._ranks
+        """Global ranks of the job (the pipeline's, without a job store)."""
         self._interval = interval
         self._clock = clock
         self._next = 0.0
         self._seen: tuple[int, str] | None = None
 
-    def publish(self, message: str) -> None:
-        """Say this rank failed (the first failure of the pipeline is the one kept)."""
-        if self._store is None or self.failure() is not None:
-            return
-        try:
-            # compare_set keeps the first writer's value when several ranks fail at once.
-            self._store.compare_set(self.KEY, "", f"{self._me}\n{message}")
-        except Exception as e:  # the store itself gone: the peers will stall instead
-            logger.warning("global rank %d could not publish its failure: %s", self._me, e)
+    @property
+    def me(self) -> int:
+        return self._me
 
-    def failure(self) -> tuple[int, str] | None:
-        """(global rank, message) of the pipeline's first failure, if any (one store read)."""
-        if self._seen is None and self._store is not None:
+    def publish(self, message: str) -> None:
+        """Say this rank failed (the first failure of the pipeline, and of the job, is the
+        one kept)."""
+        if self.failure() is not None:
+            return
+        for store in (self._job_store, self._store):
+            if store is None:
+                continue
             try:
-                if self._store.check([self.KEY]):
-                    rank, _, message = self._store.get(self.KEY).decode().partition("\n")
-                    self._seen = (int(rank), message)
-            except Exception as e:
-                logger.warning("global rank %d could not read the failure board: %s",
-                               self._me, e)
+                # compare_set keeps the first writer's value when several ranks fail at once.
+                store.compare_set(self.KEY, "", f"{self._me}\n{message}")
+            except Exception as e:  # the store itself gone: the peers will stall instead
+                logger.warning("global rank %d could not publish its failure: %s", self._me, e)
+
+    def failure(self, job_only: bool = False) -> tuple[int, str] | None:
+        """(global rank, message) of the first failure of the job (or, where the job's
+        key is unset, of the pipeline), if any: a store read or two until one is seen.
+        ``job_only``: read the job's key alone (one store read)."""
+        if self._seen is None:
+            stores = (self._job_store,) if job_only else (self._job_store, self._store)
+            for store in stores:
+                if store is None:
+                    continue
+                try:
+                    if store.check([self.KEY]):
+                        rank, _, message = store.get(self.KEY).decode().partition("\n")
+                        self._seen = (int(rank), message)
+                        break
+                except Exception as e:
+                    logger.warning("global rank %d could not read the failure board: %s",
+                                   self._me, e)
         return self._seen
 
     def check(self, force: bool = False) -> None:
@@ -81,23 +106,52 @@ class FailureBoard:
         failure = self.failure()
         if failure is not None and failure[0] != self._me:
             rank, message = failure
-            raise PeerFailedError(f"global rank {rank} of the pipeline failed: {message}", rank)
+            where = "job" if self._job_store is not None and rank not in self._ranks \
+                else "pipeline"
+            raise PeerFailedError(f"global rank {rank} of the {where} failed: {message}", rank)
 
-    def gather(self, key: str, value: str, timeout: float) -> dict[int, str]:
-        """Every rank of the pipeline says ``value`` under ``key``; returns what each said,
-        by global rank. Backend-agnostic, and apart from the channels, whose first use
-        would be a stage's data; waits at most ``timeout`` seconds for the others, then
-        raises ``PipelineStallError`` naming them. Each schedule may use a key once."""
-        store = self._store
-        if store is None or len(self._ranks) < 2:
+    def tell(self, key: str, value: str, *, job: bool = False) -> None:
+        """Say ``value`` under ``key`` for this rank (``job``: to the job), without waiting
+        for anyone (``collect`` reads what the others said)."""
+        store = self._job_store if job else self._store
+        if store is not None:
+            store.set(f"{key}/{self._me}", value)
+
+    def collect(self, key: str, timeout: float, *, job: bool = False) -> dict[int, str]:
+        """What each rank said under ``key`` (``tell``) within ``timeout`` seconds, by
+        global rank; ranks that said nothing by then are left out."""
+        store = self._job_store if job else self._store
+        ranks = self.job_ranks if job else self._ranks
+        if store is None:
+            return {}
+        said: dict[int, str] = {}
+        deadline = time.perf_counter() + timeout
+        while True:
+            for rank in ranks:
+                if rank not in said and store.check([f"{key}/{rank}"]):
+                    said[rank] = store.get(f"{key}/{rank}").decode()
+            if len(said) == len(ranks) or time.perf_counter() >= deadline:
+                return said
+            time.sleep(min(self._interval, max(0.0, deadline - time.perf_counter())))
+
+    def gather(self, key: str, value: str, timeout: float, *, job: bool = False) -> dict[int, str]:
+        """Every rank of the pipeline (``job``: of the job) says ``value`` under ``key``;
+        returns what each said, by global rank. Backend-agnostic, and apart from the
+        channels, whose first use would be a stage's data; waits at most ``timeout``
+        seconds for the others, then raises ``PipelineStallError`` naming them. Each
+        schedule may use a key once."""
+        store = self._job_store if job else self._store
+        ranks = self.job_ranks if job else self._ranks
+        where = "job" if job else "pipeline"
+        if store is None or len(ranks) < 2:
             return {self._me: value}
         store.set(f"{key}/{self._me}", value)
-        keys = [f"{key}/{rank}" for rank in self._ranks]
+        keys = [f"{key}/{rank}" for rank in ranks]
         try:
             store.wait(keys, datetime.timedelta(seconds=timeout))
         except RuntimeError as e:
-            missing = [rank for rank, k in zip(self._ranks, keys) if not store.check([k])]
+            missing = [rank for rank, k in zip(ranks, keys) if not store.check([k])]
             raise PipelineStallError(
-                f"global ranks {missing} of the pipeline did not say {key!r} within "
+                f"global ranks {missing} of the {where} did not say {key!r} within "
                 f"stall_timeout ({timeout:g} s): {e}") from e
-        return {rank: said.decode() for rank, said in zip(self._ranks, store.multi_get(keys))}
+        return {rank: said.decode() for rank, said in zip(ranks, store.multi_get(keys))}

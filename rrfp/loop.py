@@ -198,6 +198,11 @@ class StepLoop:
         self.arbiter.record_launch(action)
         self._on_device.append(action)
 
+    @property
+    def on_device(self) -> list[_Action]:
+        """Actions launched and not yet completed, in launch order."""
+        return list(self._on_device)
+
     def waiting(self) -> list[str]:
         """What the rank waits for now: a line per launched action and stream head."""
         lines = [f"  {describe(a)} launched, not yet completed by the device"

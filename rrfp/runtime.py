@@ -14,18 +14,22 @@ import logging
 import math
 import time
 from dataclasses import dataclass
+from typing import NoReturn
 
 import torch.distributed as dist
 from torch.distributed.pipelining.stage import _PipelineStageBase
 
 from rrfp._torch_compat import clear_after_failure
+from rrfp.actions import describe
 from rrfp.arbiter import Arbiter
 from rrfp.coordination import Coordinator, CoordinationGroup, make_coordinator
 from rrfp.device import Wakeup
 from rrfp.errors import PeerFailedError, PipelineStallError
 from rrfp.executor import LossFn, Reduction, StageExecutor, StepInputs
 from rrfp.failures import FAILURE_POLL_S
+from rrfp.hang_report import HangReport, rank_state
 from rrfp.hints import Hint
+from rrfp.job import JobGroups, JobWatch
 from rrfp.limit_plan import LimitPlan
 from rrfp.limits import ByteLimits, MemoryLimits
 from rrfp.loop import Arrival, Device, StepLoop
@@ -67,7 +71,8 @@ class PipelineRuntime:
                  platform: Platform, device: Device, wakeup: Wakeup, transport: Transport,
                  receives: ReceiveRings, limits: LimitPlan, coordination: Coordination,
                  metering: Metering, stall_timeout: float, launch_depth: float,
-                 reorder_ahead: bool, fixed_every: int = 0):
+                 reorder_ahead: bool, job_groups: JobGroups, report: HangReport,
+                 fixed_every: int = 0):
         self.hint, self.rank, self.stages = hint, rank, stages
         self._forward_only = hint.forward_only()
         self.platform, self.device, self.wakeup = platform, device, wakeup
@@ -85,6 +90,10 @@ class PipelineRuntime:
         """Per local stage, the most bytes one microbatch's forward saved for backward in
         the last metered training step (None before one)."""
         self._failure: str | None = None
+        self.job_groups, self.report = job_groups, report
+        self._step: tuple[StepLoop, StageExecutor] | None = None
+        """The step running now, if any."""
+        self._watch = JobWatch(transport.failures, job_groups, wakeup, self._told_by_watch)
 
     def follow(self, hint: Hint, limits: LimitPlan) -> None:
         """Rank ready actions by ``hint`` within ``limits`` from the next step on (the same
@@ -136,12 +145,14 @@ class PipelineRuntime:
             describe_rank=f"pipeline rank {self.rank} (global rank {dist.get_rank()})",
             describe_peer=lambda peer: f"global rank {self.transport.channels.global_ranks[peer]}",
             coordinator=coordinator, block=self.wait)
+        self._step = (loop, executor)
         try:
             self._run_loop(loop, origin, hint, training, coordinator, custom)
             if training and meter is not None:
                 self.activation_bytes_per_microbatch = {
                     s: executor.saved_per_microbatch.get(s, 0) for s in self.stages}
         finally:
+            self._step = None
             self.last_step_stats = step_stats(
                 loop, executor, coordinator, clock(), self.transport.take_sent(),
                 rank=self.rank, device=self.device, meter=meter, limits=self.limits,
@@ -167,6 +178,7 @@ class PipelineRuntime:
         ranks (or name the peer whose failure broke this step) and abandon the step, unless
         it failed before this rank communicated (then it stays usable)."""
         self.device.begin_step(origin, self.wakeup)
+        self.transport.ledger.start_step(self.transport.channels)
         operations = self.transport.operations
         try:
             self.receives.start(self.transport, hint.plan, self.stages,
@@ -178,31 +190,71 @@ class PipelineRuntime:
             self.transport.finish_sends(self.stall_timeout)
             self.receives.finish()
         except PeerFailedError as e:
-            self._abandon(e, custom)
-            raise self._peer_failed(e, loop) from e
+            self._stop_for_peer(e, loop, custom, e)
         except BaseException as e:
             if self._usable_after_failure(operations, coordinator, custom):
                 raise
-            # A peer's failure may be what broke this step (a closed gloo connection): say
-            # so, naming it; otherwise this rank failed first, and tells the others.
+            # A peer's failure may be what broke this step (a closed gloo connection, an
+            # aborted collective): say so, naming it; otherwise this rank failed first,
+            # and tells the others.
             try:
                 self.transport.failures.check(force=True)
             except PeerFailedError as peer:
-                self._abandon(peer, custom)
-                raise self._peer_failed(peer, loop) from e
-            self.transport.failures.publish(
-                f"pipeline rank {self.rank} (global rank {dist.get_rank()}) failed its step: "
-                f"{type(e).__name__}: {e}")
-            self._abandon(e, custom)
-            if isinstance(e, TimeoutError):
-                raise PipelineStallError(f"pipeline rank {self.rank}: {e}") from e
-            raise
+                self._stop_for_peer(peer, loop, custom, e)
+            self._fail(e, custom)
 
-    def _peer_failed(self, error: PeerFailedError, loop: StepLoop) -> PeerFailedError:
-        """``error``, saying also what this rank was waiting for."""
-        return PeerFailedError(
+    def _stop_for_peer(self, error: PeerFailedError, loop: StepLoop, custom: CustomFunctions,
+                       cause: BaseException) -> NoReturn:
+        """Another rank failed first: tell this rank's state (for a hang report), abandon
+        the step, raise ``error`` saying what this rank was waiting for."""
+        self.report.tell(self._state(error))
+        self._abandon(error, custom)
+        raise PeerFailedError(
             f"pipeline rank {self.rank} (global rank {dist.get_rank()}) stops its step: "
-            f"{error}\nit was waiting for:\n" + "\n".join(loop.waiting()), error.failed_rank)
+            f"{error}\nit was waiting for:\n" + "\n".join(loop.waiting()),
+            error.failed_rank) from cause
+
+    def _fail(self, error: BaseException, custom: CustomFunctions) -> NoReturn:
+        """This rank failed first: tell every rank of the job, naming the action it ran;
+        abandon the step. A stall also gets the job's hang report, written here if this
+        rank's failure is the one the board kept (the others' errors point at it)."""
+        stalled = isinstance(error, (PipelineStallError, TimeoutError))
+        running = self._step[1].running if self._step is not None else None
+        board = self.transport.failures
+        board.publish(
+            f"pipeline rank {self.rank} (global rank {dist.get_rank()}) failed its step"
+            + (f" in {describe(running)}" if running is not None else "")
+            + f": {_with_causes(error)}"
+            + (f"\nhang report: {self.report.path}" if stalled else ""))
+        first = board.failure()
+        state = self._state(error)
+        self.report.tell(state)
+        self._abandon(error, custom)
+        report = ""
+        if stalled and first is not None and first[0] == board.me:
+            report = f"\nhang report: {self.report.write(state)}"
+        elif stalled and first is not None:  # another rank's stall came first: its report
+            report = "".join(f"\n{line} (by global rank {first[0]}, whose failure came first)"
+                             for line in first[1].splitlines()[-1:]
+                             if line.startswith("hang report: "))
+        if isinstance(error, TimeoutError):
+            raise PipelineStallError(f"pipeline rank {self.rank}: {error}{report}") from error
+        if report:
+            raise PipelineStallError(f"{error}{report}") from error
+        raise error
+
+    def _state(self, error: BaseException | None) -> dict:
+        """What this rank tells a hang report now."""
+        return rank_state(rank=dist.get_rank(), pipeline_rank=self.rank,
+                          stages=sorted(self.stages), step=self.steps_run, error=error,
+                          loop=self._step[0] if self._step is not None else None,
+                          transport=self.transport)
+
+    def _told_by_watch(self, rank: int, message: str) -> None:
+        """The watch saw another rank's failure: outside a step nothing else will tell
+        this rank's state (in a step, the step's own failure does)."""
+        if self._step is None:
+            self.report.tell(self._state(None))
 
     def wait(self, timeout: float) -> None:
         """Wait up to ``timeout`` for an arrival or a completion; meanwhile check, every
@@ -236,6 +288,9 @@ class PipelineRuntime:
         and stop the device; free the unfinished microbatches' activations; refuse
         further steps."""
         self._failure = f"a step failed with {type(error).__name__} on pipeline rank {self.rank}"
+        # First the groups a replica may be blocked in with this rank (on gloo this fails
+        # their pending collectives at the peers too).
+        self.job_groups.abort()
         try:
             self.close(failed=True)
         except RuntimeError as e:  # the step's own error is the one to raise
@@ -260,9 +315,24 @@ class PipelineRuntime:
                                          send_timeout=self.stall_timeout)
         finally:
             device_alive = self.device.close(timeout)
-        alive += device_alive
+            watch_alive = self._watch.close(timeout)
+        alive += device_alive + watch_alive
         if alive:
             raise RuntimeError(f"threads still running after close(): {[t.name for t in alive]}")
+
+
+def _with_causes(error: BaseException, most: int = 4) -> str:
+    """``error`` and what caused it (torch wraps a stage's error in one that names the
+    stage), each as its type and first line, the full text of the first."""
+    text = f"{type(error).__name__}: {' '.join(str(error).split())}"
+    cause = error.__cause__ or error.__context__
+    for _ in range(most - 1):
+        if cause is None:
+            break
+        line = next((line.strip() for line in str(cause).splitlines() if line.strip()), "")
+        text += f" <- caused by {type(cause).__name__}: {line}"
+        cause = cause.__cause__ or cause.__context__
+    return text
 
 
 class RuntimeReadout:
@@ -302,6 +372,15 @@ class RuntimeReadout:
     @property
     def launch_depth(self) -> float:
         return self._runtime.launch_depth
+
+    @property
+    def report_folder(self) -> str | None:
+        """Where the job's hang report goes (``ScheduleRRFP``'s ``report_folder``)."""
+        return self._runtime.report.folder
+
+    @report_folder.setter
+    def report_folder(self, folder: str | None) -> None:
+        self._runtime.report.folder = folder
 
     @property
     def last_step_stats(self) -> StepStats | None:

@@ -14,6 +14,7 @@ the hint, and registered custom functions replace an action's compute.
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import math
 from collections.abc import Callable, Mapping
@@ -33,8 +34,10 @@ from rrfp.coordination import COORDINATIONS, CoordinationGroup, refuse_uncovered
 from rrfp.data_parallel import DataParallel
 from rrfp.device import EmulatedDevice, Wakeup
 from rrfp.executor import Reduction, StepInputs
+from rrfp.hang_report import HANG_REPORT_WAIT_S, HangReport
 from rrfp.hints import build_hint, declares_split_backward, Hint, HintSource, infer_layout, Layout
 from rrfp.inputs import microbatch_inputs
+from rrfp.job import agree_on_settings, collective_groups, JobGroups, JobScope
 from rrfp.limit_plan import LimitPlan
 from rrfp.loop import DEFAULT_LAUNCH_DEPTH
 from rrfp.memory import ActivationMeter, DEFAULT_METER_EVERY
@@ -111,6 +114,8 @@ class ScheduleRRFP(TorchRuntimeInterface, RuntimeReadout):
             every step (the meter costs CPU time per saved tensor: docs/memory.md).
         fixed_every: the in-run A/B: every k-th training step (k >= 2; 0: never) runs the
             hint's fixed order, launched without bound as torch's (docs/advisor.md).
+        report_folder: where the job's hang report goes when a step stalls (the run
+            folder; ``None``: the current working directory); docs/failures.md.
     """
 
     def __init__(
@@ -137,16 +142,11 @@ class ScheduleRRFP(TorchRuntimeInterface, RuntimeReadout):
         meter_activations: bool = True,
         meter_every: int = DEFAULT_METER_EVERY,
         fixed_every: int = 0,
+        report_folder: str | None = None,
     ):
         policy = parse_policy(policy)
         depth = parse_launch_depth(launch_depth)
-        # In stage order, whatever order they come in: torch's first-step shape inference
-        # walks the list with blocking receives, so ranks listing their stages in different
-        # orders (e.g. [rank + 2, rank]) would each wait on the other before any check.
-        stages = sorted(stages, key=lambda stage: stage.stage_index) if isinstance(
-            stages, (list, tuple)) else [stages]
-        if not stages:
-            raise ValueError("ScheduleRRFP needs at least one stage")
+        stages = _in_stage_order(stages)
         stall_timeout = parse_stall_timeout(stall_timeout)
         platform = platform_for(stages[0].device)
         _check_arguments(platform, buffer_limit, coordination=coordination,
@@ -178,11 +178,15 @@ class ScheduleRRFP(TorchRuntimeInterface, RuntimeReadout):
         self._coordination_group = coordination_group
         self._set_up_checked = False
         self._finalize_gradients = True
+        job = _joined_job(self._hint, n_microbatches, stall_timeout, buffer_limit=buffer_limit,
+                          policy=policy, coordination=coordination, launch_depth=depth,
+                          variable_shapes=self.variable_shapes, fixed_every=fixed_every)
         twin = (CoordinationGroup(coordination_group, self.stall_timeout)
                 if coordination_group is not None
                 and dist.get_world_size(coordination_group) > 1 else None)
         self._runtime = _wired_runtime(
-            self._hint, self.rank, self._stages, platform, limits,
+            self._hint, self.rank, self._stages, platform, limits, job=job,
+            beside=[*self._data_parallel.groups(), coordination_group], report_folder=report_folder,
             device=device, send_delay=send_delay, variable_shapes=self.variable_shapes,
             coordination=Coordination(coordination, twin),
             metering=Metering(ActivationMeter() if meter_activations else None, meter_every),
@@ -408,19 +412,50 @@ def _refuse_compiled_stages(stages: list[_PipelineStageBase], hint_name: str) ->
         raise IncompatibleStagesError(f"{e}; use a hint without split backward (I/W)") from None
 
 
+def _in_stage_order(stages: _PipelineStageBase | list[_PipelineStageBase]
+                    ) -> list[_PipelineStageBase]:
+    """The stages in stage order, whatever order they come in: torch's first-step shape
+    inference walks the list with blocking receives, so ranks listing their stages in
+    different orders (e.g. [rank + 2, rank]) would each wait on the other before any check."""
+    stages = sorted(stages, key=lambda stage: stage.stage_index) if isinstance(
+        stages, (list, tuple)) else [stages]
+    if not stages:
+        raise ValueError("ScheduleRRFP needs at least one stage")
+    return stages
+
+
+def _joined_job(hint: Hint, n_microbatches: int, stall_timeout: float,
+                **settings: object) -> JobScope:
+    """A new schedule's job scope, once every rank of the job said the same hint (its name
+    and a digest of its orders), microbatches, ``stall_timeout`` and ``settings`` (as
+    given); ``ValueError`` on every rank where they differ."""
+    orders = repr(sorted((rank, [str(a) for a in actions])
+                         for rank, actions in hint.orders.items()))
+    digest = hashlib.sha1(orders.encode()).hexdigest()[:12]
+    job = JobScope.new()
+    agree_on_settings(job, {
+        "hint": f"{hint.name} (orders {digest})", "n_microbatches": str(n_microbatches),
+        "stall_timeout": repr(stall_timeout),
+        **{name: repr(value) for name, value in settings.items()}}, stall_timeout)
+    return job
+
+
 def _wired_runtime(hint: Hint, rank: int, stages: list[_PipelineStageBase], platform: Platform,
-                   limits: LimitPlan, *, device: EmulatedDevice | None,
+                   limits: LimitPlan, *, job: JobScope, beside: list[dist.ProcessGroup | None],
+                   report_folder: str | None, device: EmulatedDevice | None,
                    send_delay: SendDelay | None, variable_shapes: bool,
                    coordination: Coordination, metering: Metering, stall_timeout: float,
                    launch_depth: float, reorder_ahead: bool, fixed_every: int) -> PipelineRuntime:
     """The channels (created and connected now, in one order on every rank of the
-    pipeline), the device and the receive rings, wired into the runtime; logs the set-up."""
+    pipeline), the device and the receive rings, wired into the runtime with the job's
+    groups (``beside``, the coordination twin, the meshes of the stages' DTensor
+    parameters); logs the set-up."""
     wakeup = Wakeup()
     transport = Transport(create_channels(hint, stages[0].group, platform.device,
                                           platform.channel_backend,
                                           header_channels=variable_shapes),
                           wakeup, send_delay=send_delay,
-                          receive_streams=platform.receive_streams())
+                          receive_streams=platform.receive_streams(), job=job)
     device = device if device is not None else platform.step_device()
     local, peaks = hint.stages_on(rank), hint.plan.stage_peaks
     logger.info(
@@ -435,4 +470,8 @@ def _wired_runtime(hint: Hint, rank: int, stages: list[_PipelineStageBase], plat
         device=device, wakeup=wakeup, transport=transport,
         receives=ReceiveRings(variable_shapes, platform), limits=limits,
         coordination=coordination, metering=metering, stall_timeout=stall_timeout,
-        launch_depth=launch_depth, reorder_ahead=bool(reorder_ahead), fixed_every=fixed_every)
+        launch_depth=launch_depth, reorder_ahead=bool(reorder_ahead), fixed_every=fixed_every,
+        job_groups=JobGroups([*collective_groups(s.submod for s in stages), *beside,
+                              coordination.twin.group if coordination.twin else None]),
+        report=HangReport(transport.failures, job.name, report_folder,
+                          min(HANG_REPORT_WAIT_S, stall_timeout)))

@@ -39,6 +39,8 @@ from rrfp.channels import Channel, ChannelMap, concurrently
 from rrfp.device import Wakeup
 from rrfp.errors import PeerFailedError
 from rrfp.failures import FAILURE_POLL_S, FailureBoard
+from rrfp.job import JobScope
+from rrfp.ledger import Ledger
 from rrfp.platform import ReceiveStreams
 
 class Received(NamedTuple):
@@ -57,8 +59,9 @@ SendDelay = Callable[[Edge, int], float]
 class _WaiterThreads:
     """Arrival detection by waiting: a thread per channel calls ``wait()`` in order."""
 
-    def __init__(self, wakeup: Wakeup) -> None:
+    def __init__(self, wakeup: Wakeup, describe: Callable[[Edge], str] = str) -> None:
         self._wakeup = wakeup
+        self._describe = describe
         self._arrived: queue.SimpleQueue = queue.SimpleQueue()
         self._jobs: dict[Edge, queue.SimpleQueue] = {}
         self._threads: list[threading.Thread] = []
@@ -93,8 +96,8 @@ class _WaiterThreads:
             except queue.Empty:
                 return arrived
             if error is not None:
-                raise RuntimeError(f"receive of {arrival.edge} microbatch {arrival.microbatch} "
-                                   "failed") from error
+                raise RuntimeError(f"receive of microbatch {arrival.microbatch} on "
+                                   f"{self._describe(arrival.edge)} failed") from error
             arrived.append(arrival)
 
     def close(self, timeout: float) -> list[threading.Thread]:
@@ -324,10 +327,12 @@ class Transport:
 
     def __init__(self, channels: ChannelMap, wakeup: Wakeup, *,
                  send_delay: SendDelay | None = None,
-                 receive_streams: "ReceiveStreams | None" = None):
+                 receive_streams: "ReceiveStreams | None" = None,
+                 job: JobScope | None = None):
         self.channels = channels
         polled = any(c.backend_name == "nccl" for c in channels.values())
-        self._arrivals = _Polling(wakeup) if polled else _WaiterThreads(wakeup)
+        self._arrivals = _Polling(wakeup) if polled else _WaiterThreads(
+            wakeup, lambda edge: str(channels[edge]))
         self._send_delay = send_delay
         self._sends = _SendCompletion(polled, self._describe_send)
         self._messages_sent = 0
@@ -343,8 +348,12 @@ class Transport:
         self._header_arrivals = _WaiterThreads(wakeup) if headed else None
         self._header_sends = _SendCompletion(False, self._describe_send) if headed else None
         self.receive_streams = receive_streams or ReceiveStreams(None)
-        self.failures = FailureBoard(channels.store, dist.get_rank()
-                                     if dist.is_initialized() else 0, channels.global_ranks)
+        self.failures = FailureBoard(
+            channels.store, dist.get_rank() if dist.is_initialized() else 0,
+            channels.global_ranks, job_store=job.store if job is not None else None,
+            job_ranks=job.ranks if job is not None else ())
+        self.ledger = Ledger()
+        """This step's messages per channel (``Ledger.start_step`` clears it)."""
         self._closed = False
 
     def _describe_send(self, edge: Edge, microbatch: int) -> str:
@@ -360,6 +369,8 @@ class Transport:
         """
         channel = self.channels[edge]
         self.operations += 1
+        if not header:
+            self.ledger.posted(edge, microbatch)
         if header and channel.headers is not None:
             works = [channel.headers.recv(b) for b in buffers]
             self._header_arrivals.watch(edge, microbatch, works, header)
@@ -381,6 +392,8 @@ class Transport:
              header: bool = False) -> None:
         """Send ``tensors`` (``header``: the shape header of the message to follow)."""
         self.operations += 1
+        if not header:
+            self.ledger.sent(edge, microbatch)
         self._messages_sent += len(tensors)
         self._bytes_sent += sum(t.nbytes for t in tensors)
         headers = self.channels[edge].headers
@@ -409,6 +422,9 @@ class Transport:
             arrived = self._arrivals.collect()
             if self._header_arrivals is not None:
                 arrived += self._header_arrivals.collect()
+            for received in arrived:
+                if not received.header:
+                    self.ledger.arrived(received.edge, received.microbatch)
             return arrived
         except RuntimeError as e:
             try:

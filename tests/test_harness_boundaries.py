@@ -1,14 +1,16 @@
 """Harness code stays on its side: the benchmarks import nothing from ``tests/`` (what they
 share with the tests lives in ``rrfp.testing``), the runtime imports nothing of
-``rrfp.testing``, and the modules the local worlds' fork server preloads exist."""
+``rrfp.testing``, the modules the local worlds' fork server preloads exist, and what a
+rank writes by a relative path stays out of the caller's folder."""
 
 from __future__ import annotations
 
 import ast
 import importlib.util
+import os
 from pathlib import Path
 
-from rrfp.testing.worlds import PRELOAD
+from rrfp.testing.worlds import PRELOAD, run_local_world
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -55,3 +57,17 @@ def test_an_import_from_tests_is_found_in_every_spelling(tmp_path):
 def test_every_module_the_fork_server_preloads_exists():
     # The fork server skips a preloaded module that fails to import, silently.
     assert [name for name in PRELOAD if importlib.util.find_spec(name) is None] == []
+
+
+def write_by_relative_path(rank: int, world_size: int) -> str:
+    with open("written-by-a-rank.txt", "w") as f:
+        f.write(str(rank))
+    return os.path.abspath("written-by-a-rank.txt")
+
+
+def test_a_rank_writes_relative_paths_into_its_world_s_own_folder():
+    """As a hang report without a ``report_folder`` does: into the world's temporary
+    folder, gone with the world, never into the folder the tests run from."""
+    (written,) = set(run_local_world(2, write_by_relative_path, timeout=120))
+    assert os.path.dirname(written) != os.getcwd()
+    assert not os.path.exists(written) and not os.path.exists("written-by-a-rank.txt")

@@ -5,7 +5,6 @@ clean close lets the peer finish its step (each world has a hard timeout)."""
 from __future__ import annotations
 
 import copy
-import threading
 import time
 
 import pytest
@@ -19,7 +18,7 @@ from rrfp.testing.chains import (bitwise_equal, build_stages, local_stage_indice
                                  make_batch, make_chain, run_steps, torch_schedule)
 from rrfp.testing.emulation import EmulatedDeviceTime
 from rrfp.testing.nccl_like import use_channels
-from rrfp.testing.probes import error_chain
+from rrfp.testing.probes import error_chain, rrfp_threads
 from rrfp.testing.worlds import run_local_world
 
 
@@ -111,10 +110,6 @@ def test_a_failed_step_under_split_backward_leaves_no_unfinished_microbatch_held
         assert result["held"] == {"forward_states": 0, "backward_state": 0, "dw_runner": 0,
                                   "bwd_cache": 0}, (rank, result)
         assert result["bound"] == 0, (rank, result)
-
-
-def rrfp_threads() -> list[str]:
-    return sorted(t.name for t in threading.enumerate() if t.name.startswith("rrfp-"))
 
 
 def recovers_as_gpipe(chain, snapshot, rank: int, world_size: int, M: int, x, y) -> bool:

@@ -22,6 +22,18 @@ BATCH_PER_MICROBATCH = 2
 loss_fn = torch.nn.functional.mse_loss
 
 
+class MLPBlock(torch.nn.Module):
+    """Linear up, tanh, linear down: the column-/row-parallel pair of a TP transformer."""
+
+    def __init__(self):
+        super().__init__()
+        self.up = torch.nn.Linear(DIM, 2 * DIM)
+        self.down = torch.nn.Linear(2 * DIM, DIM)
+
+    def forward(self, x):
+        return self.down(torch.tanh(self.up(x)))
+
+
 def make_chain(num_stages: int, seed: int = 0) -> list[torch.nn.Module]:
     """One small float64 block per stage; the whole model is their composition."""
     torch.manual_seed(seed)

@@ -3,6 +3,8 @@ recounted from an order; whether forwards ran under saved-tensor hooks; an error
 
 from __future__ import annotations
 
+import threading
+
 import torch
 
 
@@ -51,3 +53,8 @@ def error_chain(error: BaseException | None) -> str:
         lines.append(f"{type(error).__name__}: {error}")
         error = error.__cause__ or error.__context__
     return " <- ".join(lines)
+
+
+def rrfp_threads() -> list[str]:
+    """The names of this process's rrfp threads (each is named ``rrfp-...``), sorted."""
+    return sorted(t.name for t in threading.enumerate() if t.name.startswith("rrfp-"))

@@ -12,7 +12,7 @@ import socket
 import tempfile
 import time
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from typing import Any
 
 import torch
@@ -21,15 +21,19 @@ import torch.multiprocessing as mp
 
 
 def run_local_world(world_size: int, fn: Callable[..., Any], *args: Any, timeout: float = 120.0,
-                    store: str = "file") -> list[Any]:
+                    store: str = "file", may_die: Collection[int] = ()) -> list[Any]:
     """Run ``fn(rank, world_size, *args)`` on every rank; return the per-rank results.
 
     Fails (and kills every rank) if any rank raises or the world runs past ``timeout``.
+    Ranks in ``may_die`` may end without reporting (a test that kills one on purpose):
+    their result is None.
     ``fn`` must be importable (module level, a test module's own function too: each rank
     imports its module by name): ranks are fresh processes forked from a fork server, which
     sees neither the caller's state nor later changes to its environment. ``store``:
     ``"file"`` (a FileStore in a temporary folder) or ``"tcp"`` (a TCPStore on a free
-    local port, as torchrun uses).
+    local port, as torchrun uses). Ranks run in that temporary folder (their working
+    directory), so what a rank writes by a relative path, such as a hang report without a
+    ``report_folder``, goes away with the world instead of landing in the caller's folder.
     """
     ctx = _context()
     with tempfile.TemporaryDirectory() as tmp:
@@ -44,7 +48,7 @@ def run_local_world(world_size: int, fn: Callable[..., Any], *args: Any, timeout
         results: queue.Queue = ctx.Queue()
         procs = [
             ctx.Process(target=_rank_main, daemon=True,
-                        args=(rank, world_size, init_method, results, fn, args))
+                        args=(rank, world_size, init_method, tmp, results, fn, args))
             for rank in range(world_size)
         ]
         for p in procs:
@@ -64,7 +68,10 @@ def run_local_world(world_size: int, fn: Callable[..., Any], *args: Any, timeout
                 except queue.Empty:
                     dead = [r for r, p in enumerate(procs)
                             if r not in outcomes and p.exitcode not in (None, 0)]
-                    if dead:
+                    for r in dead:
+                        if r in may_die:
+                            outcomes[r] = (True, None)
+                    if set(dead) - set(may_die):
                         raise RuntimeError(f"ranks {dead} died without reporting") from None
                     continue
                 outcomes[rank] = (ok, payload)
@@ -91,8 +98,9 @@ def _context():
     return ctx
 
 
-def _rank_main(rank, world_size, init_method, results, fn, args) -> None:
+def _rank_main(rank, world_size, init_method, folder, results, fn, args) -> None:
     try:
+        os.chdir(folder)
         torch.set_num_threads(1)
         dist.init_process_group(
             "gloo", init_method=init_method, rank=rank, world_size=world_size,

@@ -144,8 +144,10 @@ def _variable_shape_step(trainer, schedule: ScheduleRRFP, input_dict, labels,
 
 
 def _log_step_stats(trainer, schedule: ScheduleRRFP) -> None:
-    """Add the pipeline's RRFP stats to each ``metrics_processor.log`` call of ``trainer``."""
+    """Add the pipeline's RRFP stats to each ``metrics_processor.log`` call of ``trainer``;
+    a hang report goes to the job's dump folder."""
     job_config = trainer.job_config
+    schedule.report_folder = job_config.job.dump_folder
     tensorboard = job_config.metrics
     log_step_stats(trainer, schedule, rrfp_settings(job_config),
                    metrics._get_metrics_rank(trainer.parallel_dims, job_config),

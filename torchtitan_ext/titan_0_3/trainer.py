@@ -167,6 +167,7 @@ class RRFPTrainer(Trainer):
         schedule = getattr(self, "pp_schedule", None)
         if isinstance(schedule, ScheduleRRFP):
             config = self.config
+            schedule.report_folder = config.dump_folder  # a hang report goes there
             log_step_stats(self, schedule, config.rrfp,
                            metrics_rank(self.parallel_dims,
                                         config.parallelism.pipeline_parallel_schedule),
