@@ -225,10 +225,12 @@ class StepLoop:
         return sum(c.end - c.start for c in self.completions)
 
     def teach(self, history: History) -> None:
-        """Record this step's device durations and arrivals for the next step's policy."""
+        """Record this step's device durations (with the sizes the history was told to
+        expect) and arrivals for the next step's policy."""
         history.start_step()
-        history.record_durations((c.action.stage_index, c.action.computation_type.value,
-                                  c.end - c.start) for c in self.completions)
+        history.record_step([(c.action.stage_index, c.action.computation_type.value,
+                              c.action.microbatch_index, c.end - c.start)
+                             for c in self.completions])
         for arrival in self.received:
             history.record_arrival(arrival.edge, arrival.microbatch, arrival.at)
 

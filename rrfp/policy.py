@@ -18,6 +18,7 @@ from rrfp.graph import step_graph
 from rrfp.limits import MemoryLimits
 from rrfp.plan import Node
 from rrfp.settings import add_policy_name, POLICIES, policy_names
+from rrfp.sizes import DurationModels, StepSizes, tell_apart
 
 if TYPE_CHECKING:
     from rrfp.actions import _Action, Edge
@@ -95,12 +96,14 @@ class BackwardFirst(HintLed):
 
 @dataclass
 class History:
-    """What earlier steps showed one rank.
+    """What earlier steps showed one rank, and the sizes of the step about to run.
 
     ``durations[(stage, kind)]``: that stage and kind's mean run time (seconds); each
     step's mean weighs one half against what the steps before it showed.
     ``arrivals[(edge, microbatch)]``: the earliest arrival seen, in seconds after the step
-    start (the cautious side for the guard).
+    start (the cautious side for the guard). ``models``: per (stage, kind), duration
+    against microbatch size (``rrfp.sizes``), fitted on the stages this rank ran and
+    adopted from other ranks for theirs.
     """
 
     durations: dict[tuple[int, str], float] = field(default_factory=dict)
@@ -109,7 +112,39 @@ class History:
     """Shortest time seen between a message and the one before it on the same edge."""
     priority_costs: tuple[tuple[str, float], ...] | None = None
     """The per-kind costs (in forwards) the critical policy last ranked actions by."""
+    models: DurationModels = field(default_factory=DurationModels)
+    _sizes: StepSizes | None = None
+    _sizes_tell_apart: bool = False
     _last: dict[Edge, float] = field(default_factory=dict)
+
+    def expect_sizes(self, sizes: StepSizes | None) -> None:
+        """The sizes of the step about to run, one per microbatch (None: not known), from
+        whoever runs it; they hold for that step only (``record_step`` forgets them).
+        Where they tell no two microbatches apart (None, or all alike: a packed batch)
+        the policies decide exactly as without them."""
+        self._sizes = sizes
+        self._sizes_tell_apart = tell_apart(sizes)
+
+    @property
+    def sizes_tell_apart(self) -> bool:
+        """Whether the step about to run has sizes that tell some microbatches apart."""
+        return self._sizes_tell_apart
+
+    def predicted(self, stage: int, kind: str, microbatch: int) -> float | None:
+        """The expected duration of that action of the step about to run, from its
+        microbatch's size (None: no sizes that tell microbatches apart, or no fit of that
+        stage and kind)."""
+        if not self._sizes_tell_apart:
+            return None
+        return self.models.predict(stage, kind, self._sizes[microbatch])  # type: ignore[index]
+
+    def record_step(self, runs: Sequence[tuple[int, str, int, float]]) -> None:
+        """One step's device run times, as (stage, kind, microbatch, seconds): the per-kind
+        means, and with the step's sizes the duration models; then forgets the sizes."""
+        self.record_durations((stage, kind, seconds) for stage, kind, _, seconds in runs)
+        if self._sizes is not None:
+            self.models.record_step(self._sizes, [run for run in runs if run[1] in DEFAULT_COSTS])
+        self.expect_sizes(None)
 
     def start_step(self) -> None:
         self._last.clear()
@@ -187,10 +222,15 @@ class Lookahead(HintLed):
         return None
 
     def duration(self, node: Node) -> float | None:
-        """How long ``node`` is expected to run (None: unknown)."""
+        """How long ``node`` is expected to run (None: unknown): from its microbatch's
+        size where the step's sizes are known, else its stage and kind's mean."""
         if self.history is None:
             return None
-        return self.history.durations.get((node.stage, node.action.computation_type.value))
+        kind = node.action.computation_type.value
+        predicted = self.history.predicted(node.stage, kind, node.microbatch)
+        if predicted is not None:
+            return predicted
+        return self.history.durations.get((node.stage, kind))
 
     def expected_arrival(self, message: tuple[Edge, int], arbiter: ArbiterView) -> float | None:
         """When ``message``, not yet here, is expected (None: unknown)."""
@@ -244,8 +284,10 @@ class CriticalPath:
     stage's streams in hint order; a stage at its memory limit waits for a release before
     its next forward: ``rrfp.graph``), costed per kind (F, B, I, W) by this rank's device
     durations in earlier steps, taken to be alike on every stage (a rank measures only its
-    own). So a forward runs ahead only while the memory it takes will not hold up a
-    backward chain that is longer. Ties go to the input that arrived first, then to the
+    own); where the step's microbatch sizes are known (``History.expect_sizes``), each
+    action on every stage by the duration its size predicts (``rrfp.sizes``; the fits of
+    other ranks' stages shared with this one). So a forward runs ahead only while the
+    memory it takes will not hold up a backward chain that is longer. Ties go to the input that arrived first, then to the
     hint's order. Greedy; ahead of a busy device the step loop launches only the most
     critical action not yet launched.
     """
@@ -289,6 +331,11 @@ class CriticalPath:
     def _tails(self, arbiter: ArbiterView) -> dict[_Action, float]:
         """The longest chain of work behind each action (a new dict whenever it changes)."""
         if self._step_tails is None:
+            sized = _predicted_costs(self.history, arbiter.hint)
+            if sized is not None:
+                self._step_tails = _critical_tails(arbiter.hint, arbiter.memory_limits,
+                                                   tuple(sized.values()), sized.__getitem__)
+                return self._step_tails
             costs = _measured_costs(self.history, arbiter.hint.stages_on(arbiter.rank))
             if costs is None:
                 costs = tuple(sorted(DEFAULT_COSTS.items()))
@@ -301,7 +348,9 @@ class CriticalPath:
                                             for a, b in zip(kept, costs)):
                     costs = kept
                 self.history.priority_costs = costs  # type: ignore[union-attr]
-            self._step_tails = _critical_tails(arbiter.hint, arbiter.memory_limits, costs)
+            per_kind = dict(costs)
+            self._step_tails = _critical_tails(arbiter.hint, arbiter.memory_limits, costs,
+                                               lambda a: per_kind[a.computation_type.value])
         return self._step_tails
 
 
@@ -322,22 +371,53 @@ def _measured_costs(history: History | None,
     return tuple(sorted((kind, round(cost * 4) / 4) for kind, cost in costs.items()))
 
 
+def _predicted_costs(history: History | None, hint: Hint) -> dict[_Action, float] | None:
+    """Per compute action of the step, in forwards (the mean forward of the stages with a
+    fit), the duration its microbatch's size predicts on its stage; for a (stage, kind)
+    without a fit, the mean of that kind's fits on the others (``DEFAULT_COSTS`` where
+    none has one). None where the sizes tell no microbatches apart or no forward has a
+    fit."""
+    if history is None or not history.sizes_tell_apart:
+        return None
+    # In key order, so that every rank holding the same fits adds them up alike.
+    fits = sorted(history.models.fits.items())
+    forwards = [fit.mean for (_, kind), fit in fits if kind == "F"]
+    if not forwards:
+        return None
+    unit = sum(forwards) / len(forwards)
+    by_kind: dict[str, list[float]] = {}
+    for (_, kind), fit in fits:
+        by_kind.setdefault(kind, []).append(fit.mean / unit)
+    fallback = {kind: sum(seen) / len(seen) if (seen := by_kind.get(kind)) else default
+                for kind, default in DEFAULT_COSTS.items()}
+    costs = {}
+    for rank_plan in hint.plan.ranks.values():
+        for n in rank_plan.nodes:
+            if n.kind == "R":
+                continue
+            kind = n.action.computation_type.value
+            predicted = history.predicted(n.stage, kind, n.microbatch)
+            costs[n.action] = fallback[kind] if predicted is None else predicted / unit
+    return costs
+
+
 _TAILS: dict[tuple, tuple[Hint, MemoryLimits | None, dict[_Action, float]]] = {}
 """Longest chains behind each action, shared by the ranks of one process (the simulator)
 and across steps; keeps its hint and limits so that their ids stay theirs. Only a cache:
 what it holds never changes a result."""
 
 
-def _critical_tails(hint: Hint, limits: MemoryLimits | None,
-                    costs: tuple[tuple[str, float], ...]) -> dict[_Action, float]:
+def _critical_tails(hint: Hint, limits: MemoryLimits | None, costs: tuple,
+                    cost: Callable[[_Action], float]) -> dict[_Action, float]:
+    """The chains behind each action of ``hint``'s step, each action costing ``cost``;
+    ``costs`` says what ``cost`` is (two calls with equal ``costs`` share the answer)."""
     key = (id(hint), id(limits), costs)
     hit = _TAILS.get(key)
     if hit is None:
         if len(_TAILS) >= 16:
             _TAILS.clear()
-        cost = dict(costs)
         graph = step_graph(hint, limits=limits, stream_order=True)
-        _, tails = graph.longest_path(lambda a: cost[a.computation_type.value])
+        _, tails = graph.longest_path(cost)
         _TAILS[key] = hit = (hint, limits, tails)
     return hit[2]
 
