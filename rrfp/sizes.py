@@ -74,7 +74,7 @@ class DurationFit:
     and the mean of the durations it was fitted on (for a microbatch without a size)."""
 
     mean: float
-    intercept: float = 0.0
+    intercept: float
     slopes: tuple[float, float, float] = (0.0, 0.0, 0.0)
 
     def predict(self, size: MicrobatchSize | None) -> float:
@@ -94,7 +94,7 @@ def fit_durations(samples: Sequence[tuple[MicrobatchSize | None, float]]) -> Dur
     mean = sum(seconds for _, seconds in samples) / len(samples)
     sized = [(size.features, seconds) for size, seconds in samples if size is not None]
     if not sized:
-        return DurationFit(mean)
+        return DurationFit(mean, intercept=mean)
     columns = [[1.0] * len(sized)] + [[features[j] for features, _ in sized]
                                       for j in range(3)]
     solution = _least_squares(columns, [seconds for _, seconds in sized])
