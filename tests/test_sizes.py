@@ -226,3 +226,17 @@ def test_knowing_sizes_gains_where_costs_follow_them():
         return statistics.mean(compare(hint, "multimodal-unpacked", seed, limit="hint+2",
                                        sizes_known=sizes_known).speedup for seed in range(3))
     assert mean_speedup(True) > mean_speedup(False) + 0.005
+
+
+def test_the_simulator_cli_tells_the_ranks_sizes_when_asked(capsys):
+    from rrfp.sim.__main__ import main
+
+    argv = ["--pp", "4", "--microbatches", "16", "--workload", "multimodal-unpacked",
+            "--limit", "hint+2", "--seeds", "1"]
+
+    def rrfp_makespan(extra: list[str]) -> str:
+        main(argv + extra)
+        out = capsys.readouterr().out
+        assert ("sizes known" in out) == bool(extra)
+        return out.splitlines()[2].split()[2]
+    assert rrfp_makespan(["--sizes-known"]) != rrfp_makespan([])
