@@ -31,7 +31,7 @@ from typing import Protocol
 from rrfp.actions import _Action, describe, Edge
 from rrfp.arbiter import Arbiter
 from rrfp.errors import PipelineStallError
-from rrfp.policy import History
+from rrfp.history import History
 
 
 DEFAULT_LAUNCH_DEPTH = 2

@@ -9,7 +9,6 @@ import statistics
 
 import pytest
 
-from rrfp.actions import F
 from rrfp.hints import build_hint
 from rrfp.limits import resolve_buffer_limits
 from rrfp.sizes import DurationFit, DurationModels, fit_durations, MicrobatchSize

@@ -20,7 +20,8 @@ from rrfp.arbiter import Arbiter
 from rrfp.hints import Hint
 from rrfp.limits import MemoryLimits
 from rrfp.loop import Arrival, Completion, DEFAULT_LAUNCH_DEPTH, StepLoop
-from rrfp.policy import History, make_policy, Policy, POLICIES
+from rrfp.history import History
+from rrfp.policy import make_policy, Policy, POLICIES
 from rrfp.sim.foresight import (
     ClairvoyantFit, EstimatedChains, EstimatedCritical, FORESIGHT_CRITICAL, foresight_chains,
     INFORMED_CRITICAL, informed_chains, InformedFit, median_transit, Transit)
