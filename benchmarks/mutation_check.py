@@ -138,6 +138,25 @@ MUTATIONS = [
         "self._n_microbatches if self.scale_grads else 1.0000001)",
         ("tests/test_torchtitan.py::test_rrfp_trains_exactly_as_the_fixed_schedule"
          "|pp-1f1b",)),
+    Mutation(
+        "critical_ignores_sizes", "critical costs each action by the duration its "
+        "microbatch's size predicts, on every stage", "rrfp/policy.py",
+        "    if history is None or not history.sizes_tell_apart:", "    if True:",
+        ("tests/test_sizes.py::test_critical_ranks_by_the_sizes_of_the_step_on_every_stage",
+         "tests/test_sizes.py::test_knowing_sizes_gains_where_costs_follow_them")),
+    Mutation(
+        "size_fits_not_shared", "every rank predicts every stage from the fits the ranks "
+        "share (simulator)", "rrfp/sim/engine.py",
+        "        _share_fits(learned.values())", "        pass",
+        ("tests/test_sizes.py::test_the_simulated_policy_is_told_sizes_and_predicts_from_"
+         "earlier_steps_only",)),
+    Mutation(
+        "packed_sizes_change_decisions", "a step whose sizes are all alike is decided as "
+        "without sizes", "rrfp/history.py",
+        "self._sizes_tell_apart = tell_apart(sizes)",
+        "self._sizes_tell_apart = sizes is not None",
+        ("tests/test_sizes.py::test_without_sizes_that_tell_microbatches_apart_decisions_are_"
+         "as_without_sizes",)),
 ]
 
 
