@@ -4,11 +4,11 @@
 
 **Measured, emulated device time** (``rrfp.device.EmulatedDevice``: launches return at
 once, a worker thread sleeps each action's time): 1F1B on 4 gloo ranks x 16 microbatches,
-one stage per rank saving 2 / 4 / 2 / 2 KiB per microbatch (``tests/budget_workers.py``:
-stage 1 twice as wide, so its rank is the busiest in bytes while rank 0 is in
-microbatches), every action 20 ms and one in five 4x longer (long enough for the sleeps
-to stand out of a loaded machine's scheduling delays), drawn per (stage, step,
-microbatch, kind) so every run sees the same times. Per seed: ScheduleRRFP with
+one stage per rank saving 2 / 4 / 2 / 2 KiB per microbatch
+(``rrfp/testing/byte_limits_world.py``: stage 1 twice as wide, so its rank is the busiest
+in bytes while rank 0 is in microbatches), every action 20 ms and one in five 4x longer
+(long enough for the sleeps to stand out of a loaded machine's scheduling delays), drawn
+per (stage, step, microbatch, kind) so every run sees the same times. Per seed: ScheduleRRFP with
 ``policy="fixed"`` at ``"hint"`` (torch's 1F1B order on the same emulated device: the
 baseline; torch's own Schedule1F1B runs the same work synchronously, so its wall clock is
 not comparable), the default policy at ``"hint"`` (the control: the same memory as the
@@ -25,8 +25,8 @@ import statistics
 import time
 
 from benchmarks.pages import write_page
-from rrfp.local import run_local_world
-from tests import budget_workers
+from rrfp.testing.byte_limits_world import byte_limits_world
+from rrfp.testing.worlds import run_local_world
 
 RUNS = [("hint", "fixed"), ("hint", None), ("busiest", None), ("busiest", "hint")]
 STEPS = 6
@@ -47,7 +47,7 @@ def main() -> None:
         "|---|---|---|---|---|---|",
     ]
     for seed in range(3):
-        ranks = run_local_world(4, budget_workers.byte_limits_world, RUNS, STEPS, seed, BASE_S,
+        ranks = run_local_world(4, byte_limits_world, RUNS, STEPS, seed, BASE_S,
                                 timeout=600)
         fixed_bytes = " / ".join(f"{r['fixed_bytes'] / KiB:.0f}" for r in ranks)
 

@@ -23,8 +23,8 @@ import torch.distributed as dist
 
 from benchmarks.pages import write_page
 from rrfp.hints import build_hint
-from rrfp.local import run_local_world
 from rrfp.channels import create_channels
+from rrfp.testing.worlds import run_local_world
 
 
 

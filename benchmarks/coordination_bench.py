@@ -44,10 +44,10 @@ import rrfp.runtime
 from rrfp import ScheduleRRFP
 from rrfp.arbiter import Arbiter
 from rrfp.coordination import make_coordinator
-from rrfp.emulation import EmulatedDeviceTime
 from rrfp.hints import build_hint
-from rrfp.local import run_local_world
 from rrfp.policy import make_policy
+from rrfp.testing.emulation import EmulatedDeviceTime
+from rrfp.testing.worlds import run_local_world
 
 M, STEPS, UNIT = 8, 6, 0.01
 ACTION_S, PER_ACTION_MICROBATCHES, REPEATS = 0.001, 32, 3
@@ -126,7 +126,7 @@ def _tp_stages(mesh, pp: int, jitter):
 
 def _ep_stages(mesh, pp: int, jitter):
     from torch.distributed.pipelining import PipelineStage
-    from tests.ep_workers import make_moe_block, shard_experts
+    from rrfp.testing.moe import make_moe_block, shard_experts
 
     built = []
     for s in (pp, pp + 2):
@@ -141,7 +141,7 @@ def _per_step(rank: int, world_size: int, parallel: str, commit: str) -> dict:
     from torch.distributed.pipelining.schedules import ScheduleInterleaved1F1B
 
     if parallel == "ep":
-        from tests.ep_workers import make_batch, use_cpu_moe_paths
+        from rrfp.testing.moe import make_batch, use_cpu_moe_paths
 
         use_cpu_moe_paths()
     # The intra-stage dimension is named "tp" for both; for EP it carries the experts.

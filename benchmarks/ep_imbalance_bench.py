@@ -43,9 +43,9 @@ from benchmarks.pages import result_path, write_page
 from rrfp import ScheduleRRFP, write_chrome_trace
 from rrfp.device import EmulatedDevice
 from rrfp.hints import build_hint
-from rrfp.local import run_local_world
 from rrfp.sim.replay import resample, timing_from_trace
 from rrfp.sim.study import compare
+from rrfp.testing.worlds import run_local_world
 
 PP, EP = 2, 2
 DIM, EXPERTS, DOMAINS = 32, 4, 4
@@ -110,7 +110,7 @@ class RoutedMoEBlock(torch.nn.Module):
     """``x + gate_weight * expert(x)``, top-1, experts sharded over the EP group.
 
     Emulated device time: forward sleeps ``dense_s`` plus ``per_token_s`` per token this
-    rank's experts receive; backward twice that (not ``rrfp.emulation.EmulatedDeviceTime``,
+    rank's experts receive; backward twice that (not ``rrfp.testing.emulation.EmulatedDeviceTime``,
     whose times per microbatch are known ahead: here the routing decides them inside the
     forward). Records, per forward, the busiest EP rank's tokens over the mean
     (``imbalance``)."""

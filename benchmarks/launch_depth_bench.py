@@ -43,11 +43,12 @@ from torch.distributed.pipelining._utils import generate_stage_to_rank_mapping
 from benchmarks.pages import write_page
 from rrfp import ScheduleRRFP
 from rrfp.device import EmulatedDevice
-from rrfp.emulation import EmulatedDeviceTime
 from rrfp.hints import build_hint
-from rrfp.local import run_local_world
 from rrfp.sim.study import compare
 from rrfp.sim.workloads import make_timing, Timing
+from rrfp.testing.ab import in_alternating_order
+from rrfp.testing.emulation import EmulatedDeviceTime
+from rrfp.testing.worlds import run_local_world
 
 DIM = 16
 COSTS = (0.0, 0.05, 0.2)
@@ -109,8 +110,7 @@ def _rank_main(rank: int, world_size: int, config: Config) -> dict:
                                        device=EmulatedDevice(launch_cost=cost * unit)), st)
         for pair in range(config.pairs + 1):  # pair 0 warms up (shape inference, history)
             current["timing"] = _timing(config, pair)
-            order = list(runs) if pair % 2 else list(reversed(runs))
-            for name in order:
+            for name in in_alternating_order(list(runs), pair - 1):  # the first measured in order
                 schedule, st = runs[name]
                 for stage in st:
                     stage.submod.reset()

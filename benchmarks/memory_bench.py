@@ -29,8 +29,8 @@ from torch.distributed.pipelining.schedules import get_schedule_class, PipelineS
 
 from benchmarks.pages import write_page
 from rrfp import ScheduleRRFP
-from rrfp.local import run_local_world
 from rrfp.memory import ActivationMeter, MeteredModule
+from rrfp.testing.worlds import run_local_world
 
 DIM, ROWS = 256, 32
 

@@ -15,6 +15,7 @@ pytest run (it runs pytest itself, once per mutation).
 from __future__ import annotations
 
 import argparse
+import ast
 import os
 import re
 import shutil
@@ -44,13 +45,15 @@ MUTATIONS = [
         "rrfp/limit_plan.py",
         "first_step_limits(self.setting, hint,",
         "first_step_limits(\"hint+2\" if self.setting.spec == \"hint\" else self.setting, hint,",
-        ("tests/test_runtime.py::test_measured_activation_bytes_stay_within_what_the_limit_allows",)),
+        ("tests/test_memory_limits.py::test_measured_activation_bytes_stay_within_what_the_limit_"
+         "allows",)),
     Mutation(
         "rings_at_microbatch_count", "receive buffers grow with the limit, not the microbatches",
         "rrfp/receives.py",
         "size = limits[edge.dst] + 1 if edge.is_forward else limits[edge.dst]",
         "size = len(order)",
-        ("tests/test_runtime.py::test_receive_buffers_grow_with_the_limit_not_the_microbatch_count",)),
+        ("tests/test_memory_limits.py::test_receive_buffers_grow_with_the_limit_not_the_"
+         "microbatch_count",)),
     Mutation(
         "launch_depth_check_removed", "the rank decides when fewer than launch_depth actions "
         "are incomplete", "rrfp/loop.py",
@@ -71,7 +74,7 @@ MUTATIONS = [
          "without_recompiling",
          "tests/test_composability.py::test_pipeline_x_tensor_parallel_coordinates_the_tp_ranks"
          "|leader and Interleaved1F1B",
-         "tests/test_runtime.py::test_microbatches_of_different_shapes")),
+         "tests/test_variable_shapes.py::test_microbatches_of_different_shapes")),
     Mutation(
         "arbiter_held_off_by_one", "the simulator keeps every rank within its memory limit "
         "(the arbiter's rank count one low)", "rrfp/arbiter.py",
@@ -91,14 +94,14 @@ MUTATIONS = [
     Mutation(
         "header_of_88_bytes", "a variable-shape header is 80 bytes for one tensor",
         "rrfp/receives.py", "HEADER_DIMS = 8\n", "HEADER_DIMS = 9\n",
-        ("tests/test_runtime.py::test_fixed_shapes_send_no_header_and_variable_shapes_one_per_"
-         "activation",)),
+        ("tests/test_variable_shapes.py::test_fixed_shapes_send_no_header_and_variable_shapes_"
+         "one_per_activation",)),
     Mutation(
         "bytes_sent_counts_elements", "the stats count the bytes sent",
         "rrfp/transport.py", "self._bytes_sent += sum(t.nbytes for t in tensors)",
         "self._bytes_sent += sum(t.numel() for t in tensors)",
-        ("tests/test_runtime.py::test_fixed_shapes_send_no_header_and_variable_shapes_one_per_"
-         "activation",)),
+        ("tests/test_variable_shapes.py::test_fixed_shapes_send_no_header_and_variable_shapes_"
+         "one_per_activation",)),
     Mutation(
         "ddp_one_bucket", "DDP gradients are reduced in buckets of at most bucket_bytes_cap",
         "rrfp/data_parallel.py",
@@ -162,9 +165,13 @@ MUTATIONS = [
 
 def target_problems(mutations: list[Mutation] = MUTATIONS, root: str = ROOT) -> list[str]:
     """Why each mutation could not be applied to ``root`` as it stands: its file missing, or
-    its text not there exactly once (the code moved on: update the mutation)."""
+    its text not there exactly once (the code moved on: update the mutation); or why its
+    tests could not run: a test file, or a test function, that is not there (the tests
+    moved on: update the selection)."""
     problems = []
     for mutation in mutations:
+        problems += [f"{mutation.name}: {problem}" for item in mutation.tests
+                     if (problem := _selection_problem(root, item))]
         path = os.path.join(root, mutation.path)
         if not os.path.isfile(path):
             problems.append(f"{mutation.name}: {mutation.path} does not exist")
@@ -175,6 +182,20 @@ def target_problems(mutations: list[Mutation] = MUTATIONS, root: str = ROOT) -> 
             problems.append(f"{mutation.name}: the text to mutate occurs {count} times in "
                             f"{mutation.path} (expected once)")
     return problems
+
+
+def _selection_problem(root: str, item: str) -> str | None:
+    """What is missing for ``item`` (``file``, or ``file::test`` with ``|-k expression``)."""
+    path, _, test = item.partition("|")[0].partition("::")
+    if not os.path.isfile(os.path.join(root, path)):
+        return f"the test file {path} does not exist"
+    function = test.split("[")[0]
+    with open(os.path.join(root, path)) as f:
+        defined = {node.name for node in ast.parse(f.read()).body
+                   if isinstance(node, ast.FunctionDef)}
+    if function and function not in defined:
+        return f"{path} has no test {function}"
+    return None
 
 
 def _copy_tree(dest: str) -> None:

@@ -38,6 +38,7 @@ import sys
 import time
 
 from benchmarks.pages import write_page
+from rrfp.testing.ab import in_alternating_order
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CONFIG = "train_configs/llama3_debug_cpu.toml"
@@ -96,7 +97,7 @@ def main(argv: list[str] | None = None) -> None:
             runs = [(ours, ()), (ours, BUSIEST), (theirs, ())] if args.busiest else [
                 (ours, ()), (theirs, ())]
             measured = {}
-            for schedule, extra in runs if round_ % 2 == 0 else runs[::-1]:
+            for schedule, extra in in_alternating_order(runs, round_):
                 load = os.getloadavg()[0]
                 name = label(schedule, extra)
                 measured[name] = (median_tps(run(schedule, extra)), load)

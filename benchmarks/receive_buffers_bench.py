@@ -32,7 +32,7 @@ from torch.distributed.pipelining.schedules import get_schedule_class, PipelineS
 from benchmarks.pages import write_page
 from rrfp import ScheduleRRFP
 from rrfp._torch_compat import TORCH_VERSION
-from rrfp.local import run_local_world
+from rrfp.testing.worlds import run_local_world
 
 DIM, ROWS = 256, 16
 """Activations of ROWS x DIM float64 values (32 KiB) per microbatch."""

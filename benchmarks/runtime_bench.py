@@ -28,11 +28,11 @@ from torch.distributed.pipelining import PipelineStage
 from benchmarks.pages import result_path, write_page
 from rrfp import ScheduleRRFP
 from rrfp.device import EmulatedDevice
-from rrfp.emulation import EmulatedDeviceTime
 from rrfp.hints import build_hint
-from rrfp.local import run_local_world
 from rrfp.sim.study import compare
 from rrfp.sim.workloads import make_timing, Timing
+from rrfp.testing.emulation import EmulatedDeviceTime
+from rrfp.testing.worlds import run_local_world
 
 DIM = 16
 

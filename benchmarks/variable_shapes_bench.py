@@ -50,11 +50,12 @@ from benchmarks.pages import write_page
 from rrfp import ScheduleRRFP
 from rrfp.limits import resolve_buffer_limits
 from rrfp.hints import build_hint
-from rrfp.local import run_local_world
 from rrfp.memory import ActivationMeter, MeteredModule
 from rrfp.receives import HEADER_DIMS, shape_header
 from rrfp.sim.engine import simulate
 from rrfp.sim.workloads import Timing
+from rrfp.testing.ab import in_alternating_order
+from rrfp.testing.worlds import run_local_world
 from torchtitan_ext.common.assets import TOKENIZER_DIR
 from torchtitan_ext.common.data import DocumentDataset, MAX_PATCHES, split_by_content
 from torchtitan_ext.common.version import torchtitan_version
@@ -196,8 +197,7 @@ def _rank_main(rank: int, world: int, multimodal: bool, rounds: int) -> dict:
     stats = None
     for round_ in range(rounds + 1):  # round 0 warms up (shape inference, history)
         inputs, labels, extra = batches[round_]
-        order = VARIANTS if round_ % 2 else tuple(reversed(VARIANTS))
-        for variant in order:
+        for variant in in_alternating_order(VARIANTS, round_ - 1):  # the first measured in order
             schedule, stages, meter = runs[variant]
             padded = variant == "padded torch"
             mbs = split_by_content(inputs, labels, extra, MICROBATCHES,

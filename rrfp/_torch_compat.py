@@ -42,6 +42,11 @@ the versions it supports, and how rrfp reads the same on each:
 * **Gradient reduction.** 2.15's ``perform_reduce_grad`` reduces FSDP gradients through
   ``finalize_backward(async_op=True)`` and waits for it; rrfp calls it at ``REDUCE_GRAD``
   on every version, so the reduction still completes within that action.
+* **Input checks.** A stage checks its inputs' shapes and dtypes only at
+  ``TORCH_DISTRIBUTED_DEBUG=DETAIL`` (``_runtime_validate``), on every supported version,
+  inside its forward; ``check_first_stage_inputs`` runs that check on a first stage's
+  microbatches before the step communicates, so a wrong input raises torch's
+  ``PipeliningShapeError`` while the schedule can still run further steps.
 * **Pre-split microbatches** (``step(arg_mbs=..., kwarg_mbs=..., target_mbs=...)``)
   exist in torch's schedules from 2.14; ``ScheduleRRFP.step`` implements that contract
   itself, so the call works on 2.13 too.
@@ -61,8 +66,9 @@ TORCH_VERSION: tuple[int, int] = tuple(int(p) for p in torch.__version__.split("
 SUPPORTED = ((2, 13), (2, 16))
 """The supported range: from the first inclusive to the second exclusive."""
 
-_REDUCTION_WAITS = frozenset(
+REDUCTION_WAITS = frozenset(
     _ComputationType[name] for name in ("WAIT_REDUCE_GRAD",) if name in _ComputationType.__members__)
+"""The actions that wait for a gradient reduction (2.15's ``WAIT_REDUCE_GRAD``)."""
 
 
 def check_supported() -> None:
@@ -82,14 +88,14 @@ def is_bookkeeping(action: _Action) -> bool:
     """Whether ``action`` is a gradient-reduction action torch adds to compute orders
     (``REDUCE_GRAD``, and 2.15's ``WAIT_REDUCE_GRAD``), which rrfp re-derives itself."""
     return action.computation_type == _ComputationType.REDUCE_GRAD or (
-        action.computation_type in _REDUCTION_WAITS)
+        action.computation_type in REDUCTION_WAITS)
 
 
 def add_reduce_grad(actions: list[_Action], n_microbatches: int) -> list[_Action]:
     """torch's placement of ``REDUCE_GRAD`` after each stage's last backward piece,
     without the waits 2.15 adds (rrfp's reduction completes within the action)."""
     placed = _add_reduce_grad(list(actions), n_microbatches)  # type: ignore[arg-type]
-    return [a for a in placed if a is not None and a.computation_type not in _REDUCTION_WAITS]
+    return [a for a in placed if a is not None and a.computation_type not in REDUCTION_WAITS]
 
 
 def bind_receive(info, buffer: torch.Tensor) -> None:
@@ -127,3 +133,14 @@ def clear_after_failure(stage: _PipelineStageBase) -> None:
         for info in infos:
             if not info.is_root_arg:
                 unbind_receive(info)
+
+
+def check_first_stage_inputs(stage: _PipelineStageBase, arg_mbs: list[tuple]) -> None:
+    """Raise torch's ``PipeliningShapeError`` for the first microbatch whose inputs the first
+    stage ``stage`` would refuse in its forward (only where it checks them: at
+    ``TORCH_DISTRIBUTED_DEBUG=DETAIL``), with the stage's own message."""
+    if not stage._runtime_validate:
+        return
+    for args in arg_mbs:
+        stage._validate_stage_tensors(f"Stage {stage.stage_index} forward inputs",
+                                      stage._stage_meta.inputs, args)

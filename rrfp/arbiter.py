@@ -122,6 +122,7 @@ class Arbiter:
         self.nodes: Sequence[Node] = self.plan.nodes
         self._streams = self.plan.streams
         self._stream_ids = self.plan.stream_ids
+        self._index_of = self.plan.index_of
         self._heads = [0] * len(self._streams)
         self._done = [False] * len(self.nodes)
         self._arrived: set[tuple[Edge, int]] = set()
@@ -323,7 +324,10 @@ class Arbiter:
         return list(self._node_of(action).sends)
 
     def _node_of(self, action: _Action) -> Node:
-        return self.plan.node(action)
+        try:
+            return self.nodes[self._index_of[action]]
+        except KeyError:
+            raise KeyError(f"{action} is not in rank {self.rank}'s hint") from None
 
 
 class OwnOrder:

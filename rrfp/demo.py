@@ -22,10 +22,10 @@ from torch.distributed.pipelining._utils import generate_stage_to_rank_mapping
 from torch.distributed.pipelining.schedules import get_schedule_class, PipelineScheduleSingle
 
 from rrfp import ScheduleRRFP, write_chrome_trace
-from rrfp.emulation import EmulatedDeviceTime
 from rrfp.hints import build_hint, infer_layout, rule_reference
-from rrfp.local import run_local_world
 from rrfp.settings import BUFFER_LIMIT_HELP
+from rrfp.testing.emulation import EmulatedDeviceTime
+from rrfp.testing.worlds import run_local_world
 
 DIM = 64
 

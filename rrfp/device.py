@@ -7,7 +7,7 @@
 * ``EmulatedDevice``: an asynchronous device for CPU tests and studies. A launch returns at
   once (after an optional emulated launch cost, spent on the calling thread); a device
   thread runs launched work in order and completes it, as a CUDA stream would. Combined
-  with ``rrfp.emulation.EmulatedDeviceTime`` (stage compute that sleeps for a chosen time)
+  with ``rrfp.testing.emulation.EmulatedDeviceTime`` (stage compute that sleeps for a chosen time)
   it makes schedules measurable on a CPU machine. Figures obtained with it are *emulated*.
 
 All report ``Completion`` s with device start and end times in seconds from the step start:

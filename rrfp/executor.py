@@ -3,13 +3,14 @@
 The step loop (``rrfp.loop``) decides which action runs and launches the executor's work
 for it on the device; the executor knows the stages, not the schedule: everything it
 uses is handed to it (the step's inputs, the transport, the receive rings, the meter, the
-data-parallel reduction).
+data-parallel reduction, and the custom functions registered as on torch's runtime, which
+replace an action's compute: ``rrfp.torch_interface``).
 """
 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -24,6 +25,7 @@ from rrfp.data_parallel import DataParallel
 from rrfp.memory import ActivationMeter
 from rrfp.platform import Platform
 from rrfp.receives import ReceiveRings, shape_header
+from rrfp.torch_interface import CustomFunctions
 from rrfp.transport import Transport
 
 LossFn = Callable[[Any, Any, dict[str, Any] | None], torch.Tensor]
@@ -64,6 +66,7 @@ class StageExecutor:
     transport: Transport
     receives: ReceiveRings
     platform: Platform
+    custom: CustomFunctions
     clock: Callable[[], float]
     meter: ActivationMeter | None = None
     """The byte meter while this step is metered."""
@@ -86,8 +89,15 @@ class StageExecutor:
     def compute(self, action: _Action) -> None:
         ctype = action.computation_type
         profiled = torch.autograd.profiler._is_profiler_enabled
+        function = self.custom.function_for(action)
         with (record_function(_get_profiler_function_name(action)) if profiled
               else contextlib.nullcontext()):
+            if function is not None:
+                with self._metered(action):
+                    loss = self.custom.run(function, action, self.stages)
+                if loss is not None:
+                    self.losses[action.microbatch_index] = loss
+                return
             if ctype == F:
                 self._forward(action)
             elif ctype in (B, I):
@@ -102,16 +112,29 @@ class StageExecutor:
                                                divide_by=reduction.divide_by)
             else:
                 raise AssertionError(f"unexpected action {action}")
+            last_forward = ctype == F and self.stages[action.stage_index].is_last
+            self.custom.record(action, self.losses.get(action.microbatch_index)
+                               if last_forward else None)
+
+    @contextlib.contextmanager
+    def _metered(self, action: _Action) -> Iterator[None]:
+        """Around a forward of a metered step: the bytes it saves for backward."""
+        meter = self.meter
+        if action.computation_type != F or meter is None:
+            yield
+            return
+        with meter.saving() as saved:
+            yield
+        meter.sample()
+        s = action.stage_index
+        self.saved_per_microbatch[s] = max(self.saved_per_microbatch.get(s, 0), saved.bytes)
 
     def _forward(self, action: _Action) -> None:
         s, mb = action.stage_index, action.microbatch_index
-        stage, inputs, meter = self.stages[s], self.inputs, self.meter
-        with meter.saving() if meter is not None else contextlib.nullcontext() as saved:
+        stage, inputs = self.stages[s], self.inputs
+        with self._metered(action):
             output = stage.forward_one_chunk(mb, inputs.arg_mbs[mb], inputs.kwarg_mbs[mb],
                                              save_forward_output=inputs.return_outputs)
-        if meter is not None:
-            meter.sample()
-            self.saved_per_microbatch[s] = max(self.saved_per_microbatch.get(s, 0), saved.bytes)
         if stage.is_last and self.loss is not None:
             self.losses[mb] = self.loss(output, inputs.target_mbs[mb], inputs.loss_kwargs)
         if s + 1 in self.stages:

@@ -29,12 +29,16 @@ from typing import Literal, Union
 
 from torch.distributed.pipelining._utils import generate_stage_to_rank_mapping
 from torch.distributed.pipelining.schedules import (
+    _add_send_recv,
     _PipelineSchedule,
+    _ScheduleForwardOnly,
     _validate_schedule,
     get_schedule_class,
     PipelineScheduleMulti,
     PipelineScheduleSingle,
     Schedule1F1B,
+    ScheduleDualPipeV,
+    ScheduleGPipe,
     ScheduleInterleaved1F1B,
     ScheduleInterleavedZeroBubble,
     ScheduleZBVZeroBubble,
@@ -126,6 +130,13 @@ class Hint:
         """What one step of this hint means (``rrfp.plan.lower``), derived on first use."""
         return lower(self)
 
+    def with_communication(self) -> dict[int, list[_Action]]:
+        """Per rank, the hint's order with the sends and receives torch's lowering adds
+        (what torch's runtime would run for it; RRFP derives its communication itself)."""
+        return _add_send_recv({r: list(acts) for r, acts in self.orders.items()},
+                              stage_to_rank=lambda s: self.stage_to_rank[s],
+                              num_stages=self.num_stages)
+
     def format(self) -> str:
         return "\n".join(
             f"rank {r}: " + " ".join(str(a) for a in self.orders[r])
@@ -154,20 +165,18 @@ def build_hint(
     num_stages: int,
     n_microbatches: int,
     layout: Layout = "loop",
+    given_name: str | None = None,
 ) -> Hint:
     """Build and validate a hint.
 
     ``layout`` is the stage placement of the pipeline; it only chooses the reference
     schedule of the ``"BF"``/``"BFW"`` rules (other sources fix their own placement).
+    ``given_name``: what logs and errors call the hint (default: after its source).
     Raises ``ValueError`` saying what to change when the source is unknown, malformed, or
     does not fit the pipeline.
     """
     if n_microbatches < 1:
         raise ValueError(f"n_microbatches must be >= 1, got {n_microbatches}")
-    if num_stages % num_ranks != 0:
-        raise ValueError(
-            f"{num_stages} stages do not divide evenly over {num_ranks} pipeline ranks"
-        )
     shape = dict(num_ranks=num_ranks, num_stages=num_stages, n_microbatches=n_microbatches)
     policy: Policy = "hint"
     if isinstance(source, str) and source.upper() in RULE_NAMES:
@@ -191,7 +200,7 @@ def build_hint(
         orders = _parse_orders(source)
     elif isinstance(source, (str, os.PathLike)) and os.path.isfile(source):
         name = os.path.basename(os.fspath(source))
-        orders = _read_csv(source)
+        orders = read_csv(source)
     elif isinstance(source, os.PathLike) or (
             isinstance(source, str) and (source.lower().endswith(".csv") or os.sep in source)):
         raise ValueError(f"hint file {os.fspath(source)!r} not found: give the path to a CSV "
@@ -202,7 +211,22 @@ def build_hint(
             "(case-insensitive), a path to a CSV file in torch's compute-only format, "
             "a torch schedule class, or a {rank: [_Action | None, ...]} dict"
         )
-    return _validated(name, policy, orders, **shape)
+    return _validated(given_name or name, policy, orders, **shape)
+
+
+SPLIT_BACKWARD_SCHEDULES = (ScheduleInterleavedZeroBubble, ScheduleZBVZeroBubble,
+                            ScheduleDualPipeV)
+"""torch's schedules with split backward (I and W), which refuse compiled stages first."""
+
+
+def declares_split_backward(source: HintSource) -> bool:
+    """Whether ``source`` names a rule or torch schedule that splits backward (I/W), before
+    the hint is built (a CSV or dict shows it only once built: ``Hint.has_split_backward``)."""
+    if isinstance(source, str) and source.upper() == "BFW":
+        return True
+    if isinstance(source, str) and source.lower() in {n.lower() for n in TORCH_SCHEDULE_NAMES}:
+        source = get_schedule_class(source)
+    return isinstance(source, type) and issubclass(source, SPLIT_BACKWARD_SCHEDULES)
 
 
 def _validated(
@@ -303,6 +327,13 @@ def _torch_schedule_orders(
 ) -> dict[int, list[_Action | None]]:
     """Per-rank compute order of a torch schedule class, without any process group."""
     name = schedule_class.__name__.removeprefix("Schedule")
+    if num_stages % num_ranks != 0 and schedule_class.__module__ == _PipelineSchedule.__module__:
+        raise ValueError(f"{num_stages} stages do not divide evenly over {num_ranks} pipeline "
+                         f"ranks, as torch's {name} needs: give a CSV or dict hint that "
+                         "places them")
+    if schedule_class is _ScheduleForwardOnly:
+        # It runs GPipe's forwards, in microbatch order, and no backward.
+        schedule_class = ScheduleGPipe
     if schedule_class is Schedule1F1B:
         _one_stage_per_rank_check(name, num_ranks, num_stages)
         if n_microbatches < num_stages:
@@ -338,10 +369,21 @@ def _torch_schedule_orders(
             f"{num_stages // num_ranks} stages per rank with {n_microbatches} "
             f"microbatches: {e}"
         ) from None
-    order = schedule.pipeline_order
+    # A runtime schedule may give only its order with communication.
+    order = schedule.pipeline_order or compute_actions(
+        getattr(schedule, "pipeline_order_with_comms", None) or {})
     if not order:
         raise ValueError(f"schedule class {name} does not expose a pipeline_order to follow")
     return dict(order)
+
+
+def compute_actions(
+    orders: Mapping[int, Sequence[_Action | None]],
+) -> dict[int, list[_Action | None]]:
+    """``orders`` without communication (sends, receives, FSDP unshard/reshard and other
+    bookkeeping): a schedule in torch's compute+comms format as a compute-only one."""
+    return {rank: [a for a in actions if a is None or a.is_compute_op or is_bookkeeping(a)]
+            for rank, actions in orders.items()}
 
 
 def _torch_1f1b_order(stage: int, num_stages: int, n_microbatches: int) -> list[_Action | None]:
@@ -383,7 +425,8 @@ def _parse_orders(
     return orders
 
 
-def _read_csv(path: str | os.PathLike) -> dict[int, list[_Action | None]]:
+def read_csv(path: str | os.PathLike) -> dict[int, list[_Action | None]]:
+    """The per-rank actions of a CSV in torch's format (one row per rank)."""
     with open(path, newline="") as f:
         rows = list(csv.reader(f))
     return {

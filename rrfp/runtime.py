@@ -26,6 +26,7 @@ from rrfp.executor import LossFn, Reduction, StageExecutor, StepInputs
 from rrfp.failures import FAILURE_POLL_S
 from rrfp.hints import Hint
 from rrfp.limit_plan import LimitPlan
+from rrfp.limits import ByteLimits, MemoryLimits
 from rrfp.loop import Arrival, Device, StepLoop
 from rrfp.memory import ActivationMeter
 from rrfp.platform import Platform
@@ -33,6 +34,7 @@ from rrfp.policy import History, make_policy
 from rrfp.receives import ReceiveRings
 from rrfp.stats import StepStats
 from rrfp.step_stats import step_stats
+from rrfp.torch_interface import CustomFunctions
 from rrfp.transport import Transport
 
 logger = logging.getLogger(__name__)
@@ -80,6 +82,11 @@ class PipelineRuntime:
         the last metered training step (None before one)."""
         self._failure: str | None = None
 
+    def follow(self, hint: Hint, limits: LimitPlan) -> None:
+        """Rank ready actions by ``hint`` within ``limits`` from the next step on (the same
+        placement: the channels were built for it)."""
+        self.hint, self._forward_only, self.limits = hint, hint.forward_only(), limits
+
     def refuse_if_failed(self) -> None:
         if self._failure is not None:
             raise RuntimeError(
@@ -88,7 +95,8 @@ class PipelineRuntime:
                 "connects fresh ones")
 
     def run(self, inputs: StepInputs, *, training: bool, loss: LossFn | None,
-            reduction: Reduction, pp_group: dist.ProcessGroup | None) -> dict:
+            reduction: Reduction, custom: CustomFunctions,
+            pp_group: dist.ProcessGroup | None) -> dict:
         """One step; returns the last stage's losses by microbatch (empty elsewhere)."""
         if training and self.limits.waiting_for_bytes and (
                 self.activation_bytes_per_microbatch is not None):
@@ -106,7 +114,7 @@ class PipelineRuntime:
         arbiter = Arbiter(hint, self.rank, limits=self.limits.limits if training else None,
                           policy=policy)
         executor = StageExecutor(self.stages, inputs, loss, reduction, self.transport,
-                                 self.receives, self.platform, clock, meter)
+                                 self.receives, self.platform, custom, clock, meter)
         coordinator = (make_coordinator(self.coordination.kind, self.coordination.twin,
                                         self.stall_timeout)
                        if self.coordination.twin is not None else None)
@@ -120,7 +128,7 @@ class PipelineRuntime:
             describe_peer=lambda peer: f"global rank {self.transport.channels.global_ranks[peer]}",
             coordinator=coordinator, block=self.wait)
         try:
-            self._run_loop(loop, origin, hint, training, coordinator)
+            self._run_loop(loop, origin, hint, training, coordinator, custom)
             if training and meter is not None:
                 self.activation_bytes_per_microbatch = {
                     s: executor.saved_per_microbatch.get(s, 0) for s in self.stages}
@@ -144,10 +152,12 @@ class PipelineRuntime:
         return meter
 
     def _run_loop(self, loop: StepLoop, origin: float, hint: Hint, training: bool,
-                  coordinator: Coordinator | None) -> None:
+                  coordinator: Coordinator | None, custom: CustomFunctions) -> None:
         """Run the step's loop to its end, its sends completed; on failure, tell the other
-        ranks (or name the peer whose failure broke this step) and abandon the step."""
+        ranks (or name the peer whose failure broke this step) and abandon the step, unless
+        it failed before this rank communicated (then it stays usable)."""
         self.device.begin_step(origin, self.wakeup)
+        operations = self.transport.operations
         try:
             self.receives.start(self.transport, hint.plan, self.stages,
                                 self.limits.limits.per_stage, training=training)
@@ -158,20 +168,22 @@ class PipelineRuntime:
             self.transport.finish_sends(self.stall_timeout)
             self.receives.finish()
         except PeerFailedError as e:
-            self._abandon(e)
+            self._abandon(e, custom)
             raise self._peer_failed(e, loop) from e
         except BaseException as e:
+            if self._usable_after_failure(operations, coordinator, custom):
+                raise
             # A peer's failure may be what broke this step (a closed gloo connection): say
             # so, naming it; otherwise this rank failed first, and tells the others.
             try:
                 self.transport.failures.check(force=True)
             except PeerFailedError as peer:
-                self._abandon(peer)
+                self._abandon(peer, custom)
                 raise self._peer_failed(peer, loop) from e
             self.transport.failures.publish(
                 f"pipeline rank {self.rank} (global rank {dist.get_rank()}) failed its step: "
                 f"{type(e).__name__}: {e}")
-            self._abandon(e)
+            self._abandon(e, custom)
             if isinstance(e, TimeoutError):
                 raise PipelineStallError(f"pipeline rank {self.rank}: {e}") from e
             raise
@@ -193,7 +205,22 @@ class PipelineRuntime:
             if left <= 0 or self.wakeup.wait(min(left, FAILURE_POLL_S)):
                 return
 
-    def _abandon(self, error: BaseException) -> None:
+    def _usable_after_failure(self, operations: int, coordinator: Coordinator | None,
+                              custom: CustomFunctions) -> bool:
+        """After this rank's step failed: whether it had issued no receive, send or
+        coordination round in it (its transport had issued ``operations`` at the start).
+        Then its channels and its peers are as before the step, and the runtime stays
+        usable, as torch's schedules do after an error raised before their first send or
+        receive: what the step left on the device and in the stages goes, and no failure
+        is told to the peers (they wait, as for a rank that has not stepped yet)."""
+        self.device.close(self.stall_timeout)  # nothing launched runs any more
+        if self.transport.operations != operations or (
+                coordinator is not None and coordinator.rounds):
+            return False
+        self._let_go_of_the_step(custom)
+        return True
+
+    def _abandon(self, error: BaseException, custom: CustomFunctions) -> None:
         """After a failed step (its failure already published, or a peer's seen): abort
         the channels, all at once, so that pending receives fail (on gloo the peers' too),
         and stop the device; free the unfinished microbatches' activations; refuse
@@ -204,8 +231,14 @@ class PipelineRuntime:
         except RuntimeError as e:  # the step's own error is the one to raise
             logger.warning("pipeline rank %d: %s", self.rank, e)
             return  # a thread still running may read the stages' caches
-        # Their graphs, and what those saved, go now rather than at the stages' next step.
+        self._let_go_of_the_step(custom)
+
+    def _let_go_of_the_step(self, custom: CustomFunctions) -> None:
+        """After a failed step: unbind its receive buffers, drop its losses and what it left
+        in the stages (their graphs, and what those saved, go now rather than at the
+        stages' next step)."""
         self.receives.finish()
+        custom.forget_step()
         for stage in self.stages.values():
             clear_after_failure(stage)
 
@@ -221,3 +254,52 @@ class PipelineRuntime:
         if alive:
             raise RuntimeError(f"threads still running after close(): {[t.name for t in alive]}")
 
+
+class RuntimeReadout:
+    """What users read off a schedule's runtime (``self._runtime``, a ``PipelineRuntime``):
+    the limits and policy of the next step, the last step's stats, what earlier steps
+    taught the policies."""
+
+    _runtime: PipelineRuntime
+
+    @property
+    def history(self) -> History:
+        """What earlier steps showed this rank (device durations per stage and kind,
+        arrival times): what the ``lookahead`` and ``critical`` policies decide by."""
+        return self._runtime.history
+
+    @property
+    def buffer_limits(self) -> MemoryLimits:
+        """The memory limits of the next training step (``rrfp.limits.MemoryLimits``)."""
+        return self._runtime.limits.limits
+
+    @property
+    def byte_limits(self) -> ByteLimits | None:
+        """Where ``buffer_limit`` is in bytes: the microbatch limits derived from the first
+        step's bytes (from the second step on), with the budgets they keep."""
+        return self._runtime.limits.byte_limits
+
+    @property
+    def policy(self) -> str:
+        """The policy of the next training step."""
+        return self._runtime.limits.policy
+
+    @property
+    def limit_summary(self) -> str:
+        """One sentence on what ``buffer_limit`` allows on this rank (as logged)."""
+        return self._runtime.limits.summary
+
+    @property
+    def launch_depth(self) -> float:
+        return self._runtime.launch_depth
+
+    @property
+    def last_step_stats(self) -> StepStats | None:
+        """What happened in the last step on this rank (``rrfp.stats.StepStats``)."""
+        return self._runtime.last_step_stats
+
+    @property
+    def activation_bytes_per_microbatch(self) -> dict[int, int] | None:
+        """Per local stage, the most bytes one microbatch's forward saved for backward in
+        the last metered training step (None before one)."""
+        return self._runtime.activation_bytes_per_microbatch

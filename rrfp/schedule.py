@@ -8,47 +8,48 @@ with the same hint (see ``rrfp.arbiter`` for why).
 This class keeps torch's schedule API and the wiring: it checks the arguments, builds the
 hint, the platform's channels and device, the data-parallel handling and the memory
 limits, and hands them to the ``PipelineRuntime`` (``rrfp.runtime``) that runs each step.
+It is one of torch's runtime schedules (``rrfp.torch_interface``): loaded orders become
+the hint, and registered custom functions replace an action's compute.
 """
 
 from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch.distributed.pipelining.microbatch import TensorChunkSpec
 from torch.distributed.pipelining.schedules import (_check_torch_compile_compatibility,
-                                                    PipelineScheduleMulti)
+                                                    _PipelineContext)
 from torch.distributed.pipelining.stage import _PipelineStageBase
 
+from rrfp._torch_compat import check_first_stage_inputs
 from rrfp.arbiter import check_deadlock_free
 from rrfp.channels import create_channels
 from rrfp.coordination import COORDINATIONS, CoordinationGroup, refuse_uncovered_sharding
 from rrfp.data_parallel import DataParallel
 from rrfp.device import EmulatedDevice, Wakeup
 from rrfp.executor import Reduction, StepInputs
-from rrfp.hints import build_hint, Hint, HintSource, infer_layout
+from rrfp.hints import build_hint, declares_split_backward, Hint, HintSource, infer_layout, Layout
 from rrfp.inputs import microbatch_inputs
 from rrfp.limit_plan import LimitPlan
-from rrfp.limits import ByteLimits, MemoryLimits
 from rrfp.loop import DEFAULT_LAUNCH_DEPTH
 from rrfp.memory import ActivationMeter, DEFAULT_METER_EVERY
 from rrfp.platform import Platform, platform_for
-from rrfp.policy import History
 from rrfp.receives import check_variable_shapes, ReceiveRings
-from rrfp.runtime import Coordination, Metering, PipelineRuntime
+from rrfp.runtime import Coordination, Metering, RuntimeReadout, PipelineRuntime
 from rrfp.settings import (check_limit_can_be_measured, parse_launch_depth, parse_meter_every,
                            parse_policy, parse_stall_timeout)
-from rrfp.stats import StepStats
+from rrfp.torch_interface import CustomFunctions, IncompatibleStagesError, TorchRuntimeInterface
 from rrfp.transport import SendDelay, Transport
 
 logger = logging.getLogger(__name__)
 
 
-class ScheduleRRFP(PipelineScheduleMulti):
+class ScheduleRRFP(TorchRuntimeInterface, RuntimeReadout):
     """Runtime-readiness-first pipeline schedule (arXiv 2605.18750).
 
     Every argument in full: docs/api.md.
@@ -152,10 +153,16 @@ class ScheduleRRFP(PipelineScheduleMulti):
         super().__init__(stages=stages, n_microbatches=n_microbatches, loss_fn=loss_fn,
                          args_chunk_spec=args_chunk_spec, kwargs_chunk_spec=kwargs_chunk_spec,
                          output_merge_spec=output_merge_spec, scale_grads=scale_grads)
-        self._hint = _placed_hint(hint, stages, self.rank, self.pp_group_size,
-                                  self._num_stages, n_microbatches)
+        if declares_split_backward(hint):  # checked first, as torch's own such schedules do
+            _refuse_compiled_stages(stages, str(getattr(hint, "__name__", hint)))
+        self._layout = infer_layout(self.rank, self.pp_group_size, self._num_stages,
+                                    [stage.stage_index for stage in stages])
+        self._hint = placed_hint(hint, stages, self.rank, self._layout, n_microbatches)
+        self._buffer_limit, self._policy_given = buffer_limit, policy
         limits = LimitPlan(buffer_limit, self._hint, self.rank, policy)
-        check_deadlock_free(self._hint)
+        if len(stages) == 1:
+            self._stage = stages[0]
+            """The one stage, as torch's single-stage schedules name it."""
         self.stall_timeout = stall_timeout
         self.stage_index_to_group_rank = dict(self._hint.stage_to_rank)
         for stage in stages:
@@ -178,51 +185,24 @@ class ScheduleRRFP(PipelineScheduleMulti):
             stall_timeout=self.stall_timeout,
             launch_depth=math.inf if depth is None else depth, reorder_ahead=reorder_ahead)
 
+    def _replace_hint(self, source: HintSource, name: str | None = None) -> None:
+        """Make ``source`` the hint from the next step on (torch's ``_load_csv``,
+        ``_prepare_schedule_with_comms``). Call it on every rank of the pipeline, between
+        steps; the placement must stay the constructor's (the channels are built for it)."""
+        hint = placed_hint(source, self._stages, self.rank, self._layout,
+                           self._n_microbatches, name, placement=self._hint.stage_to_rank)
+        limits = LimitPlan(self._buffer_limit, hint, self.rank, self._policy_given)
+        self._hint = hint
+        self.pipeline_order = {r: list(acts) for r, acts in hint.orders.items()}
+        self._runtime.follow(hint, limits)
+        logger.info("ScheduleRRFP on pipeline rank %d: hint now %s (policy %s), memory limits "
+                    "%s per stage. %s", self.rank, hint.name, self.policy,
+                    {s: self.buffer_limits.per_stage[s] for s in hint.stages_on(self.rank)},
+                    self.limit_summary)
+
     @property
     def hint(self) -> Hint:
         return self._hint
-
-    @property
-    def history(self) -> History:
-        """What earlier steps showed this rank (device durations per stage and kind,
-        arrival times): what the ``lookahead`` and ``critical`` policies decide by."""
-        return self._runtime.history
-
-    @property
-    def buffer_limits(self) -> MemoryLimits:
-        """The memory limits of the next training step (``rrfp.limits.MemoryLimits``)."""
-        return self._runtime.limits.limits
-
-    @property
-    def byte_limits(self) -> ByteLimits | None:
-        """Where ``buffer_limit`` is in bytes: the microbatch limits derived from the first
-        step's bytes (from the second step on), with the budgets they keep."""
-        return self._runtime.limits.byte_limits
-
-    @property
-    def policy(self) -> str:
-        """The policy of the next training step."""
-        return self._runtime.limits.policy
-
-    @property
-    def limit_summary(self) -> str:
-        """One sentence on what ``buffer_limit`` allows on this rank (as logged)."""
-        return self._runtime.limits.summary
-
-    @property
-    def launch_depth(self) -> float:
-        return self._runtime.launch_depth
-
-    @property
-    def last_step_stats(self) -> StepStats | None:
-        """What happened in the last step on this rank (``rrfp.stats.StepStats``)."""
-        return self._runtime.last_step_stats
-
-    @property
-    def activation_bytes_per_microbatch(self) -> dict[int, int] | None:
-        """Per local stage, the most bytes one microbatch's forward saved for backward in
-        the last metered training step (None before one)."""
-        return self._runtime.activation_bytes_per_microbatch
 
     def _step_microbatches(self, arg_mbs: list | None = None, kwarg_mbs: list | None = None,
                            target_mbs: list | None = None, losses: list | None = None,
@@ -232,13 +212,24 @@ class ScheduleRRFP(PipelineScheduleMulti):
         arg_mbs, kwarg_mbs = self._check_inputs(arg_mbs, kwarg_mbs, target_mbs, losses)
         self._set_up_stages(arg_mbs[0], kwarg_mbs[0],
                             target_mbs[0] if target_mbs is not None else None, loss_kwargs)
+        for stage in self._stages:
+            if stage.is_first:  # a wrong input raises here, before the step communicates
+                check_first_stage_inputs(stage, arg_mbs)
         fsdp_modules = self._data_parallel.unshard()
+        # As in torch's runtime: custom functions read and extend these.
+        self._internal_losses.clear()
+        self.backward_counter.clear()
         step_losses = self._runtime.run(
             StepInputs(arg_mbs, kwarg_mbs, target_mbs, return_outputs, loss_kwargs),
             training=self._has_backward,
             loss=self._compute_loss if self._loss_fn is not None else None,
             reduction=Reduction(self._data_parallel, self._finalize_gradients,
                                 self._n_microbatches if self.scale_grads else 1),
+            custom=CustomFunctions(
+                self._comp_type_to_function_map,
+                _PipelineContext(self, arg_mbs, kwarg_mbs, target_mbs, losses),
+                self._internal_losses, self.backward_counter, self.fwd_recv_ops,
+                self.bwd_recv_ops),
             pp_group=self._stages[0].group)
         if not self._has_backward:  # no gradient reduction will reshard them
             for module in fsdp_modules:
@@ -364,33 +355,51 @@ def _check_arguments(platform: Platform, buffer_limit: object, *, coordination: 
                          f"{platform.device}: pass device=None to run on their stream")
 
 
-def _placed_hint(source: HintSource | None, stages: list[_PipelineStageBase], rank: int,
-                 num_ranks: int, num_stages: int, n_microbatches: int) -> Hint:
-    """The hint built for the pipeline, checked against the stages this rank holds
-    (``None``: the fixed schedule torch would use for their placement)."""
-    local = sorted(stage.stage_index for stage in stages)
-    layout = infer_layout(rank, num_ranks, num_stages, local)
+def placed_hint(source: HintSource | None, stages: list[_PipelineStageBase], rank: int,
+                layout: Layout, n_microbatches: int, name: str | None = None, *,
+                placement: Mapping[int, int] | None = None) -> Hint:
+    """The hint built for the pipeline of ``stages`` (this rank's, in stage order), checked
+    against the stages this rank holds and deadlock-free (``None``: the fixed schedule
+    torch would use for their placement; ``name``: what to call it). ``placement``: the
+    stage-to-rank placement it must keep (a built schedule's channels are made for it)."""
+    local = [stage.stage_index for stage in stages]
     if source is None:
         source = {"v": "ZBVZeroBubble",
-                  "loop": "1F1B" if len(stages) == 1 else "Interleaved1F1B"}.get(layout)
+                  "loop": "1F1B" if len(local) == 1 else "Interleaved1F1B"}.get(layout)
         if source is None:
             raise ValueError(
                 f"stages {local} on pipeline rank {rank} follow neither the loop nor the V "
                 "placement: pass a hint (CSV or dict) that places them")
-    hint = build_hint(source, num_ranks=num_ranks, num_stages=num_stages,
-                      n_microbatches=n_microbatches, layout=layout)
+    first = stages[0]
+    hint = build_hint(source, num_ranks=first.group_size, num_stages=first.num_stages,
+                      n_microbatches=n_microbatches, layout=layout, given_name=name)
+    if placement is not None and dict(hint.stage_to_rank) != dict(placement):
+        raise ValueError(
+            f"hint {hint.name!r} places stages {dict(hint.stage_to_rank)} on pipeline ranks, "
+            f"where this ScheduleRRFP was built for {dict(placement)}: build a ScheduleRRFP "
+            f"with hint={hint.name!r} instead")
+    _check_placement(hint, rank, local, layout)
+    if hint.has_split_backward:
+        _refuse_compiled_stages(stages, hint.name)
+    check_deadlock_free(hint)
+    return hint
+
+
+def _check_placement(hint: Hint, rank: int, local: list[int], layout: Layout) -> None:
     expected = list(hint.stages_on(rank))
     if expected != local:
         raise ValueError(
             f"hint {hint.name!r} places stages {expected} on pipeline rank {rank} "
             f"({hint.layout} placement), but this rank holds stages {local}: build the "
             f"stages with the hint's placement or pick a hint for this placement ({layout})")
-    if hint.has_split_backward:
-        try:
-            _check_torch_compile_compatibility(stages, f"RRFP with hint {hint.name}")
-        except RuntimeError as e:
-            raise ValueError(f"{e}; use a hint without split backward (I/W)") from None
-    return hint
+
+
+def _refuse_compiled_stages(stages: list[_PipelineStageBase], hint_name: str) -> None:
+    """torch's stages cannot split backward (I/W) through a compiled module."""
+    try:
+        _check_torch_compile_compatibility(stages, f"RRFP with hint {hint_name}")
+    except RuntimeError as e:
+        raise IncompatibleStagesError(f"{e}; use a hint without split backward (I/W)") from None
 
 
 def _wired_runtime(hint: Hint, rank: int, stages: list[_PipelineStageBase], platform: Platform,
@@ -421,3 +430,4 @@ def _wired_runtime(hint: Hint, rank: int, stages: list[_PipelineStageBase], plat
         receives=ReceiveRings(variable_shapes, platform), limits=limits,
         coordination=coordination, metering=metering, stall_timeout=stall_timeout,
         launch_depth=launch_depth, reorder_ahead=bool(reorder_ahead))
+

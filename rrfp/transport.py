@@ -332,6 +332,9 @@ class Transport:
         self._sends = _SendCompletion(polled, self._describe_send)
         self._messages_sent = 0
         self._bytes_sent = 0
+        self.operations = 0
+        """Receives posted and messages sent so far (never reset): a step that failed
+        before it issued any has left its channels as its peers expect them."""
         self._delayed = ({e: _DelayedSender(c, self._sends) for e, c in channels.items()
                           if c.rank == 0} if send_delay is not None else {})
         headed = [c for c in channels.values() if c.headers is not None]
@@ -356,6 +359,7 @@ class Transport:
         Call in the producer's send order: messages on a channel match in posting order.
         """
         channel = self.channels[edge]
+        self.operations += 1
         if header and channel.headers is not None:
             works = [channel.headers.recv(b) for b in buffers]
             self._header_arrivals.watch(edge, microbatch, works, header)
@@ -376,6 +380,7 @@ class Transport:
     def send(self, edge: Edge, microbatch: int, tensors: list[torch.Tensor], *,
              header: bool = False) -> None:
         """Send ``tensors`` (``header``: the shape header of the message to follow)."""
+        self.operations += 1
         self._messages_sent += len(tensors)
         self._bytes_sent += sum(t.nbytes for t in tensors)
         headers = self.channels[edge].headers

@@ -13,8 +13,8 @@ from rrfp.hints import build_hint, HINT_NAMES
 from rrfp.limits import MemoryLimits, resolve_buffer_limits
 from rrfp.policy import make_policy, POLICIES
 from rrfp.sim.engine import simulate
+from rrfp.testing.probes import held_from_order
 from tests.test_hints import microbatches_of
-from tests.workers import held_from_order
 
 FITTING = {"1F1B": (1, "loop"), "GPipe": (1, "loop"), "Interleaved1F1B": (2, "loop"),
            "LoopedBFS": (2, "loop"), "InterleavedZeroBubble": (2, "loop"),

@@ -3,18 +3,21 @@ into microbatch limits from the first step's measured bytes per microbatch per s
 
 from __future__ import annotations
 
+import functools
 from types import SimpleNamespace
 
 import pytest
 
+from rrfp import ScheduleRRFP
 from rrfp.limits import fixed_peak_bytes, limits_within_bytes, resolve_buffer_limits
 from rrfp.hints import build_hint
-from rrfp.local import run_local_world
 from rrfp.platform import free_device_bytes
 from rrfp.settings import parse_buffer_limit
-from tests import budget_workers
-
-UNIT = budget_workers.UNIT
+from rrfp.testing.byte_limits_world import byte_limits_world, UNIT
+from rrfp.testing.chains import (bitwise_equal, build_stages, loss_fn, make_batch, make_chain,
+                                 run_steps, torch_schedule)
+from rrfp.testing.probes import HookProbe
+from rrfp.testing.worlds import run_local_world
 
 
 @pytest.fixture(scope="module")
@@ -23,8 +26,9 @@ def four_ranks() -> list[dict]:
     10 KiB budget, below what 1F1B itself holds on rank 1 (3 microbatches x 4 KiB): 4
     ranks, stages saving 2, 4, 2 and 2 KiB per microbatch, emulated device, 4 steps each.
     Policy "hint" (readiness-first in hint order), which runs forwards ahead wherever a
-    limit lets it, so that the slack is used and the bounds are tested where they bind."""
-    return run_local_world(4, budget_workers.byte_limits_world,
+    limit lets it, and in the last step a late gradient that gives rank 0 the time to, so
+    that the slack is used and the bounds are tested where they bind."""
+    return run_local_world(4, functools.partial(byte_limits_world, late_gradient=True),
                            [("busiest", "hint"), ("14KiB", "hint"), ("10KiB", None)],
                            timeout=240)
 
@@ -114,12 +118,37 @@ def test_byte_budget_errors_say_what_to_write(text, message):
         parse_buffer_limit(text)
 
 
+def sampled_meter(rank: int, world_size: int, meter_every: int, steps: int) -> dict:
+    """1F1B with the meter sampled every ``meter_every`` steps (the default schedule
+    otherwise): per step, whether the forwards ran under saved-tensor hooks (``HookProbe``)
+    and the stats' bytes; and whether the gradients are bitwise torch's Schedule1F1B."""
+    M = 4
+    chain = make_chain(world_size)
+    x, y = make_batch(M)
+    stages, blocks = build_stages(chain, rank, world_size, "loop")
+    fixed = run_steps(torch_schedule("1F1B", stages, M), stages, blocks, x, y, steps)
+    stages, blocks = build_stages(chain, rank, world_size, "loop", wrap=lambda s, b: HookProbe(b))
+    schedule = ScheduleRRFP(stages, M, loss_fn=loss_fn, hint="1F1B", stall_timeout=60,
+                            meter_every=meter_every)
+    per_step, history = [], []
+    for _ in range(steps):
+        before = sum(len(stage.submod.hooked) for stage in stages)
+        history += run_steps(schedule, stages, blocks, x, y, 1)
+        hooked = [h for stage in stages for h in stage.submod.hooked][before:]
+        stats = schedule.last_step_stats
+        per_step.append({"hooked": sum(hooked), "forwards": len(hooked),
+                         "bytes": stats.peak_activation_bytes,
+                         "per_microbatch": stats.activation_bytes_per_microbatch})
+    schedule.close()
+    return {"steps": per_step, "bitwise": bitwise_equal(history, fixed)}
+
+
 def test_the_meter_runs_in_the_first_step_and_every_nth_and_hooks_nothing_between():
     """meter_every=3 over 5 steps: steps 1 and 4 (0 and 3 counted from 0) run their
     forwards under the meter's saved-tensor hooks and report bytes; the others run
     autograd's saving untouched, report no peak, and keep the last metered bytes per
     microbatch. Gradients bitwise torch's 1F1B throughout."""
-    ranks = run_local_world(2, budget_workers.sampled_meter, 3, 5, timeout=120)
+    ranks = run_local_world(2, sampled_meter, 3, 5, timeout=120)
     for rank, result in enumerate(ranks):
         assert result["bitwise"], rank
         steps = result["steps"]
@@ -132,8 +161,23 @@ def test_the_meter_runs_in_the_first_step_and_every_nth_and_hooks_nothing_betwee
         assert all(b > 0 for b in steps[0]["per_microbatch"].values())
 
 
+def refused_settings(rank: int, world_size: int) -> dict[str, str]:
+    """The ``ValueError`` of each byte setting ScheduleRRFP refuses on CPU stages."""
+    stages, _ = build_stages(make_chain(world_size), rank, world_size, "loop")
+    errors = {}
+    for name, kwargs in {"auto on CPU": dict(buffer_limit="auto"),
+                         "busiest unmetered": dict(buffer_limit="busiest",
+                                                   meter_activations=False),
+                         "meter_every 0": dict(meter_every=0)}.items():
+        try:
+            ScheduleRRFP(stages, 4, loss_fn=loss_fn, hint="1F1B", **kwargs).close()
+        except ValueError as e:
+            errors[name] = str(e)
+    return errors
+
+
 def test_settings_that_cannot_work_are_refused_with_what_to_change():
-    errors = run_local_world(2, budget_workers.refused_settings, timeout=60)[0]
+    errors = run_local_world(2, refused_settings, timeout=180)[0]
     assert "reads the free memory of a CUDA device" in errors["auto on CPU"]
     assert "'512MiB'" in errors["auto on CPU"]
     assert "leave meter_activations on" in errors["busiest unmetered"]

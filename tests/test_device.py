@@ -38,18 +38,27 @@ def test_emulated_launch_returns_before_the_work_runs_and_completes_in_order():
     device, wakeup = EmulatedDevice(launch_cost=0.002), Wakeup()
     device.begin_step(time.perf_counter(), wakeup)
     ran: list[int] = []
+    # The first work waits for a gate that opens 0.3 s after the launches (a launch that
+    # ran its work would not return for 5 s); the others queue behind it.
+    gate = threading.Event()
+    works = [lambda: (gate.wait(5.0), time.sleep(0.05), ran.append(0))]
+    works += [lambda mb=mb: (time.sleep(0.05), ran.append(mb)) for mb in (1, 2)]
     start = time.perf_counter()
-    for mb in range(3):
-        device.launch(_Action(0, F, mb), lambda mb=mb: (time.sleep(0.05), ran.append(mb)))
+    for mb, work in enumerate(works):
+        device.launch(_Action(0, F, mb), work)
     launched = time.perf_counter() - start
-    assert 0.006 <= launched < 0.04  # three launch costs, none of the work
+    assert 0.006 <= launched < 2.0  # three launch costs, none of the work
     assert device.outstanding == 3 and ran == []
+    threading.Timer(0.3, gate.set).start()
     done = _wait_for(device, 3)
     assert [c.action.microbatch_index for c in done] == ran == [0, 1, 2]
     assert device.outstanding == 0
     for earlier, later in zip(done, done[1:]):
         assert earlier.end <= later.start  # one stream: no overlap
-    assert all(0.045 <= c.end - c.start < 0.1 for c in done)
+    # A span is the work's own time on the device (the first's includes its wait for the
+    # gate), not the time since its launch: at least 0.35 s for the queued ones.
+    assert done[0].end - done[0].start >= 0.345
+    assert all(0.045 <= c.end - c.start < 0.3 for c in done[1:])
     device.close(5.0)
 
 
@@ -87,15 +96,18 @@ def test_close_stops_the_device_thread_and_skips_queued_work():
     device.begin_step(time.perf_counter(), Wakeup())
     ran: list[int] = []
     started, gate = threading.Event(), threading.Event()
+    before = set(threading.enumerate())
     device.launch(_Action(0, F, 0), lambda: (started.set(), gate.wait(5.0), ran.append(0)))
     for mb in range(1, 5):
         device.launch(_Action(0, F, mb), lambda mb=mb: ran.append(mb))
     assert started.wait(5.0)
+    (device_thread,) = [t for t in set(threading.enumerate()) - before
+                        if t.name == "rrfp-emulated-device"]
     # The running work ends half a second after close() began, on a loaded machine too.
     threading.Timer(0.5, gate.set).start()
     assert device.close(5.0) == []
     assert ran == [0]  # the current work finished, the queued work was skipped
-    assert not [t for t in threading.enumerate() if t.name == "rrfp-emulated-device"]
+    assert not device_thread.is_alive()
 
 
 def test_wakeup_wakes_a_waiter_and_host_device_completes_at_launch():

@@ -11,6 +11,7 @@ from rrfp.limits import resolve_buffer_limits
 from rrfp.actions import F, REDUCE_GRAD
 from rrfp.hints import build_hint, HINT_NAMES
 from rrfp.sim.engine import simulate
+from rrfp.testing.stats import made_up_stats
 from tests.test_arbiter import FITTING
 
 
@@ -114,7 +115,6 @@ def test_replay_file_round_trip_and_trace_conversion(tmp_path):
     from rrfp.sim.replay import timing_from_trace
     from rrfp.sim.workloads import make_timing, Timing
     from rrfp.stats import merge_chrome_traces, Span, write_chrome_trace
-    from tests.workers import made_up_stats
 
     timing = make_timing("latency", 2, 3, 0)
     timing.save(tmp_path / "t.json")
@@ -154,7 +154,6 @@ def test_resample_draws_whole_measured_cells_and_real_latencies(tmp_path):
     from rrfp.sim.replay import main as replay_main, resample
     from rrfp.sim.workloads import make_timing, Timing
     from rrfp.stats import Span, write_chrome_trace
-    from tests.workers import made_up_stats
 
     def measured_step(seed):  # jittered compute and random link latencies
         compute, links = make_timing("jitter", 2, 4, seed), make_timing("latency", 2, 4, seed)
@@ -198,7 +197,6 @@ def test_trace_links_each_send_to_its_receive_with_a_flow(tmp_path):
     import json
 
     from rrfp.stats import MESSAGE_TRACK, Span, write_chrome_trace
-    from tests.workers import made_up_stats
 
     # Two steps of two ranks, in one file: each step's messages have flows of their own.
     messages = {0: dict(sends=[(0, 1, 0, 0.2), (0, 1, 1, 0.3)], arrivals=[(1, 0, 0, 0.65)]),

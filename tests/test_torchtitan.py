@@ -15,17 +15,20 @@ import subprocess
 import sys
 
 import pytest
+import torch.distributed as dist
 
 # torchtitan is a declared test dependency: imported plainly, so that a broken install
 # fails these tests instead of skipping them.
 import torchtitan  # noqa: F401
 
-from tests import workers  # noqa: E402
-
 from torchtitan_ext.common.log_ranks import log_ranks, print_only_on, warn_if_loss_hidden  # noqa: E402
+from rrfp import ScheduleRRFP  # noqa: E402
 from rrfp.hints import HINT_NAMES  # noqa: E402
-from rrfp.local import run_local_world  # noqa: E402
 from rrfp.settings import BufferLimit, parse_buffer_limit  # noqa: E402
+from rrfp.stats import StepStats  # noqa: E402
+from rrfp.testing.chains import build_stages, loss_fn, make_chain  # noqa: E402
+from rrfp.testing.stats import made_up_stats  # noqa: E402
+from rrfp.testing.worlds import run_local_world  # noqa: E402
 from torchtitan_ext.common.schedules import (  # noqa: E402
     hint_of, placement_schedule, schedule_arguments, validate)
 from torchtitan_ext.common.version import torchtitan_version  # noqa: E402
@@ -398,6 +401,20 @@ SPELLINGS = [
 ]
 
 
+def settings_as_built(rank: int, world_size: int, arguments: list[dict]) -> list[tuple]:
+    """What ScheduleRRFP (Interleaved1F1B, 2 stages per rank, 8 microbatches) makes of each
+    set of keyword arguments: its limits per stage and per rank, policy and launch depth."""
+    chain = make_chain(2 * world_size)
+    built = []
+    for kwargs in arguments:
+        stages, _ = build_stages(chain, rank, world_size, "loop")
+        schedule = ScheduleRRFP(stages, 8, loss_fn=loss_fn, hint="Interleaved1F1B", **kwargs)
+        schedule.close()
+        built.append((dict(schedule.buffer_limits.per_stage), dict(schedule.buffer_limits.per_rank),
+                      schedule.policy, schedule.launch_depth))
+    return built
+
+
 @only_0_2
 def test_each_setting_means_the_same_from_python_toml_and_the_simulator(tmp_path):
     """buffer_limit, policy and launch_depth, each spelled as a Python caller, train.toml
@@ -424,7 +441,7 @@ def test_each_setting_means_the_same_from_python_toml_and_the_simulator(tmp_path
         validate(config, n_layers(config))
         toml_arguments.append(schedule_arguments(config.rrfp))
     python_arguments = [python for python, _, _ in SPELLINGS]
-    built = run_local_world(2, workers.settings_as_built, python_arguments + toml_arguments,
+    built = run_local_world(2, settings_as_built, python_arguments + toml_arguments,
                             timeout=120)
     hint = build_hint("Interleaved1F1B", num_ranks=2, num_stages=4, n_microbatches=8)
     for i, (python, toml, cli) in enumerate(SPELLINGS):
@@ -720,6 +737,31 @@ def test_microbatches_are_cut_to_their_own_content():
         split_by_content(inputs, labels, extra, 2, pad_to=(64, 40))
 
 
+def stats_exchange(rank: int, world_size: int) -> dict:
+    """``StepStatsLog`` over three steps with made-up stats (out-of-hint = 10 x step +
+    rank), the last logged twice, only the last rank reading: the scalars it returns, and
+    which of this rank's keys its store still holds."""
+    from torchtitan_ext.common.stats_logging import stats_store, StepStatsLog
+
+    class Schedule:
+        last_step_stats: StepStats
+
+    schedule = Schedule()
+    log = StepStatsLog(schedule, dist.new_group(list(range(world_size))), replica=None,
+                       log_stats=True, trace_folder=None, reads=rank == world_size - 1)
+    scalars = {}
+    for step in (1, 2, 3, 3):
+        schedule.last_step_stats = made_up_stats(
+            rank, peak_activation_bytes=None if step == 2 else 64,
+            out_of_hint_order=10 * step + rank)
+        scalars[step] = log.log(step)
+        dist.barrier()  # what the next training step's pipeline does
+    store = stats_store(list(range(world_size)), 0)
+    keys = [step for step in (1, 2, 3) if store.check([f"{step}/{rank}"])]
+    dist.barrier()  # rank 0, which does not read, hosts the store
+    return {"scalars": scalars, "keys": keys}
+
+
 def test_step_stats_are_gathered_through_the_store():
     """A reading rank gets the whole pipeline's stats in rank order (the others get no
     scalars), a metric not measured is left out of the scalars, a step logged twice does
@@ -727,9 +769,7 @@ def test_step_stats_are_gathered_through_the_store():
     collective there, the last one before exit, let a gloo worker release its tensors
     after the interpreter had started to shut down: an abort at exit in 2 of 32 runs of a
     two-step torchtitan job.)"""
-    from rrfp.local import run_local_world
-
-    ranks = run_local_world(2, workers.stats_exchange, timeout=120, store="tcp")
+    ranks = run_local_world(2, stats_exchange, timeout=120, store="tcp")
     assert all(scalars == {} for scalars in ranks[0]["scalars"].values())
     for rank, result in enumerate(ranks):
         assert result["keys"] == [3], (rank, result["keys"])

@@ -107,7 +107,7 @@ def coordination_groups_of_meshes(rank: int, world_size: int) -> list[list[int] 
 
 
 def test_the_coordination_group_spans_the_tp_and_ep_groups_of_the_stages():
-    from rrfp.local import run_local_world
+    from rrfp.testing.worlds import run_local_world
 
     ranks = run_local_world(4, coordination_groups_of_meshes, timeout=120)
     assert [r[0] for r in ranks] == [[0, 1], [0, 1], [2, 3], [2, 3]]

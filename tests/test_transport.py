@@ -1,6 +1,7 @@
-"""The transport alone, in one process: closing, failure, streams, NCCL settings.
+"""The transport alone: closing, failure, streams, NCCL settings (in one process), and the
+channels' connection order (in a world of 2 ranks).
 
-NCCL's behaviour comes from ``tests.nccl_like`` (channels over a store with NCCL's
+NCCL's behaviour comes from ``rrfp.testing.nccl_like`` (channels over a store with NCCL's
 completion and abort semantics) and from recording fakes of the CUDA stream API and of
 ``ProcessGroupNCCL``, written against torch 2.13's source (there is no GPU here).
 """
@@ -19,7 +20,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from rrfp import channels as channels_module
+from rrfp import channels as channels_module, ScheduleRRFP
 from rrfp.device import Wakeup
 from rrfp.actions import Edge
 from rrfp.channels import Channel, ChannelMap, make_channel_group
@@ -27,7 +28,11 @@ from rrfp.errors import PeerFailedError
 from rrfp.failures import FailureBoard
 from rrfp.platform import ReceiveStreams
 from rrfp.transport import Transport
-from tests import nccl_like
+from rrfp.testing import nccl_like
+from rrfp.testing.chains import (bitwise_equal, build_stages, loss_fn, make_batch, make_chain,
+                                 run_steps, torch_schedule)
+from rrfp.testing.probes import error_chain
+from rrfp.testing.worlds import run_local_world
 
 
 def _pair(store: dist.Store, edge: Edge, **fake) -> tuple[Channel, Channel]:
@@ -402,11 +407,86 @@ def test_gloo_channels_add_at_most_one_io_thread(world, io_threads):
 def test_send_delay_is_refused_for_cuda_stages():
     """``send_delay``'s sender thread has the default stream current, not the compute
     stream: it could send an output before the compute stream wrote it."""
-    from rrfp import ScheduleRRFP
-
     class CudaStage:  # what the check reads of a stage, before anything else is built
         device = torch.device("cuda", 0)
         stage_index = 0
 
     with pytest.raises(ValueError, match="send_delay emulates link latency for CPU studies"):
         ScheduleRRFP([CudaStage()], 4, send_delay=lambda edge, mb: 0.0)
+
+
+class LazilyConnectedGroup:
+    """A gloo channel group that connects at its first operation, as NCCL creates a
+    communicator lazily (no bound device): the first operation on the channel blocks until
+    the peer's first operation on the same channel (here for at most ``timeout_s``, then
+    raises: a deadlock made visible)."""
+
+    def __init__(self, store: dist.Store, rank: int, timeout_s: float):
+        self._store, self._rank, self._timeout_s = store, rank, timeout_s
+        self._group: dist.ProcessGroup | None = None
+        self._failed = False
+
+    def _connected(self, tag: int) -> dist.ProcessGroup:
+        if self._group is None:
+            if self._failed or tag != 0:  # after a failed connection, or rrfp closing it
+                raise RuntimeError("lazily connected channel was never connected")
+            self._store.set(f"first-op/{self._rank}", b"1")
+            try:
+                self._store.wait([f"first-op/{1 - self._rank}"],
+                                 datetime.timedelta(seconds=self._timeout_s))
+            except RuntimeError as e:
+                self._failed = True
+                raise RuntimeError(f"first operation on a lazily connected channel timed out "
+                                   f"after {self._timeout_s} s: the peer never used it") from e
+            self._group = make_channel_group("gloo", self._store, self._rank,
+                                             datetime.timedelta(seconds=60))
+        return self._group
+
+    def send(self, tensors, peer: int, tag: int) -> dist.Work:
+        return self._connected(tag).send(tensors, peer, tag)
+
+    def recv(self, tensors, peer: int, tag: int) -> dist.Work:
+        return self._connected(tag).recv(tensors, peer, tag)
+
+
+def lazily_connected_channels(rank: int, world_size: int, connect: bool) -> dict:
+    """1F1B over channels that connect at their first operation; with or without rrfp's
+    connection step (one exchange per channel, in one order, at construction)."""
+    import functools
+
+    import rrfp.schedule
+    from rrfp.channels import create_channels
+
+    def lazy(name, store, channel_rank, timeout, **naming):
+        return LazilyConnectedGroup(store, channel_rank, timeout_s=3.0)
+
+    rrfp.schedule.create_channels = functools.partial(create_channels, group_factory=lazy,
+                                                      connect=connect)
+    M = 4
+    chain = make_chain(world_size)
+    x, y = make_batch(M)
+    stages, blocks = build_stages(chain, rank, world_size, "loop")
+    fixed = run_steps(torch_schedule("1F1B", stages, M), stages, blocks, x, y, 2)
+    stages, blocks = build_stages(chain, rank, world_size, "loop")
+    schedule = ScheduleRRFP(stages, M, loss_fn=loss_fn, hint="1F1B", stall_timeout=30)
+    start = time.perf_counter()
+    try:
+        history = run_steps(schedule, stages, blocks, x, y, 2)
+    except Exception as e:
+        return {"error": error_chain(e), "elapsed": time.perf_counter() - start}
+    schedule.close()
+    return {"bitwise": bitwise_equal(history, fixed), "elapsed": time.perf_counter() - start}
+
+
+def test_lazily_connected_channels_deadlock_unless_connected_first():
+    # Without a bound device NCCL creates a channel's communicator at its first operation
+    # and blocks until the peer's first operation on it. Posting receives first deadlocks:
+    # rank 0 waits on the gradient channel 1->0, rank 1 on the activation channel 0->1.
+    stuck = run_local_world(2, lazily_connected_channels, False, timeout=120)
+    for result in stuck:
+        assert "error" in result, result
+        assert "first operation on a lazily connected channel timed out" in result["error"]
+        assert result["elapsed"] < 20
+    # rrfp's connection step touches every channel once, in one order on every rank.
+    connected = run_local_world(2, lazily_connected_channels, True, timeout=120)
+    assert all(result.get("bitwise") for result in connected), connected

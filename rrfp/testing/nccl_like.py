@@ -209,3 +209,23 @@ def factory(blocking_abort: bool = False, fail_send_at: dict | None = None):
 
     make.made = made
     return make
+
+
+def use_channels(kind: str, **fake):
+    """Make ScheduleRRFP build its channels as ``kind`` says: ``"gloo"`` (rrfp's own) or
+    ``"nccl-like"`` (these groups: polled, local abort, sends that complete only once the
+    peer receives). Returns the fake factory (or None)."""
+
+    import rrfp.schedule
+    from rrfp.channels import create_channels
+
+    if kind == "gloo":
+        rrfp.schedule.create_channels = create_channels
+        return None
+    made = factory(**fake)
+
+    def nccl_like_channels(hint, group, device, backend, **options):
+        return create_channels(hint, group, device, "nccl", group_factory=made, **options)
+
+    rrfp.schedule.create_channels = nccl_like_channels
+    return made

@@ -25,8 +25,9 @@ def run_local_world(world_size: int, fn: Callable[..., Any], *args: Any, timeout
     """Run ``fn(rank, world_size, *args)`` on every rank; return the per-rank results.
 
     Fails (and kills every rank) if any rank raises or the world runs past ``timeout``.
-    ``fn`` must be importable (module level): ranks are fresh processes forked from a fork
-    server, which sees neither the caller's state nor later changes to its environment. ``store``:
+    ``fn`` must be importable (module level, a test module's own function too: each rank
+    imports its module by name): ranks are fresh processes forked from a fork server, which
+    sees neither the caller's state nor later changes to its environment. ``store``:
     ``"file"`` (a FileStore in a temporary folder) or ``"tcp"`` (a TCPStore on a free
     local port, as torchrun uses).
     """

@@ -1,5 +1,7 @@
-"""Per-rank scenarios for the byte limits (``buffer_limit="busiest"``, a byte budget): stages
-that save known, different bytes per microbatch, on an emulated asynchronous device."""
+"""A world for the byte limits (``buffer_limit="busiest"``, a byte budget): stages that save
+known, different bytes per microbatch, on an emulated asynchronous device, under torch's
+1F1B and under ScheduleRRFP at several limits (``tests/test_byte_limits.py`` asserts on it,
+``benchmarks/byte_limits_bench.py`` measures with it)."""
 
 from __future__ import annotations
 
@@ -10,9 +12,13 @@ import torch
 
 from rrfp import ScheduleRRFP
 from rrfp.device import EmulatedDevice
-from rrfp.emulation import EmulatedDeviceTime
+from rrfp.actions import Edge
 from rrfp.memory import ActivationMeter, MeteredModule
-from tests.workers import build_stages, held_from_order, loss_fn, torch_schedule
+from rrfp.stats import StepStats
+from rrfp.testing.chains import build_stages, loss_fn, torch_schedule
+from rrfp.testing.emulation import EmulatedDeviceTime
+from rrfp.testing.probes import held_from_order
+from rrfp.testing.timing import LATE_S
 
 WIDTH, ROWS = 32, 8
 """Features and rows per microbatch of every stage's input and output (float64)."""
@@ -59,14 +65,17 @@ class StepClock:
 
 
 def byte_limits_world(rank: int, world_size: int, runs: list[tuple[str, str | None]],
-                      steps: int = 4, seed: int = 0, base_s: float = 0.002) -> dict:
+                      steps: int = 4, seed: int = 0, base_s: float = 0.002,
+                      late_gradient: bool = False) -> dict:
     """1F1B on ``world_size`` ranks, one ``Widened`` stage each, 4 microbatches per rank:
     torch's Schedule1F1B metered by an ``ActivationMeter`` around the stage (its peak bytes
     per step), then ScheduleRRFP at each ``(buffer_limit, policy)`` of ``runs`` (metered
     every step; policy None: the default); per run, keyed ``"limit/policy"``, the
     last step's stats, the microbatches held recomputed from the realized order, the step
     times (wall clock around ``step``, both schedules alike), and whether the gradients
-    are bitwise torch's."""
+    are bitwise torch's. ``late_gradient``: in ScheduleRRFP's last step stage 0's first
+    gradient comes ``LATE_S`` late, so that rank 0 has the time to run forwards ahead as
+    far as its limit lets it."""
     num_stages, M = world_size, 4 * world_size
     torch.manual_seed(0)
     chain = [Widened(WIDENING[s % len(WIDENING)]) for s in range(num_stages)]
@@ -79,12 +88,16 @@ def byte_limits_world(rank: int, world_size: int, runs: list[tuple[str, str | No
         clock = StepClock(seed, base_s)
         clock.n_microbatches = M
 
+        def late_in_last_step(edge: Edge, mb: int) -> float:
+            late = late_gradient and (edge, mb, clock.step) == (Edge(1, 0), 0, steps - 1)
+            return LATE_S if late else 0.0
+
         def wrap(s, block):
             timed = clock.wrap(s, block)
             return MeteredModule(timed, meter) if meter is not None else timed
 
         stages, blocks = build_stages(chain, rank, world_size, "loop", wrap=wrap)
-        schedule = make_schedule(stages)
+        schedule = make_schedule(stages, late_in_last_step)
         optimizer = torch.optim.SGD([p for b in blocks for p in b.parameters()], lr=0.1)
         grads, times, fixed_bytes = [], [], []
         for step in range(steps):
@@ -104,7 +117,7 @@ def byte_limits_world(rank: int, world_size: int, runs: list[tuple[str, str | No
         return {"schedule": schedule, "grads": grads, "times": times,
                 "fixed_bytes": fixed_bytes}
 
-    fixed = run(lambda stages: torch_schedule("1F1B", stages, M), meter=ActivationMeter())
+    fixed = run(lambda stages, _: torch_schedule("1F1B", stages, M), meter=ActivationMeter())
     # From the second step: the first also runs torch's shape inference.
     results: dict = {"fixed_bytes": max(fixed["fixed_bytes"][1:]), "fixed_times": fixed["times"],
                      "fixed_held": held_from_order(
@@ -113,71 +126,35 @@ def byte_limits_world(rank: int, world_size: int, runs: list[tuple[str, str | No
     for limit, policy in runs:
         key = f"{limit}/{policy}"
         try:
-            outcome = run(lambda stages: ScheduleRRFP(
+            outcome = run(lambda stages, send_delay: ScheduleRRFP(
                 stages, M, loss_fn=loss_fn, hint="1F1B", buffer_limit=limit, policy=policy,
-                device=EmulatedDevice(), stall_timeout=60, meter_every=1))
+                device=EmulatedDevice(), stall_timeout=60, meter_every=1,
+                send_delay=send_delay))
         except ValueError as e:
             results[key] = {"error": str(e)}
             continue
         schedule = outcome["schedule"]
         stats = schedule.last_step_stats
         schedule.close()
-        results[key] = {
-            "policy": stats.policy,
-            "peak_bytes": stats.peak_activation_bytes,
-            "held": held_from_order(stats.realized_order)[1],
-            "rank_limit": stats.rank_buffer_limit,
-            "hint_rank_peak": stats.hint_rank_peak,
-            "per_microbatch": stats.activation_bytes_per_microbatch,
-            "budget": stats.rank_budget_bytes, "limit_bytes": stats.rank_limit_bytes,
-            "busiest_bytes": stats.busiest_rank_peak_bytes,
-            "out_of_order": stats.out_of_hint_order,
-            "times": outcome["times"],
-            "bitwise": all(torch.equal(a, b) for ga, gb in zip(outcome["grads"], fixed["grads"])
-                           for a, b in zip(ga, gb)),
-        }
+        results[key] = _outcome(stats, outcome, fixed["grads"])
     return results
 
 
-def sampled_meter(rank: int, world_size: int, meter_every: int, steps: int) -> dict:
-    """1F1B with the meter sampled every ``meter_every`` steps (the default schedule
-    otherwise): per step, whether the forwards ran under saved-tensor hooks (``HookProbe``)
-    and the stats' bytes; and whether the gradients are bitwise torch's Schedule1F1B."""
-    from tests.workers import HookProbe, bitwise_equal, make_batch, make_chain, run_steps
-
-    M = 4
-    chain = make_chain(world_size)
-    x, y = make_batch(M)
-    stages, blocks = build_stages(chain, rank, world_size, "loop")
-    fixed = run_steps(torch_schedule("1F1B", stages, M), stages, blocks, x, y, steps)
-    stages, blocks = build_stages(chain, rank, world_size, "loop", wrap=lambda s, b: HookProbe(b))
-    schedule = ScheduleRRFP(stages, M, loss_fn=loss_fn, hint="1F1B", stall_timeout=60,
-                            meter_every=meter_every)
-    per_step, history = [], []
-    for _ in range(steps):
-        before = sum(len(stage.submod.hooked) for stage in stages)
-        history += run_steps(schedule, stages, blocks, x, y, 1)
-        hooked = [h for stage in stages for h in stage.submod.hooked][before:]
-        stats = schedule.last_step_stats
-        per_step.append({"hooked": sum(hooked), "forwards": len(hooked),
-                         "bytes": stats.peak_activation_bytes,
-                         "per_microbatch": stats.activation_bytes_per_microbatch})
-    schedule.close()
-    return {"steps": per_step, "bitwise": bitwise_equal(history, fixed)}
-
-
-def refused_settings(rank: int, world_size: int) -> dict[str, str]:
-    """The ``ValueError`` of each byte setting ScheduleRRFP refuses on CPU stages."""
-    from tests.workers import make_chain
-
-    stages, _ = build_stages(make_chain(world_size), rank, world_size, "loop")
-    errors = {}
-    for name, kwargs in {"auto on CPU": dict(buffer_limit="auto"),
-                         "busiest unmetered": dict(buffer_limit="busiest",
-                                                   meter_activations=False),
-                         "meter_every 0": dict(meter_every=0)}.items():
-        try:
-            ScheduleRRFP(stages, 4, loss_fn=loss_fn, hint="1F1B", **kwargs).close()
-        except ValueError as e:
-            errors[name] = str(e)
-    return errors
+def _outcome(stats: StepStats, run: dict, fixed_grads: list) -> dict:
+    """What is read of one ScheduleRRFP run: its last step's stats, the microbatches held
+    recomputed from its realized order, its step times, whether its gradients are bitwise
+    ``fixed_grads``."""
+    return {
+        "policy": stats.policy,
+        "peak_bytes": stats.peak_activation_bytes,
+        "held": held_from_order(stats.realized_order)[1],
+        "rank_limit": stats.rank_buffer_limit,
+        "hint_rank_peak": stats.hint_rank_peak,
+        "per_microbatch": stats.activation_bytes_per_microbatch,
+        "budget": stats.rank_budget_bytes, "limit_bytes": stats.rank_limit_bytes,
+        "busiest_bytes": stats.busiest_rank_peak_bytes,
+        "out_of_order": stats.out_of_hint_order,
+        "times": run["times"],
+        "bitwise": all(torch.equal(a, b) for ga, gb in zip(run["grads"], fixed_grads)
+                       for a, b in zip(ga, gb)),
+    }

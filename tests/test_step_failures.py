@@ -1,0 +1,372 @@
+"""A failed step on CPU/gloo and on NCCL-like channels: every rank raises promptly, naming
+the rank that failed; nothing of the step is held afterwards; a new schedule recovers; a
+clean close lets the peer finish its step (each world has a hard timeout)."""
+
+from __future__ import annotations
+
+import copy
+import threading
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from rrfp import PipelineStallError, ScheduleRRFP
+from rrfp._torch_compat import forward_states_held
+from rrfp.device import EmulatedDevice
+from rrfp.testing.chains import (bitwise_equal, build_stages, local_stage_indices, loss_fn,
+                                 make_batch, make_chain, run_steps, torch_schedule)
+from rrfp.testing.emulation import EmulatedDeviceTime
+from rrfp.testing.nccl_like import use_channels
+from rrfp.testing.probes import error_chain
+from rrfp.testing.worlds import run_local_world
+
+
+def silent_first_rank(rank: int, world_size: int, stall_timeout: float) -> dict:
+    """After one normal step, rank 0 stops stepping: every rank downstream must raise.
+
+    (The first step's shape inference uses torch's blocking P2P, so the silence starts
+    in the second step.)
+    """
+    chain = make_chain(world_size)
+    x, y = make_batch(world_size)
+    stages, blocks = build_stages(chain, rank, world_size, "loop")
+    schedule = ScheduleRRFP(stages, world_size, loss_fn=loss_fn, hint="1F1B",
+                            stall_timeout=stall_timeout)
+    run_steps(schedule, stages, blocks, x, y, steps=1)
+    outcome: dict = {}
+    if rank > 0:
+        start = time.perf_counter()
+        try:
+            run_steps(schedule, stages, blocks, x, y, steps=1)
+        except PipelineStallError as e:
+            outcome = {"error": str(e), "elapsed": time.perf_counter() - start}
+    dist.barrier()
+    return outcome
+
+
+def test_every_waiting_rank_raises_when_a_peer_never_sends():
+    ranks = run_local_world(4, silent_first_rank, 2.0, timeout=120)
+    assert ranks[0] == {}
+    for rank in (1, 2, 3):
+        outcome = ranks[rank]
+        assert 2.0 <= outcome["elapsed"] < 15.0
+        message = outcome["error"]
+        assert f"pipeline rank {rank}" in message
+        assert f"stage {rank} F microbatch 0" in message
+        assert f"input activation from stage {rank - 1} on pipeline rank {rank - 1}" in message
+
+
+class FailingLoss:
+    """mse, but raises at one microbatch of one step once armed."""
+
+    def __init__(self, fail_at_call: int):
+        self.calls, self.fail_at_call, self.armed = 0, fail_at_call, False
+
+    def __call__(self, output, target):
+        self.calls += 1
+        if self.armed and self.calls == self.fail_at_call:
+            raise RuntimeError("loss failed on purpose")
+        return loss_fn(output, target)
+
+
+def receive_buffers_bound(stages) -> int:
+    """Receive descriptors of the stages that still point at a buffer."""
+    return sum(info.buffer is not None for stage in stages
+               for infos in (*stage.args_recv_info.values(), *stage.grad_recv_info.values())
+               for info in infos if not info.is_root_arg)
+
+
+def split_backward_failure(rank: int, world_size: int) -> dict:
+    """ZBVZeroBubble (backward split into I and W) over the emulated device; the loss of
+    the third microbatch raises on the rank that holds the last stage. What each rank's
+    stages still hold for unfinished microbatches once the step has failed."""
+    M = 4
+    chain = make_chain(2 * world_size)
+    x, y = make_batch(M)
+    failing_loss = FailingLoss(fail_at_call=3)
+    stages, blocks = build_stages(chain, rank, world_size, "v")
+    failing_loss.armed = any(stage.is_last for stage in stages)
+    schedule = ScheduleRRFP(stages, M, loss_fn=failing_loss, hint="ZBVZeroBubble",
+                            stall_timeout=30, device=EmulatedDevice(), launch_depth=1)
+    error = None
+    try:
+        run_steps(schedule, stages, blocks, x, y, 1)
+    except Exception as e:
+        error = error_chain(e)
+    held = {name: sum(len(getattr(stage, name)) for stage in stages)
+            for name in ("backward_state", "dw_runner", "bwd_cache")}
+    held["forward_states"] = sum(forward_states_held(stage) for stage in stages)
+    return {"error": error, "held": held, "bound": receive_buffers_bound(stages)}
+
+
+def test_a_failed_step_under_split_backward_leaves_no_unfinished_microbatch_held():
+    """With I and W split, a microbatch between its I and its W keeps its graph in the
+    stage's backward state: a failed step must let go of that too, not only of the
+    forward caches."""
+    for rank, result in enumerate(run_local_world(2, split_backward_failure,
+                                                  timeout=120)):
+        assert result["error"] is not None, f"rank {rank} did not fail"
+        assert result["held"] == {"forward_states": 0, "backward_state": 0, "dw_runner": 0,
+                                  "bwd_cache": 0}, (rank, result)
+        assert result["bound"] == 0, (rank, result)
+
+
+def rrfp_threads() -> list[str]:
+    return sorted(t.name for t in threading.enumerate() if t.name.startswith("rrfp-"))
+
+
+def recovers_as_gpipe(chain, snapshot, rank: int, world_size: int, M: int, x, y) -> bool:
+    """Whether a new ScheduleRRFP, on fresh stages with the parameters ``snapshot`` holds
+    (this rank's blocks), steps bitwise as torch's GPipe."""
+    full = list(chain)
+    for s, saved in zip(local_stage_indices(rank, world_size, world_size, "loop"), snapshot):
+        full[s] = saved
+    stages, blocks = build_stages(full, rank, world_size, "loop")
+    recovered = ScheduleRRFP(stages, M, loss_fn=loss_fn, hint="GPipe", stall_timeout=300,
+                             device=EmulatedDevice(), launch_depth=1)
+    got = run_steps(recovered, stages, blocks, x, y, 1)
+    recovered.close()
+    fixed_stages, fixed_blocks = build_stages(full, rank, world_size, "loop")
+    expected = run_steps(torch_schedule("GPipe", fixed_stages, M), fixed_stages, fixed_blocks,
+                         x, y, 1)
+    return bitwise_equal(got, expected)
+
+
+def failure_and_recovery(rank: int, world_size: int, failing_rank: int) -> dict:
+    """GPipe over the emulated device; the second step fails on ``failing_rank`` (rank 0:
+    stage 0's forward of microbatch 2 raises; the last rank: its loss raises). Every rank
+    must raise promptly; then each builds a new ScheduleRRFP in the same process and steps:
+    bitwise what torch's GPipe computes from the same parameters."""
+    M = 4
+    chain = make_chain(world_size)
+    x, y = make_batch(M)
+    failing_loss = FailingLoss(fail_at_call=2)
+
+    class FailingForward(torch.nn.Module):
+        def __init__(self, inner):
+            super().__init__()
+            self.inner, self.calls, self.armed = inner, 0, False
+
+        def forward(self, inp):
+            self.calls += 1
+            if self.armed and self.calls == 3:
+                raise RuntimeError("forward failed on purpose")
+            return self.inner(inp)
+
+    wrap = (lambda s, b: FailingForward(b)) if rank == failing_rank == 0 else None
+    stages, blocks = build_stages(chain, rank, world_size, "loop", wrap=wrap)
+    schedule = ScheduleRRFP(stages, M, loss_fn=failing_loss, hint="GPipe", stall_timeout=30,
+                            device=EmulatedDevice(), launch_depth=1)
+    run_steps(schedule, stages, blocks, x, y, 1)
+    snapshot = [copy.deepcopy(b) for b in blocks]
+    failing_loss.armed = rank == failing_rank
+    for stage in stages:
+        if isinstance(stage.submod, FailingForward):
+            stage.submod.calls, stage.submod.armed = 0, True
+    failing_loss.calls = 0
+    start = time.perf_counter()
+    error = None
+    try:
+        run_steps(schedule, stages, blocks, x, y, 1)
+    except Exception as e:
+        error = error_chain(e)
+    elapsed = time.perf_counter() - start
+    threads_after_failure = rrfp_threads()
+    # Microbatches forwarded but never backwarded: their graphs must not outlive the failure.
+    cached_after_failure = sum(forward_states_held(stage) for stage in stages)
+    bound_after_failure = receive_buffers_bound(stages)
+    try:
+        run_steps(schedule, stages, blocks, x, y, 1)
+        refused = None
+    except RuntimeError as e:
+        refused = str(e)
+
+    # A new schedule on the parameters as they were before the failed step (which ran no
+    # optimizer step), on fresh stages.
+    bitwise = recovers_as_gpipe(chain, snapshot, rank, world_size, M, x, y)
+    return {"error": error, "elapsed": elapsed, "refused": refused,
+            "threads_after_failure": threads_after_failure, "threads_at_end": rrfp_threads(),
+            "cached_after_failure": cached_after_failure,
+            "bound_after_failure": bound_after_failure,
+            "bitwise": bitwise}
+
+
+@pytest.mark.parametrize("failing_rank", [0, 1])
+def test_a_failed_step_fails_every_rank_promptly_and_a_new_schedule_recovers(failing_rank):
+    ranks = run_local_world(2, failure_and_recovery, failing_rank, timeout=120)
+    for rank, result in enumerate(ranks):
+        assert result["error"] is not None, f"rank {rank} did not fail"
+        if rank == failing_rank:
+            assert "failed on purpose" in result["error"], result["error"]
+        else:  # told through the store, naming the failed rank, not a 30 s stall
+            assert result["error"].startswith("PeerFailedError"), result["error"]
+            assert f"global rank {failing_rank} of the pipeline failed" in result["error"]
+        assert result["elapsed"] < 10, result
+        assert "cannot run another step" in result["refused"]
+        assert result["threads_after_failure"] == [], result["threads_after_failure"]
+        assert result["cached_after_failure"] == 0
+        assert result["bound_after_failure"] == 0, "a receive buffer stays bound to torch's infos"
+        assert result["threads_at_end"] == []
+        assert result["bitwise"], f"rank {rank}: the recovered step differs from torch's GPipe"
+
+
+FAILED_AT: list[float] = []
+"""``time.time()`` when a planted failure struck in this process."""
+
+
+def _strike(what: str):
+    FAILED_AT.append(time.time())
+    raise RuntimeError(f"{what} failed on purpose")
+
+
+def failure_reaches_every_rank(rank: int, world_size: int, kind: str, how: str) -> dict:
+    """GPipe over ``world_size`` ranks on the emulated device, ``stall_timeout`` 300 s;
+    in the second step one rank fails mid-step (``how``): ``"forward"`` (rank 0, stage 0's
+    forward of microbatch 2), ``"loss"`` (the last rank, microbatch 2's loss), ``"send"``
+    (rank 1's second activation send: on ``"nccl-like"`` channels its work completes with
+    an error, on gloo the send call raises). Channels: ``kind`` (``use_channels``). Every
+    rank records what it raised and when; then each builds a new schedule in the same
+    process, whose step must be bitwise torch's GPipe."""
+    from rrfp.channels import Channel
+
+    M = 6
+    failing = {"forward": 0, "loss": world_size - 1, "send": 1}[how]
+    plant = how == "send" and rank == failing
+    # The second activation of the second step (the first step sent M).
+    use_channels(kind, fail_send_at={(1, 2): M + 1} if plant and kind == "nccl-like" else None)
+    if plant and kind == "gloo":
+        real_send, sent = Channel.send, []
+
+        def send(self, tensor):
+            if self.edge.src == 1 and self.edge.dst == 2 and tensor.numel() > 1:
+                sent.append(1)
+                if len(sent) == 2 and armed:
+                    _strike("send")
+            return real_send(self, tensor)
+
+        Channel.send = send
+    armed = False
+    chain = make_chain(world_size)
+    x, y = make_batch(M)
+
+    class Failing(torch.nn.Module):
+        def __init__(self, inner):
+            super().__init__()
+            self.inner, self.calls = inner, 0
+
+        def forward(self, inp):
+            self.calls += 1
+            if armed and self.calls == 3:
+                _strike("forward")
+            return self.inner(inp)
+
+    calls = [0]
+
+    def loss(output, target):
+        calls[0] += 1
+        if armed and calls[0] == 3:
+            _strike("loss")
+        return loss_fn(output, target)
+
+    wrap = (lambda s, b: Failing(b)) if how == "forward" and rank == failing else None
+    stages, blocks = build_stages(chain, rank, world_size, "loop", wrap=wrap)
+    schedule = ScheduleRRFP(stages, M, loss_fn=loss if how == "loss" and rank == failing
+                            else loss_fn, hint="GPipe", stall_timeout=300,
+                            device=EmulatedDevice(), launch_depth=1)
+    run_steps(schedule, stages, blocks, x, y, 1)
+    snapshot = [copy.deepcopy(b) for b in blocks]
+    armed, calls[0] = True, 0
+    for stage in stages:
+        if isinstance(stage.submod, Failing):
+            stage.submod.calls = 0
+    if plant and kind == "gloo":
+        sent.clear()
+    error, failed_rank = None, None
+    try:
+        run_steps(schedule, stages, blocks, x, y, 1)
+    except Exception as e:
+        error = error_chain(e)
+        failed_rank = getattr(e, "failed_rank", None)
+    raised_at = time.time()
+    armed = False
+    if plant and kind == "gloo":
+        Channel.send = real_send
+    use_channels(kind)
+    bitwise = recovers_as_gpipe(chain, snapshot, rank, world_size, M, x, y)
+    return {"error": error, "failed_rank": failed_rank, "raised_at": raised_at,
+            "failed_at": FAILED_AT[0] if FAILED_AT else None,
+            "bitwise": bitwise, "threads_at_end": rrfp_threads()}
+
+
+@pytest.mark.parametrize("how", ["forward", "loss", "send"])
+@pytest.mark.parametrize("kind", ["gloo", "nccl-like"])
+def test_a_rank_failing_mid_step_makes_every_rank_raise_within_2_s_naming_it(kind, how):
+    """3 ranks, ``stall_timeout`` 300 s. One rank fails mid-step: a forward (rank 0), the
+    loss (rank 2), a send (rank 1; on the NCCL-like channels its work completes with an
+    error). Every other rank raises ``PeerFailedError`` naming it within 2 s — on gloo,
+    whose closed connections would also fail the neighbours, and on channels whose abort
+    does not reach the peer (``rrfp.testing.nccl_like``), where only the store tells them. Then a
+    new schedule in the same process steps bitwise as torch's GPipe."""
+    ranks = run_local_world(3, failure_reaches_every_rank, kind, how, timeout=150)
+    failing = {"forward": 0, "loss": 2, "send": 1}[how]
+    own = ranks[failing]
+    assert own["error"] is not None and own["failed_rank"] is None, own
+    assert ("failed on purpose" if kind == "gloo" or how != "send" else "planted send error") \
+        in own["error"], own["error"]
+    if how == "send" and kind == "nccl-like":  # a send's work that completed with an error
+        assert "on channel 1->2 (global rank 1 -> 2)" in own["error"], own["error"]
+    struck = own["failed_at"] or own["raised_at"]
+    for rank, result in enumerate(ranks):
+        assert result["bitwise"], f"rank {rank}: the new schedule's step differs from GPipe"
+        assert result["threads_at_end"] == [], result["threads_at_end"]
+        if rank == failing:
+            continue
+        assert result["error"].startswith("PeerFailedError"), result["error"]
+        assert result["failed_rank"] == failing
+        assert f"global rank {failing} of the pipeline failed" in result["error"]
+        assert f"pipeline rank {rank} (global rank {rank}) stops its step" in result["error"]
+        assert result["raised_at"] - struck < 2.0, (rank, result["raised_at"] - struck)
+
+
+def clean_close_then_peer_steps(rank: int, world_size: int, kind: str) -> dict:
+    """An eval step (forwards only) of 1F1B over 6 microbatches; rank 1's forwards are slow
+    (0.2 s), so its activation ring (2 slots) has not posted the receives of the last
+    microbatches when rank 0 has sent everything. Rank 0 closes its schedule right after
+    its step; rank 1 must still complete its own (no message of rank 0's dropped)."""
+    use_channels(kind)
+    M = 6
+    chain = make_chain(world_size)
+    x, y = make_batch(M)
+    wrap = ((lambda s, b: EmulatedDeviceTime(b, M, lambda mb: 0.2, lambda mb: 0.0))
+            if rank == 1 else None)
+    stages, blocks = build_stages(chain, rank, world_size, "loop", wrap=wrap)
+    schedule = ScheduleRRFP(stages, M, loss_fn=loss_fn, hint="1F1B", stall_timeout=300,
+                            device=EmulatedDevice(), launch_depth=1)
+    run_steps(schedule, stages, blocks, x, y, 1)  # shape inference: torch's blocking P2P
+    inputs = (x,) if rank == 0 else ()
+    error = None
+    start = time.perf_counter()
+    try:
+        with torch.no_grad():
+            schedule.eval(*inputs, target=y)
+        if rank == 0:
+            schedule.close()
+    except Exception as e:
+        error = error_chain(e)
+    elapsed = time.perf_counter() - start
+    if rank == 1:
+        schedule.close()
+    return {"error": error, "elapsed": elapsed}
+
+
+@pytest.mark.parametrize("kind", ["gloo", "nccl-like"])
+def test_after_a_clean_step_and_close_the_peer_completes_its_step(kind):
+    """Rank 0 closes right after its step while its last messages still wait for rank 1's
+    receives (on the NCCL-like channels its sends are then still in flight: a close that
+    shut the channels down at once would drop them, and rank 1 would wait 300 s)."""
+    ranks = run_local_world(2, clean_close_then_peer_steps, kind, timeout=120)
+    assert ranks[0]["error"] is None and ranks[1]["error"] is None, ranks
+    # Rank 0's close waited for rank 1's slow forwards to take its messages.
+    assert ranks[0]["elapsed"] >= 0.2, ranks[0]
