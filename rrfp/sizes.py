@@ -60,6 +60,35 @@ StepSizes = Sequence["MicrobatchSize | None"]
 """One entry per microbatch of a step (None: that microbatch's size is not known)."""
 
 
+def step_sizes(given: object, n_microbatches: int) -> list[MicrobatchSize | None] | None:
+    """A step's sizes as the caller gave them (``ScheduleRRFP.step(mb_sizes=...)``),
+    checked: None, or a list or tuple with one entry per microbatch, each a
+    ``MicrobatchSize``, a number (its tokens) or None (not known). Raises ``ValueError``
+    (``TypeError`` for an entry of another type) saying what to change; checks no more
+    than the sizes themselves, so every rank given the same sizes raises alike."""
+    if given is None:
+        return None
+    if not isinstance(given, (list, tuple)):
+        raise TypeError(f"mb_sizes must be a list with one size per microbatch, not a "
+                        f"{type(given).__name__}")
+    if len(given) != n_microbatches:
+        raise ValueError(f"mb_sizes has {len(given)} entries for {n_microbatches} "
+                         "microbatches: give one size (or None) per microbatch")
+    sizes: list[MicrobatchSize | None] = []
+    for i, size in enumerate(given):
+        if size is None or isinstance(size, MicrobatchSize):
+            sizes.append(size)
+        elif isinstance(size, (int, float)) and not isinstance(size, bool):
+            try:
+                sizes.append(MicrobatchSize(tokens=size))
+            except ValueError as e:
+                raise ValueError(f"mb_sizes[{i}]: {e}") from None
+        else:
+            raise TypeError(f"mb_sizes[{i}] is a {type(size).__name__}: give a "
+                            "rrfp.sizes.MicrobatchSize, a number of tokens, or None")
+    return sizes
+
+
 def tell_apart(sizes: StepSizes | None) -> bool:
     """Whether ``sizes`` say anything a per-kind mean does not: at least two known sizes
     that differ. A packed batch (every microbatch alike) is costed as if no size were
