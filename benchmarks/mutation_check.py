@@ -160,6 +160,18 @@ MUTATIONS = [
         "self._sizes_tell_apart = sizes is not None",
         ("tests/test_sizes.py::test_without_sizes_that_tell_microbatches_apart_decisions_are_"
          "as_without_sizes",)),
+    Mutation(
+        "runtime_fits_not_shared", "every rank costs every stage from the fits the ranks "
+        "share through the store (runtime)", "rrfp/runtime.py",
+        "            self.history.models.adopt(self.fit_sharing.latest())", "            pass",
+        ("tests/test_sizes_runtime.py::test_sized_steps_share_fits_predict_by_size_and_"
+         "keep_torchs_gradients",)),
+    Mutation(
+        "mb_sizes_length_unchecked", "sizes of the wrong length raise ValueError before the "
+        "step communicates", "rrfp/sizes.py",
+        "    if len(given) != n_microbatches:", "    if False:",
+        ("tests/test_sizes_runtime.py::test_bad_sizes_raise_value_error_on_every_rank_before_"
+         "any_communication",)),
 ]
 
 

@@ -11,12 +11,15 @@ The keys live under the channels' generation prefix (as the failure board's do).
 from __future__ import annotations
 
 import json
+import logging
 import time
 from collections.abc import Mapping, Sequence
 
 import torch.distributed as dist
 
 from rrfp.sizes import DurationFit, Key
+
+logger = logging.getLogger(__name__)
 
 
 def encode_fits(fits: Mapping[Key, DurationFit]) -> str:
@@ -47,7 +50,10 @@ class FitSharing:
         if self._store is None or not fits:
             return
         started = time.perf_counter()
-        self._store.set(f"fits/{self._me}", encode_fits(fits))
+        try:
+            self._store.set(f"fits/{self._me}", encode_fits(fits))
+        except Exception as e:  # the store gone: the peers cost this rank's stages by means
+            logger.warning("global rank %d could not share its duration fits: %s", self._me, e)
         self.seconds += time.perf_counter() - started
 
     def latest(self) -> dict[Key, DurationFit]:
@@ -55,11 +61,15 @@ class FitSharing:
         if self._store is None:
             return {}
         started = time.perf_counter()
-        # One round trip once every peer has published (every step after the first).
-        present = (self._others if self._store.check(self._others)
-                   else [key for key in self._others if self._store.check([key])])
         fits: dict[Key, DurationFit] = {}
-        for said in self._store.multi_get(present) if present else ():
-            fits.update(decode_fits(said.decode()))
+        try:
+            # One round trip once every peer has published (every step after the first).
+            present = (self._others if self._store.check(self._others)
+                       else [key for key in self._others if self._store.check([key])])
+            for said in self._store.multi_get(present) if present else ():
+                fits.update(decode_fits(said.decode()))
+        except Exception as e:  # the store gone: cost the others' stages by what is known
+            logger.warning("global rank %d could not read the others' duration fits: %s",
+                           self._me, e)
         self.seconds += time.perf_counter() - started
         return fits
