@@ -103,7 +103,7 @@ def page(rows: list[dict], steps: int, seconds: float) -> list[str]:
             + f" | {size(max(row['fixed'].values()))} | {row['step_ms']:.0f} ms |")
     lines += [
         "",
-        f"## The limits each byte setting gives, and what the advisor predicts there",
+        "## The limits each byte setting gives, and what the advisor predicts there",
         "",
         f"Budget: {rows[0]['budget_spelled']} per rank, what the fixed schedule's busiest rank "
         "holds without checkpointing. Predicted: speedup over the fixed schedule, median over "

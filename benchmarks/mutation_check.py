@@ -200,6 +200,37 @@ MUTATIONS = [
         "no_end_of_run_summary", "torchtitan jobs end with the verdict and a summary",
         "torchtitan_ext/common/stats_logging.py", "stats_log.advice.finish()", "pass",
         ("tests/test_torchtitan.py::test_main_job_trains_on_cpu_and_logs_rrfp_stats",)),
+    Mutation(
+        "critical_ignores_sizes", "critical costs each action by the duration its "
+        "microbatch's size predicts, on every stage", "rrfp/policy.py",
+        "    if history is None or not history.sizes_tell_apart:", "    if True:",
+        ("tests/test_sizes.py::test_critical_ranks_by_the_sizes_of_the_step_on_every_stage",
+         "tests/test_sizes.py::test_knowing_sizes_gains_where_costs_follow_them")),
+    Mutation(
+        "size_fits_not_shared", "every rank predicts every stage from the fits the ranks "
+        "share (simulator)", "rrfp/sim/engine.py",
+        "        _share_fits(learned.values())", "        pass",
+        ("tests/test_sizes.py::test_the_simulated_policy_is_told_sizes_and_predicts_from_"
+         "earlier_steps_only",)),
+    Mutation(
+        "packed_sizes_change_decisions", "a step whose sizes are all alike is decided as "
+        "without sizes", "rrfp/history.py",
+        "self._sizes_tell_apart = tell_apart(sizes)",
+        "self._sizes_tell_apart = sizes is not None",
+        ("tests/test_sizes.py::test_without_sizes_that_tell_microbatches_apart_decisions_are_"
+         "as_without_sizes",)),
+    Mutation(
+        "runtime_fits_not_shared", "every rank costs every stage from the fits the ranks "
+        "share through the store (runtime)", "rrfp/runtime.py",
+        "            self.history.models.adopt(self.fit_sharing.latest())", "            pass",
+        ("tests/test_sizes_runtime.py::test_sized_steps_share_fits_predict_by_size_and_"
+         "keep_torchs_gradients",)),
+    Mutation(
+        "mb_sizes_length_unchecked", "sizes of the wrong length raise ValueError before the "
+        "step communicates", "rrfp/sizes.py",
+        "    if len(given) != n_microbatches:", "    if False:",
+        ("tests/test_sizes_runtime.py::test_bad_sizes_raise_value_error_on_every_rank_before_"
+         "any_communication",)),
 ]
 
 

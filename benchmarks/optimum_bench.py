@@ -6,6 +6,9 @@
         --limits hint             # held-out seeds: results/optimum_5-24_spikes_hint.md (~16 min)
     python -m benchmarks.optimum_bench --first-seed 100 --seeds 5 --workloads all \
         --limits hint+2 --time-limit 20   # every workload family, held out (~20 min)
+    python -m benchmarks.optimum_bench --first-seed 100 --seeds 20 --workloads documents \
+        documents-latency multimodal-unpacked multimodal-unpacked-latency jitter bursty \
+        --limits hint+2 --time-limit 20 --sizes-known --reuse   # sizes told to the policies
 
 For each step (1F1B hint, 8 ranks, 32 microbatches; compute jitter, multimodal, and
 heavy-tailed P2P latency: mean half a forward, 5% of transfers 5-20x slower; seeds 0-4),
@@ -25,7 +28,9 @@ actions as the default ``critical`` does, by the longest chain of work behind ea
 costs the chains by the step's true durations and latencies; ``informed-critical`` costs
 them by all that has happened on every rank (an action whose microbatch has ended its
 forward on that stage: that forward's duration times its kind's cost): what ``critical``'s
-rule captures with perfect foresight, and with all knowledge a rank could be given. Seeds
+rule captures with perfect foresight, and with all knowledge a rank could be given.
+``--sizes-known`` tells every policy each step's microbatch sizes (the workloads whose
+variability comes from the data have them: ``rrfp.sim.workloads.SIZE_WORKLOADS``). Seeds
 other than 0-4 (``--first-seed``) check a policy on steps its defaults were not chosen on. Every figure
 is simulated.
 """
@@ -59,6 +64,10 @@ draws; ``foresight-critical``: critical's ranking by every true duration and lat
 ``informed-critical``: critical's ranking by all that has happened on every rank
 (yardsticks no rank can run)."""
 RUNNABLE = ("default", "hint", "lookahead", "arrival", "critical", "window", "BF")
+SIZES_KNOWN = "/sizes-known"
+"""What a step's cache key ends with where the policies were told the microbatch sizes."""
+UNSIZED_DEFAULT = "default, sizes unknown"
+"""With ``--sizes-known``, the column of the default policy not told the sizes."""
 PER_STEP_BEST = "best runnable per step"
 """The column of the best of the ``RUNNABLE`` policies on each step, chosen after the fact:
 what any rule that picks one of them per step (from whatever signal) could capture at
@@ -70,9 +79,11 @@ def _label(policy: str | None) -> str:
 
 
 def solve(seeds: Sequence[int], workloads: Sequence[str], limits: Sequence[str],
-          time_limit_s: float, solved: Mapping[str, dict], cached: dict) -> dict:
+          time_limit_s: float, solved: Mapping[str, dict], cached: dict,
+          sizes_known: bool = False) -> dict:
     """Per step: the fixed schedule, the bound, CP-SAT's best (taken from ``solved`` where
-    it has the step) and every policy's makespan; each step is written into ``cached``
+    it has the step) and every policy's makespan (``sizes_known``: told the microbatch
+    sizes, and the default without them besides); each step is written into ``cached``
     and the cache file as soon as it is done, so that an interrupted run keeps it."""
     hint = build_hint("1F1B", num_ranks=8, num_stages=8, n_microbatches=32)
     rows = {}
@@ -81,16 +92,23 @@ def solve(seeds: Sequence[int], workloads: Sequence[str], limits: Sequence[str],
             for seed in seeds:
                 key = f"{workload}/{limit}/{seed}"
                 started = time.time()
-                if key in solved:
-                    cp_sat, proven = solved[key]["cp_sat"], solved[key]["proven"]
+                # CP-SAT's answer does not depend on what the policies know.
+                known = solved.get(key) or solved.get(key + SIZES_KNOWN)
+                if known is not None:
+                    cp_sat, proven = known["cp_sat"], known["proven"]
                 else:
                     timing = make_timing(workload, 8, 32, seed)
                     best = optimum(hint, timing.duration, timing.latency,
                                    resolve_buffer_limits(limit, hint), time_limit_s=time_limit_s)
                     cp_sat, proven = best.makespan, best.proven
-                runs = {_label(p): compare(hint, workload, seed, limit=limit, policy=p)
+                runs = {_label(p): compare(hint, workload, seed, limit=limit, policy=p,
+                                           sizes_known=sizes_known)
                         for p in POLICIES}
+                if sizes_known:
+                    runs[UNSIZED_DEFAULT] = compare(hint, workload, seed, limit=limit)
                 first = runs["default"]
+                if sizes_known:
+                    key += SIZES_KNOWN
                 rows[key] = {
                     "fixed": first.fixed.makespan, "bound": first.bounds.tighter,
                     "cp_sat": cp_sat, "proven": proven,
@@ -107,7 +125,8 @@ def solve(seeds: Sequence[int], workloads: Sequence[str], limits: Sequence[str],
 
 
 def render(rows: dict, seeds: Sequence[int], workloads: Sequence[str], limits: Sequence[str],
-           command: str, time_limit_s: float) -> list[str]:
+           command: str, time_limit_s: float, sizes_known: bool = False) -> list[str]:
+    suffix = SIZES_KNOWN if sizes_known else ""
     lines = [
         "# Fraction of the achievable gain captured (simulated)",
         "",
@@ -125,6 +144,14 @@ def render(rows: dict, seeds: Sequence[int], workloads: Sequence[str], limits: S
         "",
     ]
     columns = [*(_label(p) for p in POLICIES), PER_STEP_BEST]
+    if sizes_known:
+        lines += [
+            "**Sizes known**: every policy's ranks are told each step's microbatch sizes "
+            "(`Timing.sizes`: tokens, sum of squared document lengths, images; never the "
+            "durations) and predict durations from them by what the two earlier steps "
+            "measured (`rrfp.sizes`); workloads without sizes run as without. "
+            f"*{UNSIZED_DEFAULT}*: the default not told them.", ""]
+        columns.insert(1, UNSIZED_DEFAULT)
     for limit in limits:
         lines += [f"## Limit `{limit}` (8 ranks, 32 microbatches, 1F1B)", "",
                   "| workload | fixed / bound | best known speedup (proven) | " +
@@ -134,7 +161,7 @@ def render(rows: dict, seeds: Sequence[int], workloads: Sequence[str], limits: S
         speedups_all: dict[str, list[float]] = {name: [] for name in columns}
         best_all: list[float] = []
         for workload in workloads:
-            cells = [rows[f"{workload}/{limit}/{seed}"] for seed in seeds]
+            cells = [rows[f"{workload}/{limit}/{seed}{suffix}"] for seed in seeds]
             makespans = [{**c["policies"], PER_STEP_BEST: min(c["policies"][name]
                                                                for name in RUNNABLE)}
                          for c in cells]
@@ -190,6 +217,10 @@ def main(argv=None) -> None:
     parser.add_argument("--reuse", action="store_true",
                         help="take CP-SAT's results from results/optimum.json where it has "
                              "the step (re-simulating the policies), solve the others")
+    parser.add_argument("--sizes-known", action="store_true",
+                        help="tell the policies each step's microbatch sizes (the workloads "
+                             "with sizes: documents, multimodal-unpacked and their -latency "
+                             "forms); adds the default without them as a column")
     args = parser.parse_args(argv)
     seeds = range(args.first_seed, args.first_seed + args.seeds)
     named_workloads = args.workloads
@@ -201,7 +232,7 @@ def main(argv=None) -> None:
     except FileNotFoundError:
         cached = {}
     rows = solve(seeds, args.workloads, args.limits, args.time_limit,
-                 dict(cached) if args.reuse else {}, cached)
+                 dict(cached) if args.reuse else {}, cached, args.sizes_known)
     command, page = "python -m benchmarks.optimum_bench", ["optimum"]
     if (args.first_seed, args.seeds) != (0, 5):
         command += f" --first-seed {args.first_seed} --seeds {args.seeds}"
@@ -212,7 +243,11 @@ def main(argv=None) -> None:
     if args.limits != list(LIMITS):
         command += " --limits " + " ".join(args.limits)
         page += args.limits
-    lines = render(rows, seeds, args.workloads, args.limits, command, args.time_limit)
+    if args.sizes_known:
+        command += " --sizes-known"
+        page.append("sizes-known")
+    lines = render(rows, seeds, args.workloads, args.limits, command, args.time_limit,
+                   args.sizes_known)
     print(f"wrote {write_page('_'.join(page) + '.md', lines)}")
 
 

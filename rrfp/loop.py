@@ -31,7 +31,7 @@ from typing import Protocol
 from rrfp.actions import _Action, describe, Edge
 from rrfp.arbiter import Arbiter
 from rrfp.errors import PipelineStallError
-from rrfp.policy import History
+from rrfp.history import History
 
 
 DEFAULT_LAUNCH_DEPTH = 2
@@ -230,10 +230,12 @@ class StepLoop:
         return sum(c.end - c.start for c in self.completions)
 
     def teach(self, history: History) -> None:
-        """Record this step's device durations and arrivals for the next step's policy."""
+        """Record this step's device durations (with the sizes the history was told to
+        expect) and arrivals for the next step's policy."""
         history.start_step()
-        history.record_durations((c.action.stage_index, c.action.computation_type.value,
-                                  c.end - c.start) for c in self.completions)
+        history.record_step([(c.action.stage_index, c.action.computation_type.value,
+                              c.action.microbatch_index, c.end - c.start)
+                             for c in self.completions])
         for arrival in self.received:
             history.record_arrival(arrival.edge, arrival.microbatch, arrival.at)
 

@@ -9,12 +9,12 @@ ready action (return None) must not do so forever, or the pipeline would stall.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
 from rrfp.arbiter import ArbiterView, OwnOrder, Policy
 from rrfp.graph import step_graph
+from rrfp.history import History
 from rrfp.limits import MemoryLimits
 from rrfp.plan import Node
 from rrfp.settings import add_policy_name, POLICIES, policy_names
@@ -93,49 +93,6 @@ class BackwardFirst(HintLed):
         return ready[0]
 
 
-@dataclass
-class History:
-    """What earlier steps showed one rank.
-
-    ``durations[(stage, kind)]``: that stage and kind's mean run time (seconds); each
-    step's mean weighs one half against what the steps before it showed.
-    ``arrivals[(edge, microbatch)]``: the earliest arrival seen, in seconds after the step
-    start (the cautious side for the guard).
-    """
-
-    durations: dict[tuple[int, str], float] = field(default_factory=dict)
-    arrivals: dict[tuple[Edge, int], float] = field(default_factory=dict)
-    gaps: dict[tuple[Edge, int], float] = field(default_factory=dict)
-    """Shortest time seen between a message and the one before it on the same edge."""
-    priority_costs: tuple[tuple[str, float], ...] | None = None
-    """The per-kind costs (in forwards) the critical policy last ranked actions by."""
-    _last: dict[Edge, float] = field(default_factory=dict)
-
-    def start_step(self) -> None:
-        self._last.clear()
-
-    def record_durations(self, runs: Iterable[tuple[int, str, float]]) -> None:
-        """One step's run times, as (stage, kind, seconds)."""
-        # The step's mean, not a per-run average: that would rest on its last few runs,
-        # which under compute noise made the critical policy's costs differ by up to a
-        # forward from rank to rank.
-        step: dict[tuple[int, str], list[float]] = {}
-        for stage, kind, seconds in runs:
-            step.setdefault((stage, kind), []).append(seconds)
-        for key, seen in step.items():
-            mean = sum(seen) / len(seen)
-            previous = self.durations.get(key)
-            self.durations[key] = mean if previous is None else 0.5 * (mean + previous)
-
-    def record_arrival(self, edge: Edge, microbatch: int, offset: float) -> None:
-        key = (edge, microbatch)
-        self.arrivals[key] = min(offset, self.arrivals.get(key, offset))
-        if edge in self._last:
-            gap = offset - self._last[edge]
-            self.gaps[key] = min(gap, self.gaps.get(key, gap))
-        self._last[edge] = offset
-
-
 class ForwardWindow(HintLed):
     """Readiness-first, but forwards and weight-gradients may not run past the hint's
     next pending backward: they would delay a backward that may arrive right after.
@@ -187,10 +144,15 @@ class Lookahead(HintLed):
         return None
 
     def duration(self, node: Node) -> float | None:
-        """How long ``node`` is expected to run (None: unknown)."""
+        """How long ``node`` is expected to run (None: unknown): from its microbatch's
+        size where the step's sizes are known, else its stage and kind's mean."""
         if self.history is None:
             return None
-        return self.history.durations.get((node.stage, node.action.computation_type.value))
+        kind = node.action.computation_type.value
+        predicted = self.history.predicted(node.stage, kind, node.microbatch)
+        if predicted is not None:
+            return predicted
+        return self.history.durations.get((node.stage, kind))
 
     def expected_arrival(self, message: tuple[Edge, int], arbiter: ArbiterView) -> float | None:
         """When ``message``, not yet here, is expected (None: unknown)."""
@@ -244,8 +206,10 @@ class CriticalPath:
     stage's streams in hint order; a stage at its memory limit waits for a release before
     its next forward: ``rrfp.graph``), costed per kind (F, B, I, W) by this rank's device
     durations in earlier steps, taken to be alike on every stage (a rank measures only its
-    own). So a forward runs ahead only while the memory it takes will not hold up a
-    backward chain that is longer. Ties go to the input that arrived first, then to the
+    own); where the step's microbatch sizes are known (``History.expect_sizes``), each
+    action on every stage by the duration its size predicts (``rrfp.sizes``; the fits of
+    other ranks' stages shared with this one). So a forward runs ahead only while the
+    memory it takes will not hold up a backward chain that is longer. Ties go to the input that arrived first, then to the
     hint's order. Greedy; ahead of a busy device the step loop launches only the most
     critical action not yet launched.
     """
@@ -289,6 +253,11 @@ class CriticalPath:
     def _tails(self, arbiter: ArbiterView) -> dict[_Action, float]:
         """The longest chain of work behind each action (a new dict whenever it changes)."""
         if self._step_tails is None:
+            sized = _predicted_costs(self.history, arbiter.hint)
+            if sized is not None:
+                self._step_tails = _critical_tails(arbiter.hint, arbiter.memory_limits,
+                                                   tuple(sized.values()), sized.__getitem__)
+                return self._step_tails
             costs = _measured_costs(self.history, arbiter.hint.stages_on(arbiter.rank))
             if costs is None:
                 costs = tuple(sorted(DEFAULT_COSTS.items()))
@@ -301,7 +270,9 @@ class CriticalPath:
                                             for a, b in zip(kept, costs)):
                     costs = kept
                 self.history.priority_costs = costs  # type: ignore[union-attr]
-            self._step_tails = _critical_tails(arbiter.hint, arbiter.memory_limits, costs)
+            per_kind = dict(costs)
+            self._step_tails = _critical_tails(arbiter.hint, arbiter.memory_limits, costs,
+                                               lambda a: per_kind[a.computation_type.value])
         return self._step_tails
 
 
@@ -322,22 +293,53 @@ def _measured_costs(history: History | None,
     return tuple(sorted((kind, round(cost * 4) / 4) for kind, cost in costs.items()))
 
 
+def _predicted_costs(history: History | None, hint: Hint) -> dict[_Action, float] | None:
+    """Per compute action of the step, in forwards (the mean forward of the stages with a
+    fit), the duration its microbatch's size predicts on its stage; for a (stage, kind)
+    without a fit, the mean of that kind's fits on the others (``DEFAULT_COSTS`` where
+    none has one). None where the sizes tell no microbatches apart or no forward has a
+    fit."""
+    if history is None or not history.sizes_tell_apart:
+        return None
+    # In key order, so that every rank holding the same fits adds them up alike.
+    fits = sorted(history.models.fits.items())
+    forwards = [fit.mean for (_, kind), fit in fits if kind == "F"]
+    if not forwards:
+        return None
+    unit = sum(forwards) / len(forwards)
+    by_kind: dict[str, list[float]] = {}
+    for (_, kind), fit in fits:
+        by_kind.setdefault(kind, []).append(fit.mean / unit)
+    fallback = {kind: sum(seen) / len(seen) if (seen := by_kind.get(kind)) else default
+                for kind, default in DEFAULT_COSTS.items()}
+    costs = {}
+    for rank_plan in hint.plan.ranks.values():
+        for n in rank_plan.nodes:
+            if n.kind == "R":
+                continue
+            kind = n.action.computation_type.value
+            predicted = history.predicted(n.stage, kind, n.microbatch)
+            costs[n.action] = fallback[kind] if predicted is None else predicted / unit
+    return costs
+
+
 _TAILS: dict[tuple, tuple[Hint, MemoryLimits | None, dict[_Action, float]]] = {}
 """Longest chains behind each action, shared by the ranks of one process (the simulator)
 and across steps; keeps its hint and limits so that their ids stay theirs. Only a cache:
 what it holds never changes a result."""
 
 
-def _critical_tails(hint: Hint, limits: MemoryLimits | None,
-                    costs: tuple[tuple[str, float], ...]) -> dict[_Action, float]:
+def _critical_tails(hint: Hint, limits: MemoryLimits | None, costs: tuple,
+                    cost: Callable[[_Action], float]) -> dict[_Action, float]:
+    """The chains behind each action of ``hint``'s step, each action costing ``cost``;
+    ``costs`` says what ``cost`` is (two calls with equal ``costs`` share the answer)."""
     key = (id(hint), id(limits), costs)
     hit = _TAILS.get(key)
     if hit is None:
         if len(_TAILS) >= 16:
             _TAILS.clear()
-        cost = dict(costs)
         graph = step_graph(hint, limits=limits, stream_order=True)
-        _, tails = graph.longest_path(lambda a: cost[a.computation_type.value])
+        _, tails = graph.longest_path(cost)
         _TAILS[key] = hit = (hint, limits, tails)
     return hit[2]
 

@@ -35,8 +35,11 @@ from rrfp.limits import ByteLimits, MemoryLimits
 from rrfp.loop import Arrival, Device, StepLoop
 from rrfp.memory import ActivationMeter
 from rrfp.platform import Platform
-from rrfp.policy import History, make_policy
+from rrfp.fit_sharing import FitSharing
+from rrfp.history import History
+from rrfp.policy import make_policy
 from rrfp.receives import ReceiveRings
+from rrfp.sizes import StepSizes
 from rrfp.stats import StepStats
 from rrfp.step_stats import step_stats
 from rrfp.torch_interface import CustomFunctions
@@ -83,6 +86,9 @@ class PipelineRuntime:
         self.fixed_every = fixed_every
         """The in-run A/B: every this-many-th training step runs the fixed order (0: none)."""
         self.history = History()
+        self.fit_sharing = FitSharing(transport.channels.store, dist.get_rank()
+                                      if dist.is_initialized() else 0,
+                                      transport.channels.global_ranks)
         self.steps_run = 0
         self.training_steps_run = 0
         self.last_step_stats: StepStats | None = None
@@ -109,8 +115,10 @@ class PipelineRuntime:
 
     def run(self, inputs: StepInputs, *, training: bool, loss: LossFn | None,
             reduction: Reduction, custom: CustomFunctions,
-            pp_group: dist.ProcessGroup | None) -> dict:
-        """One step; returns the last stage's losses by microbatch (empty elsewhere)."""
+            pp_group: dist.ProcessGroup | None, sizes: StepSizes | None = None) -> dict:
+        """One step; returns the last stage's losses by microbatch (empty elsewhere).
+        ``sizes``: each microbatch's size, which a training step's policy costs actions by
+        (``rrfp.sizes``); None: as without."""
         if training and self.limits.waiting_for_bytes and (
                 self.activation_bytes_per_microbatch is not None):
             self.limits.settle(self.activation_bytes_per_microbatch, pp_group,
@@ -122,6 +130,7 @@ class PipelineRuntime:
             return time.perf_counter() - origin
 
         hint = self.hint if training else self._forward_only
+        self._expect_sizes(sizes if training else None)
         # The in-run A/B's fixed-order steps launch without bound, as torch's schedules do.
         fixed = training and self.fixed_every > 0 and (
             self.training_steps_run % self.fixed_every == self.fixed_every - 1)
@@ -162,7 +171,16 @@ class PipelineRuntime:
             self.training_steps_run += training
         if training and not fixed:
             loop.teach(self.history)
+            if sizes is not None:
+                self.fit_sharing.publish(self.history.models.own_fits())
         return executor.losses
+
+    def _expect_sizes(self, sizes: StepSizes | None) -> None:
+        """Tell the history the step's sizes; where they tell microbatches apart, take the
+        other ranks' latest fits of their stages first."""
+        self.history.expect_sizes(sizes)
+        if self.history.sizes_tell_apart:
+            self.history.models.adopt(self.fit_sharing.latest())
 
     def _meter_for_this_step(self) -> ActivationMeter | None:
         meter = self.metering.meter
@@ -347,6 +365,12 @@ class RuntimeReadout:
         """What earlier steps showed this rank (device durations per stage and kind,
         arrival times): what the ``lookahead`` and ``critical`` policies decide by."""
         return self._runtime.history
+
+    @property
+    def fit_sharing_seconds(self) -> float:
+        """Seconds this rank spent so far sharing duration fits with the others (store
+        round trips; only in steps given sizes: ``ScheduleRRFP.step(mb_sizes=...)``)."""
+        return self._runtime.fit_sharing.seconds
 
     @property
     def buffer_limits(self) -> MemoryLimits:

@@ -46,6 +46,7 @@ from rrfp.receives import check_variable_shapes, ReceiveRings
 from rrfp.runtime import Coordination, Metering, RuntimeReadout, PipelineRuntime
 from rrfp.settings import (check_limit_can_be_measured, parse_launch_depth, parse_meter_every,
                            parse_policy, parse_stall_timeout)
+from rrfp.sizes import MicrobatchSize, step_sizes
 from rrfp.torch_interface import CustomFunctions, IncompatibleStagesError, TorchRuntimeInterface
 from rrfp.transport import SendDelay, Transport
 
@@ -217,7 +218,8 @@ class ScheduleRRFP(TorchRuntimeInterface, RuntimeReadout):
     def _step_microbatches(self, arg_mbs: list | None = None, kwarg_mbs: list | None = None,
                            target_mbs: list | None = None, losses: list | None = None,
                            return_outputs: bool = True,
-                           loss_kwargs: dict[str, Any] | None = None):
+                           loss_kwargs: dict[str, Any] | None = None,
+                           sizes: list[MicrobatchSize | None] | None = None):
         self._runtime.refuse_if_failed()
         arg_mbs, kwarg_mbs = self._check_inputs(arg_mbs, kwarg_mbs, target_mbs, losses)
         self._set_up_stages(arg_mbs[0], kwarg_mbs[0],
@@ -240,7 +242,7 @@ class ScheduleRRFP(TorchRuntimeInterface, RuntimeReadout):
                 _PipelineContext(self, arg_mbs, kwarg_mbs, target_mbs, losses),
                 self._internal_losses, self.backward_counter, self.fwd_recv_ops,
                 self.bwd_recv_ops),
-            pp_group=self._stages[0].group)
+            pp_group=self._stages[0].group, sizes=sizes)
         if not self._has_backward:  # no gradient reduction will reshard them
             for module in fsdp_modules:
                 module.reshard()
@@ -286,6 +288,7 @@ class ScheduleRRFP(TorchRuntimeInterface, RuntimeReadout):
         kwarg_mbs: list[dict] | None = None,
         target_mbs: list | None = None,
         finalize_gradients: bool = True,
+        mb_sizes: list[MicrobatchSize | float | None] | None = None,
         **kwargs,
     ):
         """One training step, with torch's contract (torch >= 2.14's, on every version).
@@ -300,7 +303,12 @@ class ScheduleRRFP(TorchRuntimeInterface, RuntimeReadout):
         unsharded, to accumulate over further calls; the next call with True reduces
         them (with ``scale_grads``, dividing by ``n_microbatches`` only). It has no
         effect on other stages.
+
+        ``mb_sizes``: what each microbatch's cost follows from (one entry per microbatch,
+        the same on every rank: a ``rrfp.sizes.MicrobatchSize``, a number of tokens, or
+        None), checked before the step communicates; what policies make of it: docs/api.md.
         """
+        sizes = step_sizes(mb_sizes, self._n_microbatches)
         if self._has_backward and not torch.is_grad_enabled():
             raise RuntimeError("step() computes gradients: call it outside torch.no_grad(), "
                                "or use eval()")
@@ -312,7 +320,7 @@ class ScheduleRRFP(TorchRuntimeInterface, RuntimeReadout):
             stage.has_backward = self._has_backward
             stage.clear_runtime_states()
         self._step_microbatches(arg_mbs, kwarg_mbs, target_mbs, losses, return_outputs,
-                                loss_kwargs=loss_kwargs)
+                                loss_kwargs=loss_kwargs, sizes=sizes)
         for stage in self._stages:
             if stage.is_last and return_outputs:
                 chunks = list(stage.output_chunks)

@@ -23,7 +23,7 @@ from rrfp.settings import (BUFFER_LIMIT_HELP, LAUNCH_DEPTH_HELP, parse_buffer_li
                            parse_launch_depth, parse_policy, policy_help)
 from rrfp.sim.engine import SIM_POLICIES
 from rrfp.sim.study import compare, SWEEP_LIMITS, sweep_limits, timing_for
-from rrfp.sim.workloads import Timing, WORKLOADS, WorkloadParams
+from rrfp.sim.workloads import SIZE_WORKLOADS, Timing, WORKLOADS, WorkloadParams
 
 PROG = "python -m rrfp.sim"
 TWO_CHUNK_HINTS = {"interleaved1f1b", "loopedbfs", "interleavedzerobubble", "zbvzerobubble",
@@ -128,6 +128,12 @@ def build_parser() -> argparse.ArgumentParser:
     rrfp.add_argument("--launch-cost", type=_non_negative, default=0.0,
                       help="CPU time of each launch, in forwards; the fixed schedule pays "
                            "it too (default: %(default)s)")
+    rrfp.add_argument("--sizes-known", action="store_true",
+                      help="tell RRFP's ranks each step's microbatch sizes (never the "
+                           "durations), as ScheduleRRFP is where they are given: the "
+                           f"workloads {', '.join(SIZE_WORKLOADS)} and replay files with "
+                           "sizes have them; the policies predict durations from them by "
+                           "what earlier steps measured")
 
     charts = parser.add_argument_group("charts (need the [sim] extra: matplotlib)")
     charts.add_argument("--plot", metavar="PNG",
@@ -239,13 +245,14 @@ def main(argv: list[str] | None = None) -> None:
 
     start = time.perf_counter()
     rows = [compare(hint, workload, seed, limit=args.limit, policy=args.policy, params=params,
-                    launch_depth=args.launch_depth, launch_cost=args.launch_cost)
+                    launch_depth=args.launch_depth, launch_cost=args.launch_cost,
+                    sizes_known=args.sizes_known)
             for seed in range(seeds)]
     elapsed = time.perf_counter() - start
     print(f"{hint.name}: {args.pp} ranks x {hint.num_stages // args.pp} stages ({hint.layout}), "
           f"{args.microbatches} microbatches, {label}, limit {args.limit!r}, "
           f"policy {rows[0].policy}, launch depth {args.launch_depth}, launch cost "
-          f"{args.launch_cost} (simulated)")
+          f"{args.launch_cost}{', sizes known' if args.sizes_known else ''} (simulated)")
     # Replayed timings are in seconds, shown in ms; workloads in units of one mean forward.
     scale, unit = (1e3, " ms") if replayed else (1.0, "")
     print(f"{'seed':>4} {'fixed' + unit:>9} {'rrfp' + unit:>9} {'speedup':>8} "
@@ -272,7 +279,8 @@ def main(argv: list[str] | None = None) -> None:
     if args.sweep:
         from rrfp.sim.plot import plot_tradeoff
 
-        sweep = sweep_limits(hint, workload, seeds, policy=args.policy, params=params)
+        sweep = sweep_limits(hint, workload, seeds, policy=args.policy, params=params,
+                             sizes_known=args.sizes_known)
         plot_tradeoff({label: sweep}, args.sweep,
                       title=f"{hint.name}, {args.pp} ranks, {args.microbatches} microbatches (simulated)")
         for limit, comparisons in sweep.items():

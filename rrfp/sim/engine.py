@@ -12,7 +12,7 @@ from __future__ import annotations
 import copy
 import functools
 import heapq
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 
 from rrfp.actions import _Action, Edge, F
@@ -20,11 +20,13 @@ from rrfp.arbiter import Arbiter
 from rrfp.hints import Hint
 from rrfp.limits import MemoryLimits
 from rrfp.loop import Arrival, Completion, DEFAULT_LAUNCH_DEPTH, StepLoop
-from rrfp.policy import History, make_policy, Policy, POLICIES
+from rrfp.history import History
+from rrfp.policy import make_policy, Policy, POLICIES
 from rrfp.sim.foresight import (
     ClairvoyantFit, EstimatedChains, EstimatedCritical, FORESIGHT_CRITICAL, foresight_chains,
     INFORMED_CRITICAL, informed_chains, InformedFit, median_transit, Transit)
 from rrfp.graph import step_graph
+from rrfp.sizes import StepSizes
 from rrfp.stats import Span
 
 SIM_POLICIES = (*POLICIES, ClairvoyantFit.name, InformedFit.name, FORESIGHT_CRITICAL,
@@ -251,6 +253,7 @@ def simulate(
     launch_depth: float = DEFAULT_LAUNCH_DEPTH,
     launch_cost: float = 0.0,
     reorder_ahead: bool = False,
+    sizes: StepSizes | None = None,
 ) -> SimResult:
     """Simulate one step of ``hint`` under ``policy`` ("fixed" is the fixed schedule), one
     name for every rank or a name per rank (as ``rrfp.policy.default_policy`` picks them).
@@ -263,7 +266,10 @@ def simulate(
     ranking by the true durations and latencies, or by all that has happened:
     ``rrfp.sim.foresight``). ``launch_depth``: actions a device may hold launched but
     incomplete (``math.inf``: no bound); ``launch_cost``: CPU time of each launch, in the unit of
-    ``duration``; ``reorder_ahead``: see ``StepLoop``.
+    ``duration``; ``reorder_ahead``: see ``StepLoop``. ``sizes``: each microbatch's size,
+    which every rank is told before the step as ``ScheduleRRFP`` is (never the
+    durations): the policies predict durations from them by what earlier steps measured,
+    and after the step each rank's fits of its stages are shared with every rank.
     """
     sim = _Simulation(hint, duration, latency, launch_cost)
     names = policy if not isinstance(policy, str) else dict.fromkeys(range(hint.num_ranks), policy)
@@ -271,6 +277,8 @@ def simulate(
     # The caller's histories stay as they were: this step learns into copies.
     learned = {r: copy.deepcopy(previous[r]) if r in previous else History()
                for r in range(hint.num_ranks)}
+    for history in learned.values():
+        history.expect_sizes(sizes)
     loops = {
         r: StepLoop(
             Arbiter(hint, r, limits=limits, policy=_policy(names[r], sim, r, learned[r])),
@@ -281,6 +289,8 @@ def simulate(
     sim.run(loops)
     for r, loop in loops.items():
         loop.teach(learned[r])
+    if sizes is not None:
+        _share_fits(learned.values())
     peak: dict[int, int] = {}
     for loop in loops.values():
         peak.update(loop.arbiter.peak_in_flight)
@@ -297,6 +307,16 @@ def simulate(
         most_behind={r: sim.devices[r].most_behind for r in loops},
         histories=learned,
     )
+
+
+def _share_fits(histories: Iterable[History]) -> None:
+    """Every rank's duration fits of its own stages, given to every rank (what the runtime
+    exchanges between steps)."""
+    histories = list(histories)
+    fits = {key: fit for history in histories
+            for key, fit in history.models.own_fits().items()}
+    for history in histories:
+        history.models.adopt(fits)
 
 
 def _policy(name: str, sim: _Simulation, rank: int, history: History) -> Policy:

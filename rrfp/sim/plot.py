@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import statistics
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from typing import Protocol
 
 from rrfp.sim.study import Comparison
@@ -94,6 +95,47 @@ def plot_tradeoff(sweeps: Mapping[str, Mapping[str, list[Comparison]]], path: st
         ax.grid(alpha=0.3)
     speed.axhline(1.0, color="grey", linewidth=0.8)
     speed.legend(fontsize=8)
+    if title:
+        fig.suptitle(title, fontsize=11)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+@dataclass(frozen=True)
+class LimitSeries:
+    """One line of a speed-and-memory chart: per limit, the mean speedup, the lowest, and
+    the busiest rank's activation memory over the baseline's busiest rank."""
+
+    speedup: list[float]
+    lowest: list[float]
+    memory: list[float]
+
+
+def plot_speedup_and_memory(panels: Mapping[str, Mapping[str, LimitSeries]],
+                            limits: list[str], path: str, title: str = "") -> None:
+    """A panel per baseline: speedup against the limit (solid, left axis; bars down to the
+    lowest seed) and the busiest rank's memory (dashed, right axis), a colour per series."""
+    plt = pyplot()
+    fig, axes = plt.subplots(1, len(panels), figsize=(6.5 * len(panels), 4.2), squeeze=False)
+    colours = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    for ax, (panel, series) in zip(axes[0], panels.items()):
+        memory_axis = ax.twinx()
+        x = range(len(limits))
+        for colour, (label, line) in zip(colours, series.items()):
+            ax.errorbar(x, line.speedup, yerr=[[m - low for m, low in zip(line.speedup, line.lowest)],
+                                               [0.0] * len(limits)],
+                        color=colour, marker="o", capsize=3, label=label)
+            memory_axis.plot(x, line.memory, color=colour, linestyle="--", marker=".")
+        ax.axhline(1.0, color="grey", linewidth=0.8)
+        ax.set_xticks(list(x))
+        ax.set_xticklabels(limits)
+        ax.set_xlabel("buffer_limit")
+        ax.set_ylabel("speedup over fixed (solid; bar: lowest seed)")
+        memory_axis.set_ylabel("busiest rank's memory / fixed's (dashed)")
+        ax.set_title(panel, fontsize=10)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8, loc="upper left")
     if title:
         fig.suptitle(title, fontsize=11)
     fig.tight_layout()

@@ -62,7 +62,7 @@ def timing_for(hint: Hint, workload: str | Timing, seed: int,
 def compare(hint: Hint, workload: str | Timing, seed: int, *, limit: str | int = "hint",
             policy: str | None = None, params: WorkloadParams = WorkloadParams(),
             launch_depth: float = DEFAULT_LAUNCH_DEPTH, launch_cost: float = 0.0,
-            reorder_ahead: bool = False) -> Comparison:
+            reorder_ahead: bool = False, sizes_known: bool = False) -> Comparison:
     """Simulate the step drawn with ``seed`` under the fixed schedule and under RRFP.
 
     ``policy=None`` picks what ScheduleRRFP would; ``limit`` is refused with
@@ -73,7 +73,10 @@ def compare(hint: Hint, workload: str | Timing, seed: int, *, limit: str | int =
     ``launch_depth``, ``launch_cost`` (in forwards) and ``reorder_ahead`` (see
     ``StepLoop``) apply to RRFP; the fixed schedule
     pays the same launch cost but never waits to decide, so its CPU runs ahead of its
-    device without bound, as torch's schedules do on CUDA.
+    device without bound, as torch's schedules do on CUDA. ``sizes_known``: RRFP's ranks
+    are told each step's microbatch sizes (``Timing.sizes``, the warm-up steps' too), as
+    ``ScheduleRRFP`` is where the caller gives them; a workload without sizes runs as
+    without.
     """
     limits = resolve_buffer_limits(limit, hint, fixed_order=policy == "fixed")
     policy = policy or default_policy(hint, limits)
@@ -91,17 +94,20 @@ def compare(hint: Hint, workload: str | Timing, seed: int, *, limit: str | int =
         for k in (1, 2):
             warm = timing_for(hint, workload, seed + k * _WARMUP_SEED, params)
             histories = simulate(hint, warm.duration, latency=warm.latency, policy=policy,
-                                 limits=limits, histories=histories, **launch).histories
+                                 limits=limits, histories=histories,
+                                 sizes=warm.sizes if sizes_known else None, **launch).histories
     rrfp = simulate(hint, timing.duration, latency=timing.latency, policy=policy,
-                    limits=limits, histories=histories, **launch)
+                    limits=limits, histories=histories,
+                    sizes=timing.sizes if sizes_known else None, **launch)
     return Comparison(seed, policy, limits, fixed, rrfp,
                       lower_bounds(hint, timing.duration, timing.latency, limits))
 
 
 def sweep_limits(hint: Hint, workload: str | Timing, seeds: int, *, policy: str | None = None,
-                 params: WorkloadParams = WorkloadParams(),
-                 limits=SWEEP_LIMITS) -> Mapping[str, list[Comparison]]:
+                 params: WorkloadParams = WorkloadParams(), limits=SWEEP_LIMITS,
+                 sizes_known: bool = False) -> Mapping[str, list[Comparison]]:
     """Comparisons for each buffer limit (label -> one per seed)."""
-    return {str(limit): [compare(hint, workload, seed, limit=limit, policy=policy, params=params)
+    return {str(limit): [compare(hint, workload, seed, limit=limit, policy=policy, params=params,
+                                 sizes_known=sizes_known)
                          for seed in range(seeds)]
             for limit in limits}

@@ -1,4 +1,5 @@
-"""Seeded timing models for one step: per-(stage, microbatch) durations and latencies.
+"""Seeded timing models for one step: per-(stage, microbatch) durations and latencies, and
+for the workloads whose variability comes from the data, each microbatch's size.
 
 Time unit: one mean forward of an LLM stage (1.0). Backward-for-input (I) and
 backward-for-weights (W) each take one forward, a full backward (B) their sum, as in the
@@ -15,13 +16,24 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 
 from rrfp.actions import _Action, B, Edge, F, I, REDUCE_GRAD, W
+from rrfp.sizes import MicrobatchSize
 
+SIZE_WORKLOADS = ("documents", "documents-latency", "multimodal-unpacked",
+                  "multimodal-unpacked-latency")
+"""Workloads whose variability comes from the data, each step with its microbatches'
+sizes (``Timing.sizes``). ``documents``: unpacked documents of lognormal length, a
+stage's cost linear in tokens (MLP) plus quadratic in each document's length (attention);
+``multimodal-unpacked``: samples of text and images, the first stages a vision encoder
+costing per image, the language stages costing like ``documents`` with the image tokens
+in their sequences; ``-latency``: with the ``latency`` workload's link latencies too."""
 WORKLOADS = ("uniform", "jitter", "multimodal", "straggler", "latency", "spikes", "encoder",
-             "correlated", "slowrank", "bursty")
+             "correlated", "slowrank", "bursty", *SIZE_WORKLOADS)
 """``encoder``: one stage (the first: an encoder) costs 2-3x the others; ``correlated``: a
 microbatch's cost is alike on every stage (a long sequence is slow everywhere);
 ``slowrank``: one stage is slower on every action (a persistent straggler rank);
-``bursty``: transfers slow down in bursts spanning consecutive microbatches of a link."""
+``bursty``: transfers slow down in bursts spanning consecutive microbatches of a link;
+``SIZE_WORKLOADS``: variability from the data. The others have no sizes: their
+microbatches are alike (packed), what varies is noise."""
 
 
 @dataclass(frozen=True)
@@ -36,6 +48,9 @@ class Timing:
     """``activation_latency[s][mb]``: stage s -> s+1 (last row unused)."""
     gradient_latency: list[list[float]]
     """``gradient_latency[s][mb]``: stage s -> s-1 (first row unused)."""
+    sizes: tuple[MicrobatchSize, ...] | None = None
+    """Each microbatch's size, what a rank knows of it before it runs (None: the
+    microbatches are alike; ``SIZE_WORKLOADS`` have sizes)."""
 
     @property
     def num_stages(self) -> int:
@@ -72,15 +87,30 @@ class Timing:
         with open(path) as f:
             data = json.load(f)
         try:
-            timing = cls(**{k: data[k] for k in cls.__dataclass_fields__})
+            tables = {k: data[k] for k in TABLES}
         except KeyError as e:
             raise ValueError(f"{path}: replay file lacks {e}; expected fields "
-                             f"{list(cls.__dataclass_fields__)}") from None
-        shapes = {k: (len(v), {len(r) for r in v}) for k, v in asdict(timing).items()}
+                             f"{list(TABLES)} (and optionally sizes)") from None
+        sizes = data.get("sizes")
+        try:
+            timing = cls(**tables, sizes=None if sizes is None
+                         else tuple(MicrobatchSize(**size) for size in sizes))
+        except (TypeError, ValueError) as e:
+            raise ValueError(f"{path}: sizes must be a list of {{tokens, attention, images}} "
+                             f"per microbatch: {e}") from None
+        shapes = {k: (len(v), {len(r) for r in v}) for k, v in tables.items()}
         if len({sh[0] for sh in shapes.values()}) != 1 or any(len(sh[1]) != 1 for sh in shapes.values()) \
                 or len({next(iter(sh[1])) for sh in shapes.values()}) != 1:
             raise ValueError(f"{path}: every table must be [stages][microbatches]; got {shapes}")
+        if timing.sizes is not None and len(timing.sizes) != timing.n_microbatches:
+            raise ValueError(f"{path}: {len(timing.sizes)} sizes for "
+                             f"{timing.n_microbatches} microbatches")
         return timing
+
+
+TABLES = ("forward", "backward_input", "backward_weight", "activation_latency",
+          "gradient_latency")
+"""The [stages][microbatches] tables of a ``Timing``."""
 
 
 def _knob(default: float, doc: str) -> float:
@@ -121,6 +151,25 @@ class WorkloadParams:
     burst_slowdown: float = _knob(
         8.0, "how many times longer a transfer in a burst takes (bursty; the mean latency "
              "stays latency_mean)")
+    documents_per_microbatch: int = _knob(
+        4, "documents (samples) per microbatch (documents, multimodal-unpacked)")
+    document_length: float = _knob(
+        1024.0, "mean tokens of a document, or of a sample's text (documents, "
+                "multimodal-unpacked)")
+    document_sigma: float = _knob(
+        0.85, "lognormal sigma of a document's length (0.85: a language stage's cost has a "
+              "coefficient of variation near 1) (documents, multimodal-unpacked)")
+    attention_length: float = _knob(
+        4096.0, "sequence length at which a token's attention costs as much as its MLP "
+                "(documents, multimodal-unpacked)")
+    image_tokens: float = _knob(
+        576.0, "tokens an image adds to a sample's sequence in the language stages "
+               "(multimodal-unpacked)")
+    images_per_sample: int = _knob(
+        4, "images per sample are uniform in 0..images_per_sample (multimodal-unpacked)")
+    size_noise_sigma: float = _knob(
+        0.05, "lognormal sigma of the compute noise that sizes do not explain "
+              "(documents, multimodal-unpacked)")
 
 
 def make_timing(workload: str, num_stages: int, n_microbatches: int, seed: int,
@@ -130,6 +179,8 @@ def make_timing(workload: str, num_stages: int, n_microbatches: int, seed: int,
         raise ValueError(f"unknown workload {workload!r}: use one of {list(WORKLOADS)} or a replay file")
     draws = _Draws(random.Random(f"{workload}/{num_stages}/{n_microbatches}/{seed}"),
                    num_stages, n_microbatches)
+    if workload in SIZE_WORKLOADS:
+        return _sized_timing(workload, draws, params)
     cost = _compute_cost(workload, draws, params)
     latency, gradient_latency = _link_latency(workload, draws, params)
     # I and W of a microbatch scale like its forward (same tokens, same images), with
@@ -226,3 +277,68 @@ def _link_latency(workload: str, draws: _Draws, params: WorkloadParams
         return bursts(), bursts()
     zero = table(lambda s, m: 0.0)
     return zero, zero
+
+
+def _sized_timing(workload: str, draws: _Draws, params: WorkloadParams) -> Timing:
+    """A step of a ``SIZE_WORKLOADS`` workload: sizes first, then each (stage,
+    microbatch)'s cost from its size with a little noise; I and W scale like F."""
+    if workload.startswith("documents"):
+        sizes, cost = _documents(draws, params)
+    else:
+        sizes, cost = _unpacked_multimodal(draws, params)
+    if workload.endswith("-latency"):
+        latency, gradient_latency = _link_latency("latency", draws, params)
+    else:
+        latency, gradient_latency = _link_latency("uniform", draws, params)
+    return Timing(forward=cost, backward_input=[row[:] for row in cost],
+                  backward_weight=[row[:] for row in cost], activation_latency=latency,
+                  gradient_latency=gradient_latency, sizes=tuple(sizes))
+
+
+def _language_cost(size: MicrobatchSize, params: WorkloadParams) -> float:
+    """A language stage's work on a microbatch: its tokens through the MLP, and each
+    sequence's attention, quadratic in its length."""
+    return size.tokens + size.attention / params.attention_length
+
+
+def _documents(draws: _Draws, params: WorkloadParams
+               ) -> tuple[list[MicrobatchSize], list[list[float]]]:
+    k, length, sigma = params.documents_per_microbatch, params.document_length, \
+        params.document_sigma
+    sizes = []
+    for _ in range(draws.M):
+        lengths = [max(1, round(length * draws.noise(sigma))) for _ in range(k)]
+        sizes.append(MicrobatchSize(tokens=sum(lengths), attention=sum(n * n for n in lengths)))
+    # Expected work of a microbatch (lognormal: E[n^2] = mean^2 e^(sigma^2)): the time unit.
+    mean = k * (length + length * length * math.exp(sigma * sigma) / params.attention_length)
+    return sizes, draws.table(lambda s, m: _language_cost(sizes[m], params) / mean
+                              * draws.noise(params.size_noise_sigma))
+
+
+def _unpacked_multimodal(draws: _Draws, params: WorkloadParams
+                         ) -> tuple[list[MicrobatchSize], list[list[float]]]:
+    k, length, sigma = params.documents_per_microbatch, params.document_length, \
+        params.document_sigma
+    n, image = params.images_per_sample, params.image_tokens
+    sizes = []
+    for _ in range(draws.M):
+        samples = [(max(1, round(length * draws.noise(sigma))), draws.rng.randint(0, n))
+                   for _ in range(k)]
+        sequences = [text + image * images for text, images in samples]
+        sizes.append(MicrobatchSize(tokens=sum(sequences),
+                                    attention=sum(q * q for q in sequences),
+                                    images=sum(images for _, images in samples)))
+    vision = max(1, round(draws.S * params.vision_stage_fraction))
+    mean_images = k * n / 2
+    # Expected language work of a sample: E[q] and E[q^2] of text + image * images, with
+    # text lognormal and images uniform in 0..n, independent.
+    mean_sequence = length + image * n / 2
+    mean_square = (length * length * math.exp(sigma * sigma) + length * image * n
+                   + image * image * n * (2 * n + 1) / 6)
+    mean_language = k * (mean_sequence + mean_square / params.attention_length)
+
+    def cost(s: int, m: int) -> float:
+        work = (0.1 + 0.9 * sizes[m].images / mean_images if s < vision
+                else _language_cost(sizes[m], params) / mean_language)
+        return work * draws.noise(params.size_noise_sigma)
+    return sizes, draws.table(cost)
