@@ -5,7 +5,7 @@
     torchrun --nproc-per-node 2 -m benchmarks.gpu_check --multi   # >= 2 GPUs over NCCL
 
 Written against torch 2.13's documented CUDA and NCCL semantics on a machine without a GPU:
-only ``--dry-run`` has been run (docs/devices.md, "GPU check").
+only ``--dry-run`` has been run (docs/guide/devices.md, "GPU check").
 
 **Single process** (all stages on one device, so every edge is local): ScheduleRRFP runs an
 Interleaved1F1B hint over 4 stages on the device's current stream (``CudaDevice``: each

@@ -8,7 +8,7 @@ microbatch, the ranks of the pipeline exchange them (and their budgets) and ever
 derives the same microbatch limits (``rrfp.limits.limits_within_bytes``), fixed from then
 on. The policy the limits call for (``rrfp.policy.default_policy``) is chosen with them.
 Figures on what each setting buys live on the results pages the log line points at
-(docs/defaults.md), not in the line itself.
+(docs/guide/choosing.md), not in the line itself.
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ from rrfp.settings import BufferLimit, parse_buffer_limit
 
 logger = logging.getLogger(__name__)
 
-GAINS_PAGE = "docs/defaults.md"
+GAINS_PAGE = "docs/guide/choosing.md"
 """Where the log line sends a reader for what memory slack buys."""
 
 

@@ -359,7 +359,7 @@ def default_policy(hint: Hint, limits: MemoryLimits) -> str:
     """The policy ScheduleRRFP uses for ``hint`` within ``limits`` when none is given.
 
     The rule (each choice is the one that never fell below the fixed schedule in the
-    simulator's sweeps, docs/defaults.md and benchmarks/results/limits.md, optimum.md):
+    simulator's sweeps, docs/guide/choosing.md and benchmarks/results/limits.md, optimum.md):
 
     * a BF/BFW hint keeps its own rule;
     * at the hint's own memory, or where some rank has less than ``MIN_SLACK``

@@ -56,7 +56,7 @@ logger = logging.getLogger(__name__)
 class ScheduleRRFP(TorchRuntimeInterface, RuntimeReadout):
     """Runtime-readiness-first pipeline schedule (arXiv 2605.18750).
 
-    Every argument in full: docs/api.md.
+    Every argument in full: docs/reference/api.md.
 
     Args:
         stages: this rank's ``PipelineStage`` (or a list of them, one per local model chunk,
@@ -112,11 +112,11 @@ class ScheduleRRFP(TorchRuntimeInterface, RuntimeReadout):
             first training step and every ``meter_every``-th step. False leaves autograd's
             saving untouched (not with a byte ``buffer_limit``, which needs the bytes).
         meter_every: meter every this-many-th step (and the first training step); 1:
-            every step (the meter costs CPU time per saved tensor: docs/memory.md).
+            every step (the meter costs CPU time per saved tensor: docs/guide/memory.md).
         fixed_every: the in-run A/B: every k-th training step (k >= 2; 0: never) runs the
-            hint's fixed order, launched without bound as torch's (docs/advisor.md).
+            hint's fixed order, launched without bound as torch's (docs/guide/advisor.md).
         report_folder: where the job's hang report goes when a step stalls (the run
-            folder; ``None``: the current working directory); docs/failures.md.
+            folder; ``None``: the current working directory); docs/guide/failures.md.
     """
 
     def __init__(
@@ -306,7 +306,7 @@ class ScheduleRRFP(TorchRuntimeInterface, RuntimeReadout):
 
         ``mb_sizes``: what each microbatch's cost follows from (one entry per microbatch,
         the same on every rank: a ``rrfp.sizes.MicrobatchSize``, a number of tokens, or
-        None), checked before the step communicates; what policies make of it: docs/api.md.
+        None), checked before the step communicates; what policies make of it: docs/reference/api.md.
         """
         sizes = step_sizes(mb_sizes, self._n_microbatches)
         if self._has_backward and not torch.is_grad_enabled():

@@ -54,6 +54,14 @@ def test_every_results_page_names_the_benchmark_that_wrote_it():
     assert unnamed == []
 
 
+def test_every_page_is_listed_by_reader_in_the_docs_index():
+    index = (ROOT / "docs" / "README.md").read_text()
+    listed = {(ROOT / "docs" / target.split("#")[0]).resolve() for target in LINK.findall(index)}
+    unlisted = [str(page.relative_to(ROOT)) for page in PAGES[1:]
+                if page.name != "README.md" and page.resolve() not in listed]
+    assert unlisted == []
+
+
 def test_every_test_a_page_names_exists():
     assert [m for page in PAGES for m in missing_tests(page)] == []
 

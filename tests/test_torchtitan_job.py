@@ -140,7 +140,7 @@ RESTARTS = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
 """torchrun's default store is shared by its attempts (pytorch#135712, #167288): a
 restarted worker may read the dead attempt's address for torch's own default group and
 fail to connect (2 of 3 restarts here on torch 2.13), so a job that restarts opts out, as
-docs/torchtitan.md says; rrfp's own keys carry the attempt either way."""
+docs/guide/torchtitan.md says; rrfp's own keys carry the attempt either way."""
 
 
 @pytest.fixture(scope="module")
@@ -156,7 +156,7 @@ def one_agent(tmp_path_factory) -> tuple[str, Path]:
 
 def test_two_torchrun_agents_train_the_main_job_as_one_agent_does(one_agent, tmp_path):
     """The main job as two agents with one process each (``--nnodes 2 --node-rank 0|1``,
-    c10d rendezvous on localhost: the multi-host command of docs/torchtitan.md): the same
+    c10d rendezvous on localhost: the multi-host command of docs/guide/torchtitan.md): the same
     losses as one agent at every step, bitwise."""
     port = _free_port()
     agents = _run([_torchrun(["--nnodes", "2", "--node-rank", str(node), "--nproc-per-node",

@@ -19,7 +19,7 @@ class RRFP:
     microbatches; ``"busiest"``, a per-rank budget (``"12GiB"``) or ``"auto"`` (CUDA) in
     bytes, from the first step's measured bytes per microbatch. Parsed as ScheduleRRFP
     parses it: ``rrfp.settings.BUFFER_LIMIT_HELP``. The default stays ``"hint"``, with
-    activation checkpointing too: docs/defaults.md gives the measurements and why."""
+    activation checkpointing too: docs/guide/choosing.md gives the measurements and why."""
 
     policy: str = ""
     """Arbitration policy, case-insensitive: ``hint``, ``lookahead``, ``critical``,
@@ -51,7 +51,7 @@ class RRFP:
     meter_activations: bool = True
     """Measure the bytes of the activations saved for backward (``peak_activation_bytes`` in
     the stats) in the first training step and every ``meter_every``-th: the meter costs CPU
-    time per saved tensor (docs/memory.md), so it is sampled. A ``buffer_limit`` in bytes
+    time per saved tensor (docs/guide/memory.md), so it is sampled. A ``buffer_limit`` in bytes
     ('busiest', '12GiB', 'auto') needs it. The memory limit holds either way."""
 
     meter_every: int = DEFAULT_METER_EVERY
@@ -75,7 +75,7 @@ class RRFP:
     """On the rank that logs the loss: the advisor's verdict (the best setting within a
     memory margin, predicted from the run's own measured steps) after the first steps and
     at the end, and an end-of-run summary; computed in a child process at the lowest CPU
-    priority (``python -m rrfp.advise``; docs/advisor.md)."""
+    priority (``python -m rrfp.advise``; docs/guide/advisor.md)."""
 
     fixed_every: int = 0
     """The in-run A/B: every this-many-th training step (2 or more) runs the hint's fixed

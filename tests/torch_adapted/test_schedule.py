@@ -21,7 +21,7 @@
 #   ``harness``; ``device`` is the CPU (torch: the accelerator if any).
 # * Cases that fail with torch's own class on CPU as well, or that ScheduleRRFP cannot
 #   pass, are expected failures with their reason (``EXPECTED_FAILURES``;
-#   docs/limitations.md); the cases not in ``QUICK`` are marked ``torch_suite``, left out
+#   docs/guide/limitations.md); the cases not in ``QUICK`` are marked ``torch_suite``, left out
 #   of the default run and run by ``.ci/run``.
 """torch's single-process schedule tests, with torch's classes and with ScheduleRRFP."""
 

@@ -14,7 +14,7 @@
 #   ``check_leaked_tensors`` comes from ``harness`` (torch's needs ``expecttest``).
 # * Cases that fail with torch's own class on CPU as well, or that ScheduleRRFP cannot
 #   pass, are expected failures with their reason (``EXPECTED_FAILURES``;
-#   docs/limitations.md); the cases not in ``QUICK`` are marked ``torch_suite``, left out
+#   docs/guide/limitations.md); the cases not in ``QUICK`` are marked ``torch_suite``, left out
 #   of the default run and run by ``.ci/run``.
 """torch's multi-process schedule tests, with torch's classes and with ScheduleRRFP."""
 
@@ -1149,7 +1149,7 @@ GLOO_BATCHED_P2P = (
 OVERLAP_CALLBACK = (
     "registers an OVERLAP_F_B callback, which ScheduleRRFP refuses: it runs an overlapped "
     "pair's forward and backward as two actions, each when it is ready "
-    "(docs/limitations.md); its FORWARD callback alone is honoured")
+    "(docs/guide/limitations.md); its FORWARD callback alone is honoured")
 NO_SEND_WAITS = (
     "torch 2.15's runtime needs a WAIT_SEND action for every send of a compute+comms "
     "schedule ('Pipeline sends have no matching wait'), which this test's schedule "

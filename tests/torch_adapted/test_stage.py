@@ -18,7 +18,7 @@
 #   no longer have: an expected failure there, with either class.
 # * Cases that fail with torch's own class on CPU as well, or that ScheduleRRFP cannot
 #   pass, are expected failures with their reason (``EXPECTED_FAILURES``;
-#   docs/limitations.md); the cases not in ``QUICK`` are marked ``torch_suite``, left out
+#   docs/guide/limitations.md); the cases not in ``QUICK`` are marked ``torch_suite``, left out
 #   of the default run and run by ``.ci/run``.
 """torch's pipeline-stage tests, with torch's ScheduleGPipe and with ScheduleRRFP."""
 
