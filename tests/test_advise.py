@@ -121,6 +121,7 @@ def row_of(advice, hint: str, buffer_limit: str, policy: str | None = None):
     return row
 
 
+@pytest.mark.simulator
 def test_the_run_is_replayed_exactly_and_each_setting_predicted(spiky_run, spiky_advice):
     run, note = read_run(str(spiky_run.parent.parent))  # the dump folder
     assert note == ""
@@ -146,6 +147,7 @@ def test_the_run_is_replayed_exactly_and_each_setting_predicted(spiky_run, spiky
     assert advice.rows == sorted(advice.rows, key=lambda r: -r.speedup)
 
 
+@pytest.mark.simulator
 def test_the_verdict_names_the_best_within_the_margin_and_the_best_keeping_the_peak(spiky_advice):
     advice = spiky_advice
     best, flat = advice.best(advice.margin * advice.fixed_peak), advice.best(0)
@@ -163,6 +165,7 @@ def test_the_verdict_names_the_best_within_the_margin_and_the_best_keeping_the_p
     assert dataclasses.replace(advice, margin=0).best(0) is not None
 
 
+@pytest.mark.simulator
 def test_too_few_steps_are_said(tmp_path):
     write_run(tmp_path, "1F1B", steps=3, policy="hint")
     run, _ = read_run(str(tmp_path))
@@ -171,6 +174,7 @@ def test_too_few_steps_are_said(tmp_path):
     assert any("too few to predict from" in w for w in advice.warnings())
 
 
+@pytest.mark.simulator
 def test_the_command_prints_the_table_and_the_verdict_and_draws_the_charts(spiky_run, tmp_path,
                                                                             capsys, monkeypatch):
     assert main([str(spiky_run), "--out", str(tmp_path), "--rows", "5"]) == 0
@@ -214,6 +218,7 @@ BAD_RUNS = {
 }
 
 
+@pytest.mark.simulator
 @pytest.mark.parametrize("case", list(BAD_RUNS))
 def test_a_run_it_cannot_use_is_said_in_one_line(case, tmp_path, capsys):
     folder = tmp_path / "run"
@@ -248,6 +253,7 @@ def test_a_run_it_cannot_use_is_said_in_one_line(case, tmp_path, capsys):
     assert expected in captured.err
 
 
+@pytest.mark.simulator
 def test_a_bad_run_stops_the_command_without_a_traceback(tmp_path):
     write_run(tmp_path, "1F1B", steps=4, policy="hint")
     (tmp_path / "step2.json").write_text('{"traceEvents": [{"ph": "M"')
@@ -259,6 +265,7 @@ def test_a_bad_run_stops_the_command_without_a_traceback(tmp_path):
     assert done.stderr.startswith(f"rrfp.advise: {tmp_path / 'step2.json'}: not a whole JSON trace")
 
 
+@pytest.mark.simulator
 def test_the_ab_pairs_each_fixed_step_with_its_neighbours():
     steps = [(False, 1.0), (True, 1.5), (False, 2.0), (False, 9.0), (True, 3.0)]
     assert ab_speedups(steps) == [1.5 / 1.5, 3.0 / 9.0]

@@ -13,6 +13,10 @@ from rrfp.hints import build_hint
 from rrfp.limits import resolve_buffer_limits
 from rrfp.sizes import DurationFit, DurationModels, fit_durations, MicrobatchSize
 
+# Sizes, fits and policies in the simulator: torch enters only through the hints (see
+# tests/test_sim.py).
+pytestmark = pytest.mark.simulator
+
 
 def _documents(rng: random.Random, count: int) -> list[MicrobatchSize]:
     sizes = []
