@@ -39,6 +39,9 @@ only_0_2 = pytest.mark.skipif(not TITAN_0_2, reason="torchtitan 0.2.2's adapter 
                               f"custom_import); installed: torchtitan {VERSION}")
 only_0_3 = pytest.mark.skipif(not TITAN_0_3, reason="torchtitan 0.3's adapter (config "
                               f"functions, Trainer subclass); installed: torchtitan {VERSION}")
+# torchtitan_ext's own handling of a job (settings, entry points, data paths), the same on
+# every torch: .ci/run runs these once per torchtitan version, not once per torch.
+titan_integration = pytest.mark.titan_integration
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 JOBS = {
@@ -417,6 +420,7 @@ def settings_as_built(rank: int, world_size: int, arguments: list[dict]) -> list
     return built
 
 
+@titan_integration
 @only_0_2
 def test_each_setting_means_the_same_from_python_toml_and_the_simulator(tmp_path):
     """buffer_limit, policy and launch_depth, each spelled as a Python caller, train.toml
@@ -635,6 +639,7 @@ def assert_stopped_with_one_line(code: int, out: str, line: str) -> None:
     assert "ChildFailedError" in out.split("Traceback (most recent call last)")[1]
 
 
+@titan_integration
 @pytest.mark.parametrize("module", ["torchtitan_ext.train", "torchtitan.train"])
 def test_bad_config_stops_before_training_with_a_clear_message(module, tmp_path):
     code, out = run_titan(2, "--parallelism.pipeline_parallel_schedule", "RRFP-Zigzag",
@@ -649,6 +654,7 @@ SETTINGS_LIST = ("buffer_limit, policy, coordination, launch_depth, variable_sha
         "fixed_every")
 
 
+@titan_integration
 def test_a_bad_setting_value_stops_the_job_with_one_line(tmp_path):
     code, out = run_titan(2, "--rrfp.stall_timeout", "-5", dump=str(tmp_path))
     assert_stopped_with_one_line(code, out, (
@@ -656,6 +662,7 @@ def test_a_bad_setting_value_stops_the_job_with_one_line(tmp_path):
         "seconds > 0, got -5.0"))
 
 
+@titan_integration
 def test_an_unknown_rrfp_option_stops_the_job_naming_the_nearest(tmp_path):
     code, out = run_titan(2, "--rrfp.bufer_limit", "4", dump=str(tmp_path),
                           module="torchtitan.train" if TITAN_0_3 else "torchtitan_ext.train")
@@ -664,6 +671,7 @@ def test_an_unknown_rrfp_option_stops_the_job_naming_the_nearest(tmp_path):
         f"--rrfp.buffer_limit?); the rrfp settings are {SETTINGS_LIST}"))
 
 
+@titan_integration
 @only_0_2
 def test_an_unknown_rrfp_key_in_the_toml_stops_the_job_naming_the_nearest(tmp_path):
     config_file = tmp_path / "train.toml"
@@ -675,6 +683,7 @@ def test_an_unknown_rrfp_key_in_the_toml_stops_the_job_naming_the_nearest(tmp_pa
         f"{SETTINGS_LIST}"))
 
 
+@titan_integration
 def test_stock_torchtitan_train_runs_rrfp(tmp_path):
     """``torchrun -m torchtitan.train``: with the TOML's ``custom_import`` (0.2.2), with
     ``--module torchtitan_ext`` (0.3). A V placement, whose loss (and TensorBoard) is on
@@ -726,6 +735,7 @@ def test_log_rank_chooses_the_ranks_that_print(monkeypatch, caplog):
     assert not handler.filter(info) and handler.filter(error)
 
 
+@titan_integration
 @pytest.mark.parametrize("job", ["documents", "multimodal"])
 def test_variable_shape_data_paths_train_and_their_loss_falls(job, tmp_path):
     code, out = run_titan(2, "--training.steps", "6", "--rrfp.meter_every", "1",
