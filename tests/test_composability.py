@@ -582,8 +582,11 @@ def test_tensor_parallel_ranks_raise_within_the_stall_timeout_when_a_peer_stops(
     assert "global rank 0" in ranks[1]["error"], ranks[1]["error"]
 
 
-def tensor_parallel_without_coordination(rank: int, world_size: int) -> str:
-    """PP 2 x TP 2 with DTensor stages but no coordination group: every rank must refuse."""
+def _tensor_parallel_block(local_output: bool | None):
+    """This rank's block of a 2-stage chain under PP 2 x TP 2 (column- then row-parallel),
+    with the mesh, its pipeline rank and the batch; ``local_output``: whether the block's
+    output is a plain tensor (None: only the last stage's, so activations travel as
+    DTensors)."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor.parallel import (
         ColwiseParallel, parallelize_module, RowwiseParallel)
@@ -593,8 +596,15 @@ def tensor_parallel_without_coordination(rank: int, world_size: int) -> str:
     torch.manual_seed(0)
     chain = [MLPBlock().double() for _ in range(2)]
     x, y = make_batch(2)
+    down = RowwiseParallel(use_local_output=pp == 1 if local_output is None else local_output)
     block = parallelize_module(copy.deepcopy(chain[pp]), mesh["tp"],
-                               {"up": ColwiseParallel(), "down": RowwiseParallel()})
+                               {"up": ColwiseParallel(), "down": down})
+    return mesh, pp, block, x, y
+
+
+def tensor_parallel_without_coordination(rank: int, world_size: int) -> str:
+    """PP 2 x TP 2 with DTensor stages but no coordination group: every rank must refuse."""
+    mesh, pp, block, x, y = _tensor_parallel_block(local_output=True)
     stage = PipelineStage(block, pp, 2, torch.device("cpu"), group=mesh["pp"].get_group())
     schedule = ScheduleRRFP(stage, 2, loss_fn=loss_fn, hint="1F1B", stall_timeout=30)
     try:
@@ -613,18 +623,7 @@ def dtensor_variable_shapes(rank: int, world_size: int) -> str:
     """PP 2 x TP 2, the first stage's output a DTensor (``use_local_output=False``), so
     that activations and their gradients travel as DTensors, with ``variable_shapes=True``:
     what each rank's first step raises."""
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor.parallel import (
-        ColwiseParallel, parallelize_module, RowwiseParallel)
-
-    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "tp"))
-    pp = mesh["pp"].get_local_rank()
-    torch.manual_seed(0)
-    chain = [MLPBlock().double() for _ in range(2)]
-    x, y = make_batch(2)
-    block = parallelize_module(copy.deepcopy(chain[pp]), mesh["tp"],
-                               {"up": ColwiseParallel(),
-                                "down": RowwiseParallel(use_local_output=pp == 1)})
+    mesh, pp, block, x, y = _tensor_parallel_block(local_output=None)
     stage = PipelineStage(block, pp, 2, torch.device("cpu"), group=mesh["pp"].get_group(),
                           get_mesh=lambda names, layout: mesh[names])
     schedule = ScheduleRRFP(stage, 2, loss_fn=loss_fn, hint="1F1B", stall_timeout=5,
