@@ -74,6 +74,9 @@ what any rule that picks one of them per step (from whatever signal) could captu
 most."""
 
 
+DEFAULT_TIME_LIMIT_S = 45.0
+"""CP-SAT's time per step unless ``--time-limit`` says otherwise."""
+
 def _label(policy: str | None) -> str:
     return "default" if policy is None else policy
 
@@ -212,7 +215,7 @@ def main(argv=None) -> None:
                         help="all: every workload family of rrfp.sim.workloads")
     parser.add_argument("--limits", nargs="+", choices=(*LIMITS, "busiest"), default=list(LIMITS),
                         help="busiest: every rank may hold what fixed 1F1B's busiest rank holds")
-    parser.add_argument("--time-limit", type=float, default=45.0,
+    parser.add_argument("--time-limit", type=float, default=DEFAULT_TIME_LIMIT_S,
                         help="CP-SAT seconds per step")
     parser.add_argument("--reuse", action="store_true",
                         help="take CP-SAT's results from results/optimum.json where it has "
@@ -243,6 +246,8 @@ def main(argv=None) -> None:
     if args.limits != list(LIMITS):
         command += " --limits " + " ".join(args.limits)
         page += args.limits
+    if args.time_limit != DEFAULT_TIME_LIMIT_S:
+        command += f" --time-limit {args.time_limit:g}"
     if args.sizes_known:
         command += " --sizes-known"
         page.append("sizes-known")
