@@ -301,7 +301,7 @@ def _pytest(tree: str, selection: tuple[str, ...], timeout: float) -> tuple[list
     start = time.perf_counter()
     for item in selection:
         node, _, expression = item.partition("|")
-        cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-rf",
+        cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-rfE",
                "--timeout", "600", node]
         if expression:
             cmd += ["-k", expression]
@@ -315,6 +315,8 @@ def _pytest(tree: str, selection: tuple[str, ...], timeout: float) -> tuple[list
             failed.append(f"{node} (timed out after {timeout:.0f} s)")
             continue
         failed += [line.split()[1] for line in out.splitlines() if line.startswith("FAILED ")]
+        # A test whose fixture the mutation breaks errors instead of failing: caught too
+        # (-rfE lists both in the short summary).
         failed += [f"{line.split()[1]} (error)" for line in out.splitlines()
                    if line.startswith("ERROR ")]
         summary = re.search(r"(\d+) passed", out)
