@@ -42,6 +42,9 @@ only_0_3 = pytest.mark.skipif(not TITAN_0_3, reason="torchtitan 0.3's adapter (c
 # torchtitan_ext's own handling of a job (settings, entry points, data paths), the same on
 # every torch: .ci/run runs these once per torchtitan version, not once per torch.
 titan_integration = pytest.mark.titan_integration
+# A job on four processes takes about a minute on 2 cores: .ci/run runs these on every torch,
+# the default run leaves them out (the runtime's own PP x TP, x FSDP and x EP tests stay in).
+four_ranks = pytest.mark.four_ranks
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 JOBS = {
@@ -573,11 +576,14 @@ def test_main_job_trains_on_cpu_and_logs_rrfp_stats(tmp_path):
 
 
 @pytest.mark.parametrize("fixed,nproc,steps,parallelism,rrfp", [
-    ("Interleaved1F1B", 2, 4, [], ["--rrfp.fixed_every", "2"]),
-    ("1F1B", 2, 4, [], []),
-    ("Interleaved1F1B", 4, 3, ["--parallelism.data_parallel_shard_degree", "2"], []),
-    ("Interleaved1F1B", 4, 3, ["--parallelism.tensor_parallel_degree", "2"], []),
-], ids=["pp-interleaved-with-in-run-ab", "pp-1f1b", "pp-x-fsdp", "pp-x-tp"])
+    pytest.param("Interleaved1F1B", 2, 4, [], ["--rrfp.fixed_every", "2"],
+                 id="pp-interleaved-with-in-run-ab"),
+    pytest.param("1F1B", 2, 4, [], [], id="pp-1f1b"),
+    pytest.param("Interleaved1F1B", 4, 3, ["--parallelism.data_parallel_shard_degree", "2"], [],
+                 id="pp-x-fsdp", marks=four_ranks),
+    pytest.param("Interleaved1F1B", 4, 3, ["--parallelism.tensor_parallel_degree", "2"], [],
+                 id="pp-x-tp", marks=four_ranks),
+])
 def test_rrfp_trains_exactly_as_the_fixed_schedule(fixed, nproc, steps, parallelism, rrfp,
                                                    tmp_path):
     """Losses and gradient norms at every step, bitwise (float32), RRFP against torch's
