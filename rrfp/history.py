@@ -6,6 +6,7 @@ Torch-free, like the arbiter and the policies.
 
 from __future__ import annotations
 
+import statistics
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
@@ -58,6 +59,19 @@ class History:
         if not self._sizes_tell_apart:
             return None
         return self.models.predict(stage, kind, self._sizes[microbatch])  # type: ignore[index]
+
+    def prediction_errors(self, runs: Sequence[tuple[int, str, int | None, float]]
+                          ) -> dict[int, float] | None:
+        """How far the durations predicted from the sizes of the step about to be recorded
+        fell from ``runs`` (as ``record_step`` takes them): per stage, the median over its
+        predicted actions of |predicted - measured| / measured. None where the step had no
+        sizes that tell microbatches apart or no stage had a fit yet."""
+        errors: dict[int, list[float]] = {}
+        for stage, kind, microbatch, seconds in runs:
+            predicted = None if microbatch is None else self.predicted(stage, kind, microbatch)
+            if predicted is not None and seconds > 0:
+                errors.setdefault(stage, []).append(abs(predicted - seconds) / seconds)
+        return {stage: statistics.median(seen) for stage, seen in sorted(errors.items())} or None
 
     def record_step(self, runs: Sequence[tuple[int, str, int | None, float]]) -> None:
         """One step's device run times, as (stage, kind, microbatch, seconds): the per-kind

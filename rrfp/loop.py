@@ -229,13 +229,17 @@ class StepLoop:
         """Seconds the device spent running this step's actions."""
         return sum(c.end - c.start for c in self.completions)
 
+    @property
+    def device_runs(self) -> list[tuple[int, str, int | None, float]]:
+        """This step's actions as (stage, kind, microbatch, seconds on the device)."""
+        return [(c.action.stage_index, c.action.computation_type.value,
+                 c.action.microbatch_index, c.end - c.start) for c in self.completions]
+
     def teach(self, history: History) -> None:
         """Record this step's device durations (with the sizes the history was told to
         expect) and arrivals for the next step's policy."""
         history.start_step()
-        history.record_step([(c.action.stage_index, c.action.computation_type.value,
-                              c.action.microbatch_index, c.end - c.start)
-                             for c in self.completions])
+        history.record_step(self.device_runs)
         for arrival in self.received:
             history.record_arrival(arrival.edge, arrival.microbatch, arrival.at)
 

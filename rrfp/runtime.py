@@ -155,8 +155,10 @@ class PipelineRuntime:
             describe_peer=lambda peer: f"global rank {self.transport.channels.global_ranks[peer]}",
             coordinator=coordinator, block=self.wait)
         self._step = (loop, executor)
+        prediction_error = None
         try:
             self._run_loop(loop, origin, hint, training, coordinator, custom)
+            prediction_error = self.history.prediction_errors(loop.device_runs)
             if training and meter is not None:
                 self.activation_bytes_per_microbatch = {
                     s: executor.saved_per_microbatch.get(s, 0) for s in self.stages}
@@ -166,7 +168,8 @@ class PipelineRuntime:
                 loop, executor, coordinator, clock(), self.transport.take_sent(),
                 rank=self.rank, device=self.device, meter=meter, limits=self.limits,
                 activation_bytes_per_microbatch=self.activation_bytes_per_microbatch,
-                receive_buffer_bytes=self.receives.peak_bytes, step=self.steps_run)
+                receive_buffer_bytes=self.receives.peak_bytes, step=self.steps_run,
+                size_prediction_error=prediction_error)
             self.steps_run += 1
             self.training_steps_run += training
         if training and not fixed:

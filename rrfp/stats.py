@@ -116,6 +116,11 @@ class StepStats:
     """Microbatches per step."""
     placement: str = ""
     """The hint's stage placement: ``"loop"``, ``"v"`` or ``"custom"``."""
+    size_prediction_error: dict[int, float] | None = None
+    """Per stage of this rank, how far the durations predicted from the step's microbatch
+    sizes (``step(mb_sizes=...)``, before this step's own durations were learnt) fell from
+    the measured ones: the median of |predicted - measured| / measured. None: the step had
+    no sizes that tell microbatches apart, or no fit yet (the first steps with sizes)."""
     spans: list[Span] = field(default_factory=list)
     arrivals: list[tuple[int, int, int, float]] = field(default_factory=list)
     """(source stage, destination stage, microbatch, seconds after start) of each

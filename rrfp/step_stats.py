@@ -18,9 +18,11 @@ def step_stats(loop: StepLoop, executor: StageExecutor, coordinator: Coordinator
                end: float, sent: tuple[int, int], *, rank: int, device: Device,
                meter: ActivationMeter | None, limits: LimitPlan,
                activation_bytes_per_microbatch: dict[int, int] | None,
-               receive_buffer_bytes: int, step: int) -> StepStats:
+               receive_buffer_bytes: int, step: int,
+               size_prediction_error: dict[int, float] | None = None) -> StepStats:
     """``end``: the step's length in seconds; ``sent``: (messages, bytes) it sent;
-    ``meter``: the byte meter if this step was metered."""
+    ``meter``: the byte meter if this step was metered; ``size_prediction_error``: per
+    stage, how far the durations predicted from the sizes fell from the measured ones."""
     arbiter = loop.arbiter
     hint = arbiter.hint
     local = hint.stages_on(rank)
@@ -76,5 +78,6 @@ def step_stats(loop: StepLoop, executor: StageExecutor, coordinator: Coordinator
         num_stages=hint.num_stages,
         n_microbatches=hint.n_microbatches,
         placement=hint.layout,
+        size_prediction_error=size_prediction_error,
         spans=spans,
     )

@@ -67,6 +67,28 @@ def test_models_fit_a_window_of_recent_steps_and_keep_their_own_over_shared_fits
     assert set(models.own_fits()) == {(0, "F")}
 
 
+def test_the_prediction_error_is_per_stage_the_median_relative_error_before_learning():
+    from rrfp.history import History
+
+    history = History()
+    sizes = [MicrobatchSize(tokens=t) for t in (1, 2, 4)]
+    history.expect_sizes(sizes)
+    assert history.prediction_errors([(0, "F", 0, 1.0)]) is None  # no fit yet
+    history.record_step([(0, "F", m, 0.01 * t) for m, t in enumerate((1, 2, 4))])
+    history.expect_sizes(sizes)
+    # Stage 0's forwards were fitted at 0.01 s a token; measured now: 1x, 1.5x and 2x the
+    # prediction; the gradient reduction (no microbatch) and stage 1 (no fit) are not
+    # predicted.
+    runs = [(0, "F", 0, 0.01), (0, "F", 1, 0.03), (0, "F", 2, 0.08), (0, "W", None, 1.0),
+            (1, "F", 0, 0.5)]
+    errors = history.prediction_errors(runs)
+    assert list(errors) == [0]
+    assert errors[0] == pytest.approx(statistics.median([0.0, 1 / 3, 0.5]), rel=1e-9)
+    history.record_step(runs)  # learns from the step only after its error was taken
+    history.expect_sizes([MicrobatchSize(tokens=1)] * 3)  # a packed batch: as without sizes
+    assert history.prediction_errors(runs) is None
+
+
 @pytest.mark.parametrize("bad", [dict(tokens=-1), dict(tokens=math.nan),
                                  dict(tokens=1, attention=math.inf), dict(tokens="8")])
 def test_a_size_that_is_not_a_finite_non_negative_number_is_refused(bad):

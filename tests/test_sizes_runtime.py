@@ -34,6 +34,11 @@ def test_sized_steps_share_fits_predict_by_size_and_keep_torchs_gradients():
             emulated = unit_s * TOKENS[m] * (BACKWARD_PER_FORWARD if kind == "B" else 1)
             # Never shorter than the sleep, at most the overhead of a loaded machine more.
             assert 0.9 * emulated <= seconds <= emulated + 0.02, (rank, s, kind, m, seconds)
+        # The stats' prediction error, per stage of the rank, where sizes were given: the
+        # emulated durations follow the sizes exactly, so only the sleeps' overshoot.
+        errors = result["prediction_error"]
+        assert list(errors["sizes"]) == [rank] and 0 <= errors["sizes"][rank] < 0.5, errors
+        assert errors["no sizes"] is None
         # A store write and a read of the others' fits per sized step.
         assert 0 < result["sharing_s"] < 0.05 * result["sized_steps"], result["sharing_s"]
 

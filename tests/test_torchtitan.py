@@ -753,6 +753,12 @@ def test_variable_shape_data_paths_train_and_their_loss_falls(job, tmp_path):
     # Microbatches differ in length, so what a stage holds differs from step to step.
     values = tensorboard_values(tmp_path)
     assert len(set(values["rrfp/peak_activation_bytes/pp0"])) > 1, values
+    # Each microbatch's size went to the schedule: from the second step on, every stage's
+    # durations were predicted from them, and the error is logged per stage.
+    for stage in range(4):
+        errors = values[f"rrfp/size_prediction_error/stage{stage}"]
+        assert len(errors) == 5 and all(0 <= e < 10 for e in errors), (stage, errors)
+    assert re.search(r"rrfp step  6: .* pp0 .* size-predicted ±\d+%", out), failure_excerpt(out)
 
 
 def test_variable_length_microbatches_train_as_the_fixed_schedule_on_padded_ones(tmp_path):

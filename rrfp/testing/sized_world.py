@@ -53,8 +53,9 @@ def sized_steps(rank: int, world_size: int, rounds: int, unit_s: float) -> dict:
     """``LEARNING_ROUNDS`` then ``rounds`` timed rounds of the three variants, alternating
     their order. Returns each variant's step times, whether the last round's gradients are
     bitwise torch's, the (stage, kind)s the sized schedule has fits of, what the sized
-    schedule's policy predicts per (stage, kind, microbatch) before its last step, and
-    the seconds its fit sharing took."""
+    schedule's policy predicts per (stage, kind, microbatch) before its last step, the
+    seconds its fit sharing took, and each RRFP variant's last step's
+    ``size_prediction_error``."""
     n = len(TOKENS)
     chain = make_chain(world_size)
     x, y = make_batch(n)
@@ -91,6 +92,8 @@ def sized_steps(rank: int, world_size: int, rounds: int, unit_s: float) -> dict:
         "predicted": {(s, k, m): models.predict(s, k, size)
                       for (s, k) in models.fits for m, size in enumerate(sizes)},
         "sharing_s": sized.fit_sharing_seconds,
+        "prediction_error": {kind: runs[kind][0].last_step_stats.size_prediction_error
+                             for kind in ("sizes", "no sizes")},
         "sized_steps": LEARNING_ROUNDS + rounds - 1,
     }
     for schedule, _ in runs.values():

@@ -29,6 +29,8 @@ from torch.utils.data import IterableDataset
 from torchtitan.components.dataloader import ParallelAwareDataloader
 from torchtitan.components.loss import IGNORE_INDEX
 
+from rrfp.sizes import MicrobatchSize
+
 from torchtitan_ext.common.assets import arithmetic_corpus
 
 PATCHES_PER_IMAGE = 4
@@ -116,6 +118,22 @@ class Microbatches:
     @property
     def shapes(self) -> list[tuple[int, ...]]:
         return [tuple(t.shape) for t in self.targets]
+
+    @property
+    def sizes(self) -> list[MicrobatchSize]:
+        """What each microbatch's cost follows from (``ScheduleRRFP.step(mb_sizes=...)``)."""
+        return [content_size(target, kwargs) for target, kwargs in zip(self.targets, self.kwargs)]
+
+
+def content_size(target: torch.Tensor, kwargs: dict[str, torch.Tensor]) -> MicrobatchSize:
+    """A cut microbatch's size: its positions (image patches included, which enter the
+    language stages as tokens), the sum over its rows of their length squared (causal
+    attention over each row as cut), and its image patches (``images``: what an encoder
+    over them costs)."""
+    rows, length = target.shape
+    patches = kwargs["patches"].shape[1] if "patches" in kwargs else 0
+    return MicrobatchSize(tokens=rows * length, attention=rows * length ** 2,
+                          images=rows * patches)
 
 
 def split_by_content(inputs: torch.Tensor, labels: torch.Tensor,

@@ -1,7 +1,9 @@
 """ScheduleRRFP's step statistics next to torchtitan's metrics: a short console line,
-TensorBoard scalars ``rrfp/<metric>/<rank label>`` (every metric) and Perfetto traces, at
-each metrics step; and on the rank that logs the loss, the advisor's verdict, the in-run
-A/B and the end-of-run summary (``torchtitan_ext.common.run_advice``)."""
+TensorBoard scalars ``rrfp/<metric>/<rank label>`` (every metric; per stage, the error of
+the durations predicted from microbatch sizes, ``rrfp/size_prediction_error/stage<n>``)
+and Perfetto traces, at each metrics step; and on the rank that logs the loss, the
+advisor's verdict, the in-run A/B and the end-of-run summary
+(``torchtitan_ext.common.run_advice``)."""
 
 from __future__ import annotations
 
@@ -55,6 +57,13 @@ METRICS: tuple[Metric, ...] = (
 )
 
 
+def size_error_field(stats: StepStats) -> list[str]:
+    """The console's word on the durations predicted from the microbatch sizes: the worst
+    of the rank's stages (TensorBoard has each stage's, ``rrfp/size_prediction_error``)."""
+    errors = stats.size_prediction_error
+    return [f"size-predicted ±{max(errors.values()):.0%}"] if errors else []
+
+
 def stats_store(ranks: list[int], log: int) -> dist.PrefixStore:
     """Where the pipeline of ``ranks`` exchanges its stats for a process's ``log``-th
     ``StepStatsLog``: the job's store, under a prefix of their own (in this torchrun
@@ -100,6 +109,9 @@ class StepStatsLog:
         pipeline_rank = f"pp{stats.pp_rank}"
         return pipeline_rank if self.replica is None else f"dp{self.replica}/{pipeline_rank}"
 
+    def stage_label(self, stage: int) -> str:
+        return f"stage{stage}" if self.replica is None else f"dp{self.replica}/stage{stage}"
+
     def log(self, step: int) -> dict[str, float]:
         """Post this rank's stats of the last step; a rank that reads also gathers the
         pipeline's, logs the console line and writes the trace. Returns the TensorBoard
@@ -114,11 +126,15 @@ class StepStatsLog:
                     value = metric.value(stats)
                     if value is not None:
                         scalars[f"rrfp/{metric.name}/{self.label(stats)}"] = value
+                errors = stats.size_prediction_error or {}
+                for stage, error in errors.items():
+                    scalars[f"rrfp/size_prediction_error/{self.stage_label(stage)}"] = error
             step_ms = max(stats.step_time for stats in gathered) * 1e3
             scalars["rrfp/step_time_ms"] = step_ms
             fixed = " (fixed order)" if gathered[0].policy == "fixed" else ""
             logger.info(f"rrfp step {step:2}{fixed}: {step_ms:.0f} ms | " + " | ".join(
-                " ".join([self.label(stats), *filter(None, (m.show(stats) for m in METRICS))])
+                " ".join([self.label(stats), *filter(None, (m.show(stats) for m in METRICS)),
+                          *size_error_field(stats)])
                 for stats in gathered))
         if self.advice is not None:
             scalars.update(self.advice.add(step, gathered))

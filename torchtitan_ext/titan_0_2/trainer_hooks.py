@@ -122,8 +122,9 @@ def _hook(module: ModuleType, on_cpu: bool) -> None:
 def _variable_shape_step(trainer, schedule: ScheduleRRFP, input_dict, labels,
                          global_valid_tokens) -> torch.Tensor:
     """torchtitan's pipeline forward/backward, on microbatches each as long as its own
-    content (``torchtitan_ext.common.data.split_by_content``); the loss stays the sum over valid
-    tokens divided by their global count."""
+    content (``torchtitan_ext.common.data.split_by_content``), each with its size (every
+    rank of the pipeline cuts the same batch); the loss stays the sum over valid tokens
+    divided by their global count."""
     inputs, labels, extra_inputs, extra_kwargs = trainer.post_dataloading_process(
         input_dict, labels)
     if extra_kwargs:
@@ -134,10 +135,10 @@ def _variable_shape_step(trainer, schedule: ScheduleRRFP, input_dict, labels,
     first, last = trainer.pp_has_first_stage, trainer.pp_has_last_stage
     losses: list | None = [] if last else None
     with trainer.train_context():
-        schedule.step_microbatches(microbatches.args if first else None,
-                                   microbatches.targets if last else None,
-                                   kwarg_mbs=microbatches.kwargs if first else None,
-                                   losses=losses, return_outputs=False)
+        schedule.step(arg_mbs=microbatches.args if first else None,
+                      kwarg_mbs=microbatches.kwargs if first else None,
+                      target_mbs=microbatches.targets if last else None,
+                      losses=losses, return_outputs=False, mb_sizes=microbatches.sizes)
     if not last:
         return torch.tensor([-1.0], device=trainer.device)
     return (torch.sum(torch.stack(losses)) / global_valid_tokens).to(trainer.device)

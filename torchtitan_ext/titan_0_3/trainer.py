@@ -29,6 +29,7 @@ from torchtitan_ext.common.version import CONFIG_FN_INSTEAD, require
 
 require((0, 3), "torchtitan_ext.titan_0_3.trainer", CONFIG_FN_INSTEAD)
 
+import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 from torchtitan.components.metrics import _get_metrics_rank, MetricsProcessor  # noqa: E402
 from torchtitan.hf_datasets.text_datasets import HuggingFaceTextDataLoader  # noqa: E402
@@ -39,7 +40,7 @@ from rrfp import ScheduleRRFP  # noqa: E402
 from torchtitan_ext.common.assets import register_dataset  # noqa: E402
 from torchtitan_ext.config import RRFP  # noqa: E402
 from torchtitan_ext.common.cpu import force_sum_reductions, use_cpu  # noqa: E402
-from torchtitan_ext.common.data import split_by_content  # noqa: E402
+from torchtitan_ext.common.data import content_size, split_by_content  # noqa: E402
 from torchtitan_ext.common.log_ranks import log_ranks, print_only_on, warn_if_loss_hidden  # noqa: E402
 from torchtitan_ext.titan_0_3.pipelining import with_rrfp  # noqa: E402
 from torchtitan_ext.common.schedules import close_schedule, hint_of, torch_view_name, validate  # noqa: E402
@@ -152,6 +153,30 @@ class RRFPTrainer(Trainer):
         pad_to = None if variable else (inputs.shape[1], extra_kwargs["patches"].shape[1])
         cut = split_by_content(inputs, labels, extra_kwargs, 1, pad_to=pad_to)
         return cut.args[0][0], cut.targets[0], cut.kwargs[0]
+
+    def pp_forward_backward_step(self, *, input_dict_mbs, label_mbs, global_valid_tokens):
+        """torchtitan's; under RRFP with ``rrfp.variable_shapes``, each microbatch cut to its
+        own content also gives the schedule its size (``content_size``: every rank of the
+        pipeline cuts the same microbatches)."""
+        schedule = getattr(self, "pp_schedule", None)
+        if not (isinstance(schedule, ScheduleRRFP) and schedule.variable_shapes):
+            return super().pp_forward_backward_step(
+                input_dict_mbs=input_dict_mbs, label_mbs=label_mbs,
+                global_valid_tokens=global_valid_tokens)
+        cuts = [self.post_dataloading_process(input_dict, labels)
+                for input_dict, labels in zip(input_dict_mbs, label_mbs, strict=True)]
+        first, last = self.pp_has_first_stage, self.pp_has_last_stage
+        losses: list | None = [] if last else None
+        with self.train_context():
+            schedule.step(arg_mbs=[(inputs,) for inputs, _, _ in cuts] if first else None,
+                          kwarg_mbs=[kwargs for _, _, kwargs in cuts],
+                          target_mbs=[labels for _, labels, _ in cuts] if last else None,
+                          losses=losses, loss_kwargs={"global_valid_tokens": global_valid_tokens},
+                          return_outputs=False,
+                          mb_sizes=[content_size(labels, kwargs) for _, labels, kwargs in cuts])
+        if not last:
+            return torch.tensor([-1.0], device=self.device)
+        return torch.sum(torch.stack(losses)).to(self.device)
 
     def close(self) -> None:
         """ScheduleRRFP's ``close`` first (``torchtitan_ext.common.schedules.close_schedule``),
