@@ -231,6 +231,19 @@ MUTATIONS = [
         "    if len(given) != n_microbatches:", "    if False:",
         ("tests/test_sizes_runtime.py::test_bad_sizes_raise_value_error_on_every_rank_before_"
          "any_communication",)),
+    Mutation(
+        "size_error_relative_to_prediction", "the stats' size prediction error is relative to "
+        "the measured duration", "rrfp/history.py",
+        "append(abs(predicted - seconds) / seconds)",
+        "append(abs(predicted - seconds) / predicted)",
+        ("tests/test_sizes.py::test_the_prediction_error_is_per_stage_the_median_relative_"
+         "error_before_learning",)),
+    Mutation(
+        "torchtitan_sizes_not_given", "torchtitan's variable-shape jobs give ScheduleRRFP each "
+        "microbatch's size", "torchtitan_ext/titan_0_2/trainer_hooks.py",
+        "mb_sizes=microbatches.sizes)", "mb_sizes=None)",
+        ("tests/test_torchtitan.py::test_variable_shape_data_paths_train_and_their_loss_falls"
+         "|documents",)),
 ]
 
 
