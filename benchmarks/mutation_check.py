@@ -283,9 +283,11 @@ def _selection_problem(root: str, item: str) -> str | None:
 
 
 def _copy_tree(dest: str) -> None:
+    # The venvs stay behind (several GB; the tests run with this interpreter, the copy
+    # first on PYTHONPATH).
     ignore = shutil.ignore_patterns(".git", "__pycache__", "*.pyc", "outputs", ".pytest_cache")
     for name in os.listdir(ROOT):
-        if name in (".git", "outputs", ".pytest_cache"):
+        if name in (".git", "outputs", ".pytest_cache") or name.startswith(".venv"):
             continue
         src = os.path.join(ROOT, name)
         if os.path.isdir(src):
