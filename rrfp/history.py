@@ -66,6 +66,8 @@ class History:
         fell from ``runs`` (as ``record_step`` takes them): per stage, the median over its
         predicted actions of |predicted - measured| / measured. None where the step had no
         sizes that tell microbatches apart or no stage had a fit yet."""
+        if not self._sizes_tell_apart:
+            return None
         errors: dict[int, list[float]] = {}
         for stage, kind, microbatch, seconds in runs:
             predicted = None if microbatch is None else self.predicted(stage, kind, microbatch)

@@ -106,11 +106,13 @@ class StepStatsLog:
             logger.info(f"rrfp: Perfetto traces of each metrics step go to {trace_folder}")
 
     def label(self, stats: StepStats) -> str:
-        pipeline_rank = f"pp{stats.pp_rank}"
-        return pipeline_rank if self.replica is None else f"dp{self.replica}/{pipeline_rank}"
+        return self._in_replica(f"pp{stats.pp_rank}")
 
     def stage_label(self, stage: int) -> str:
-        return f"stage{stage}" if self.replica is None else f"dp{self.replica}/stage{stage}"
+        return self._in_replica(f"stage{stage}")
+
+    def _in_replica(self, name: str) -> str:
+        return name if self.replica is None else f"dp{self.replica}/{name}"
 
     def log(self, step: int) -> dict[str, float]:
         """Post this rank's stats of the last step; a rank that reads also gathers the
