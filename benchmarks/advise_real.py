@@ -15,8 +15,10 @@ over the mean of the RRFP steps beside it (step time: the slowest rank's schedul
 ``StepStats.step_time``); its median over the pairs stands beside the prediction.
 
 ``--cost``: the advisor's price (``rrfp.advise`` on against off), in alternating rounds (on
-then off, then off then on): each run's median tokens/s over steps 5 to the last; and
-the run's own account of it (its summary's ``advisor cost`` line: the main thread's
+then off, then off then on): each run's median tokens/s over steps 5 to the last; within
+each pair of runs, the steps that ran beside the first verdict's child process against
+the steps after it (so that a run's own level, which varies more from run to run than the
+advisor could cost, cancels out); and the run's own account of it (its summary's ``advisor cost`` line: the main thread's
 bookkeeping per step, the child processes' CPU seconds).
 """
 
@@ -29,9 +31,10 @@ import statistics
 import time
 
 from benchmarks.pages import write_page
-from benchmarks.titan_runs import run_job, tokens_per_second, version_label
+from benchmarks.titan_runs import run_job, STEP_LINE, tokens_per_second, version_label
 from rrfp.advise import ab_speedups, advise, read_run
 from rrfp.advise.predict import predict, replay, Setting
+from torchtitan_ext.common.run_advice import FIRST_VERDICT_AFTER
 
 SETTINGS = [("hint", None), ("hint+1", None), ("hint+1", "hint"), ("hint+2", None),
             ("hint+2", "hint"), ("busiest", None)]
@@ -110,10 +113,32 @@ def predicted_vs_measured(steps: int, pairs: int) -> list[str]:
     return lines
 
 
+def child_steps(out: str) -> range | None:
+    """The steps that ran while the first verdict's child process did: from the one after
+    it started to the last logged before its line (None: no first verdict in ``out``)."""
+    at = out.find(f"(from steps 2-{FIRST_VERDICT_AFTER + 1})")
+    if at < 0:
+        return None
+    logged = STEP_LINE.findall(out[:at])
+    return range(FIRST_VERDICT_AFTER + 2, int(logged[-1][0]) + 1) if logged else None
+
+
+def within_run(on: dict[int, float], off: dict[int, float], during: range) -> float:
+    """Tokens/s while the child ran over after it, in the run with the advisor, against
+    the same steps' in the run without (each run's own level cancels out)."""
+    # The step that logged the verdict may have run beside the child's end: left out.
+    after = range(during.stop + 1, max(on) + 1)
+
+    def level(tps: dict[int, float], steps: range) -> float:
+        return statistics.median(tps[s] for s in steps)
+    return (level(on, during) / level(on, after)) / (level(off, during) / level(off, after))
+
+
 def cost(rounds: int, steps: int) -> list[str]:
     started = time.time()
     runs: dict[str, list[tuple[float, float]]] = {"on": [], "off": []}
-    accounts = []
+    per_step: dict[str, list[dict[int, float]]] = {"on": [], "off": []}
+    accounts, windows = [], []
     for r in range(rounds):
         order = ("on", "off") if r % 2 == 0 else ("off", "on")
         for which in order:
@@ -121,12 +146,17 @@ def cost(rounds: int, steps: int) -> list[str]:
             out = run_job(os.path.join(OUT, f"cost-{which}"), "--rrfp.trace_folder", "",
                           "--rrfp.advise" if which == "on" else "--rrfp.no-advise", steps=steps)
             tps = tokens_per_second(out)
+            per_step[which].append(tps)
             runs[which].append((statistics.median(tps[s] for s in range(FIRST_TIMED_STEP, steps + 1)),
                                 load))
             if which == "on":
                 accounts.append(COST_LINE.search(out).groups())
+                windows.append(child_steps(out))
             print(f"round {r + 1} advise {which}: {runs[which][-1][0]:.0f} tokens/s (load {load:.1f})",
                   flush=True)
+    within = [within_run(on, off, w) if w is not None and w.stop + 1 <= steps else None
+              for on, off, w in zip(per_step["on"], per_step["off"], windows)]
+    measured = [w for w in within if w is not None]
     ratios = [on[0] / off[0] for on, off in zip(runs["on"], runs["off"])]
     lines = [
         f"# The advisor's cost in the run (torchtitan {version_label()}, llama3 debug, CPU)",
@@ -142,13 +172,23 @@ def cost(rounds: int, steps: int) -> list[str]:
         f"**Median ratio, advise on / off: {statistics.median(ratios):.3f}x** (min "
         f"{min(ratios):.3f}x, max {max(ratios):.3f}x).",
         "",
-        "| round | on tokens/s | off tokens/s | on / off | the run's account: main thread ms/step, "
-        "child CPU s |",
-        "|---|---|---|---|---|",
+        "**While the verdict's child process runs**, within each run (a run's own level, which "
+        "varies by up to 10% from run to run on this machine, cancels out): tokens/s of the "
+        "steps that ran beside the child over the steps after it, in the run with the "
+        "advisor, over the same ratio for the same steps in the run without: median "
+        + (f"**{statistics.median(measured):.3f}x** (min {min(measured):.3f}x, max "
+           f"{max(measured):.3f}x)." if measured else "- (no first verdict before the last step)."),
+        "",
+        "| round | on tokens/s | off tokens/s | on / off | steps beside the child | within the run "
+        "| the run's account: main thread ms/step, child CPU s (both verdicts) |",
+        "|---|---|---|---|---|---|---|",
     ]
-    for i, (on, off, ratio, account) in enumerate(zip(runs["on"], runs["off"], ratios, accounts), 1):
+    for i, (on, off, ratio, account, window, inside) in enumerate(
+            zip(runs["on"], runs["off"], ratios, accounts, windows, within), 1):
+        steps_beside = "-" if window is None else f"{window.start}-{window.stop - 1}"
+        inside_text = "-" if inside is None else f"{inside:.3f}x"
         lines.append(f"| {i} | {on[0]:.0f} ({on[1]:.1f}) | {off[0]:.0f} ({off[1]:.1f}) | "
-                     f"{ratio:.3f}x | {account[0]}, {account[1]} |")
+                     f"{ratio:.3f}x | {steps_beside} | {inside_text} | {account[0]}, {account[1]} |")
     return lines
 
 

@@ -16,12 +16,14 @@ torchtitan splits it, batches of 8 samples in 8 microbatches from ``torchtitan_e
 * *multimodal*: the same plus 0-40 image patches per sample, encoded on the first stage
   (``rrfp_multimodal``).
 
-Three ways to run each batch, alternating within every round: torch's
+Four ways to run each batch, alternating within every round: torch's
 ``ScheduleInterleaved1F1B`` on microbatches all padded to one shape, the run's longest
 content (what users of fixed-shape pipelines do; torch's stages fix their shapes at the
-first step, so a batch's own longest is not an option: a shorter batch then fails); ``ScheduleRRFP(policy="fixed", variable_shapes=True)`` on
-microbatches each as long as its content (rounded up to 16); ``ScheduleRRFP`` with its
-default policy and variable shapes. Forward and backward only (no optimizer step, so all
+first step, so a batch's own longest is not an option: a shorter batch then fails);
+``ScheduleRRFP(policy="fixed", variable_shapes=True)`` on microbatches each as long as its
+content (rounded up to 16); ``ScheduleRRFP`` with its default policy and variable shapes;
+the same given each microbatch's size (``step(mb_sizes=...)``, as the torchtitan jobs give
+them). Forward and backward only (no optimizer step, so all
 three see the same weights). Tokens per second counts valid (non-padding) tokens.
 Activation bytes: the most saved-activation bytes alive at once on a rank
 (``ActivationMeter``). The message header cost is measured separately: one step of each
@@ -63,7 +65,8 @@ from torchtitan_ext.common.version import torchtitan_version
 TITAN_0_3 = torchtitan_version() == (0, 3)
 
 BATCH, MICROBATCHES, TEXT_LEN = 8, 8, 128
-VARIANTS = ("padded torch", "RRFP fixed order", "RRFP")
+SIZED = "RRFP, sizes given"
+VARIANTS = ("padded torch", "RRFP fixed order", "RRFP", SIZED)
 
 
 def _model(multimodal: bool) -> torch.nn.Module:
@@ -195,6 +198,7 @@ def _rank_main(rank: int, world: int, multimodal: bool, rounds: int) -> dict:
     peak = {v: 0 for v in VARIANTS}
     tokens = []
     stats = None
+    size_errors: list[float] = []
     for round_ in range(rounds + 1):  # round 0 warms up (shape inference, history)
         inputs, labels, extra = batches[round_]
         for variant in in_alternating_order(VARIANTS, round_ - 1):  # the first measured in order
@@ -209,22 +213,18 @@ def _rank_main(rank: int, world: int, multimodal: bool, rounds: int) -> dict:
             dist.barrier()
             start = time.perf_counter()
             first, last = rank == 0, rank == 1
-            if TITAN_0_3:  # as torchtitan 0.3 calls every schedule: pre-split
-                schedule.step(arg_mbs=mbs.args if first else None,
-                              kwarg_mbs=mbs.kwargs if first else [{}] * MICROBATCHES,
-                              target_mbs=mbs.targets if last else None,
-                              losses=[] if last else None, return_outputs=False)
-            elif padded:
+            if padded and not TITAN_0_3:  # torchtitan 0.2.2 gives torch's schedules the batch
                 kwargs = {k: torch.cat([kw[k] for kw in mbs.kwargs]) for k in mbs.kwargs[0]}
                 args = (torch.cat([a[0] for a in mbs.args]),) if first else ()
                 schedule.step(*args, **(kwargs if first else {}),
                               target=torch.cat(mbs.targets) if last else None,
                               losses=[] if last else None, return_outputs=False)
             else:
-                schedule.step_microbatches(mbs.args if first else None,
-                                           mbs.targets if last else None,
-                                           kwarg_mbs=mbs.kwargs if first else None,
-                                           losses=[] if last else None, return_outputs=False)
+                sizes = {"mb_sizes": mbs.sizes} if variant == SIZED else {}
+                schedule.step(arg_mbs=mbs.args if first else None,
+                              kwarg_mbs=mbs.kwargs if first else [{}] * MICROBATCHES,
+                              target_mbs=mbs.targets if last else None,
+                              losses=[] if last else None, return_outputs=False, **sizes)
             dist.barrier()
             elapsed = time.perf_counter() - start
             if round_ == 0:
@@ -234,12 +234,14 @@ def _rank_main(rank: int, world: int, multimodal: bool, rounds: int) -> dict:
             peak[variant] = max(peak[variant], step_peak)
             if variant == "RRFP":
                 stats = schedule.last_step_stats
+            if variant == SIZED and schedule.last_step_stats.size_prediction_error:
+                size_errors.append(max(schedule.last_step_stats.size_prediction_error.values()))
         if round_ > 0:
             tokens.append(int((labels != IGNORE_INDEX).sum()))
     gathered: list = [None] * world
     dist.all_gather_object(gathered, stats)
     return {"times": times, "peak": peak, "tokens": tokens, "stats": gathered,
-            "header_send_us": header_send_us}
+            "header_send_us": header_send_us, "size_errors": size_errors}
 
 
 def _header_cost(repeats: int = 2000) -> tuple[float, int]:
@@ -306,7 +308,7 @@ def main(argv=None) -> None:
         "rank (KiB) |",
         "|---|---|---|---|---|---|",
     ]
-    predictions, header_send = [], []
+    predictions, header_send, sized = [], [], []
     for multimodal in (False, True):
         path = "multimodal" if multimodal else "documents"
         ranks = run_local_world(2, _rank_main, multimodal, args.rounds, timeout=1200)
@@ -320,6 +322,14 @@ def main(argv=None) -> None:
             lines.append(f"| {path} | {variant} | {step * 1e3:.0f} | {tps:.0f} | "
                          f"{padded / step:.2f}x | {peaks} |")
             print(lines[-1], flush=True)
+        ratios = [t / s for t, s in zip(times["RRFP"], times[SIZED])]
+        errors = [e for r in ranks for e in r["size_errors"]]
+        error = (f"; the durations predicted from the sizes fell from the measured ones by a "
+                 f"median {statistics.median(errors) * 100:.0f}% (per step, the worst stage of "
+                 "either rank; `StepStats.size_prediction_error`)") if errors else ""
+        sized.append(f"* {path}: {SIZED} over RRFP not given them, per round: median "
+                     f"{statistics.median(ratios):.3f}x (min {min(ratios):.3f}x, max "
+                     f"{max(ratios):.3f}x){error}")
         for depth in (8, 16):
             made = _predict(ranks[0]["stats"], depth)
             predictions.append(
@@ -327,6 +337,13 @@ def main(argv=None) -> None:
                 f"microbatches as long as their content {made['padded fixed'] / made['fixed']:.2f}x, "
                 f"RRFP {made['padded fixed'] / made['RRFP']:.2f}x")
     lines += [
+        "",
+        f"*{SIZED}*: as *RRFP*, each microbatch's size given to the step (`step(mb_sizes=...)`,"
+        " `torchtitan_ext.common.data.content_size`, as the torchtitan jobs give them), in the "
+        "same rounds; the default `buffer_limit=\"hint\"` (the policy `lookahead`, which "
+        "costs its deviations by the predicted durations):",
+        "",
+        *sized,
         "",
         f"Shape header: {header_bytes} bytes per activation message of one tensor (int64: "
         f"the tensor count, then per tensor its rank and up to {HEADER_DIMS} sizes), built in "
