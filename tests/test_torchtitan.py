@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -953,3 +954,14 @@ def test_the_0_3_adapter_uses_torchtitans_hooks():
         torchtitan_logger.removeHandler(handler)
     (record,) = [r for r in records if "run_train.sh" in r.getMessage()]
     assert not HideLossAdvice().filter(record)
+
+
+@pytest.mark.skipif(not hasattr(os, "SCHED_IDLE") or not shutil.which("chrt"),
+                    reason="SCHED_IDLE through chrt (Linux)")
+def test_the_verdicts_child_runs_at_idle_priority_so_training_preempts_it():
+    from torchtitan_ext.common.run_advice import lowest_priority
+
+    seen = subprocess.run([*lowest_priority(), sys.executable, "-c",
+                           "import os; print(os.sched_getscheduler(0))"],
+                          capture_output=True, text=True, check=True)
+    assert int(seen.stdout) == os.SCHED_IDLE

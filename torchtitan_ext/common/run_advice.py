@@ -48,13 +48,13 @@ FINAL_TIMEOUT_S = 300.0
 
 class AdvisorProcess:
     """``python -m rrfp.advise - --json`` on steps' trace events, in a child process read
-    by a thread of its own; ``low_priority``: at the lowest CPU priority (``nice`` where
-    there is one), while training runs."""
+    by a thread of its own; ``low_priority``: while training runs, at the lowest CPU
+    priority there is: Linux's ``SCHED_IDLE`` (``chrt --idle``), which a waking training
+    process preempts at once and the load balancer counts as idle, else ``nice 19``."""
 
     def __init__(self, steps: list[list[dict]], source: str, *, low_priority: bool):
-        nice = shutil.which("nice") if low_priority else None
-        command = [*([nice, "-n", "19"] if nice else []), sys.executable, "-m", "rrfp.advise",
-                   "-", "--json", "--source", source]
+        command = [*(lowest_priority() if low_priority else []), sys.executable, "-m",
+                   "rrfp.advise", "-", "--json", "--source", source]
         # The child imports the rrfp this process runs (a checkout on PYTHONPATH or not).
         root = os.path.dirname(os.path.dirname(os.path.abspath(rrfp.__file__)))
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(
@@ -83,6 +83,14 @@ class AdvisorProcess:
         if not self.done():
             self._process.kill()
             self.done(10.0)
+
+
+def lowest_priority() -> list[str]:
+    """The command prefix that runs a command at the lowest CPU priority (none: [])."""
+    chrt, nice = shutil.which("chrt"), shutil.which("nice")
+    if chrt is not None and hasattr(os, "SCHED_IDLE"):
+        return [chrt, "--idle", "0"]
+    return [nice, "-n", "19"] if nice is not None else []
 
 
 class TextLog:
