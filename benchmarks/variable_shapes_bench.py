@@ -159,7 +159,7 @@ def _batches(multimodal: bool, count: int):
 def _header_send_us(rank: int, repeats: int = 500) -> float:
     """One-way microseconds of a header message between the two processes (gloo ping-pong,
     half the round trip)."""
-    header = shape_header([torch.empty(1, 112, 256)], torch.device("cpu"))
+    header = shape_header([torch.empty(1, 112, 256)])
     peer = 1 - rank
     dist.barrier()
     start = time.perf_counter()
@@ -249,7 +249,7 @@ def _header_cost(repeats: int = 2000) -> tuple[float, int]:
     activation = torch.empty(1, 112, 256)
     start = time.perf_counter()
     for _ in range(repeats):
-        shape_header([activation], activation.device)
+        shape_header([activation])
     return (time.perf_counter() - start) / repeats * 1e6, 8 * (1 + (1 + HEADER_DIMS))
 
 

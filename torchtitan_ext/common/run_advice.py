@@ -26,7 +26,7 @@ import shutil
 import statistics
 import subprocess
 import sys
-import threading
+import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -47,10 +47,14 @@ FINAL_TIMEOUT_S = 300.0
 
 
 class AdvisorProcess:
-    """``python -m rrfp.advise - --json`` on steps' trace events, in a child process read
-    by a thread of its own; ``low_priority``: while training runs, at the lowest CPU
-    priority there is: Linux's ``SCHED_IDLE`` (``chrt --idle``), which a waking training
-    process preempts at once and the load balancer counts as idle, else ``nice 19``."""
+    """``python -m rrfp.advise - --json`` on steps' trace events, in a child process that
+    reads them from a file and writes its answer to files: the training process starts it
+    and later looks whether it has exited, with no thread of its own (a thread feeding a
+    pipe takes the GIL from the training thread at every 512-byte write while the child
+    reads, slowly at low priority). ``low_priority``: while training runs, at the lowest
+    CPU priority there is: Linux's ``SCHED_IDLE`` (``chrt --idle``), which a waking
+    training process preempts at once and the load balancer counts as idle, else
+    ``nice 19``."""
 
     def __init__(self, steps: list[list[dict]], source: str, *, low_priority: bool):
         command = [*(lowest_priority() if low_priority else []), sys.executable, "-m",
@@ -59,25 +63,40 @@ class AdvisorProcess:
         root = os.path.dirname(os.path.dirname(os.path.abspath(rrfp.__file__)))
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(
             filter(None, [root, os.environ.get("PYTHONPATH")])), "OMP_NUM_THREADS": "1"}
-        self._process = subprocess.Popen(command, stdin=subprocess.PIPE,
-                                         stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                         text=True, env=env)
+        self._folder = tempfile.TemporaryDirectory(prefix="rrfp-advise-")
+        steps_file = os.path.join(self._folder.name, "steps.json")
+        with open(steps_file, "w") as f:
+            json.dump(steps, f)
+        self._out = open(os.path.join(self._folder.name, "answer.json"), "w+")
+        self._err = open(os.path.join(self._folder.name, "errors.txt"), "w+")
+        with open(steps_file) as stdin:
+            self._process = subprocess.Popen(command, stdin=stdin, stdout=self._out,
+                                             stderr=self._err, env=env)
         self.answer: dict | None = None
         self.failure: str | None = None
-        self._thread = threading.Thread(target=self._talk, args=(json.dumps(steps),),
-                                        name="rrfp-advise", daemon=True)
-        self._thread.start()
-
-    def _talk(self, payload: str) -> None:
-        out, err = self._process.communicate(payload)
-        if self._process.returncode == 0:
-            self.answer = json.loads(out)
-        else:
-            self.failure = (err.strip().splitlines() or [f"exit status {self._process.returncode}"])[-1]
 
     def done(self, timeout: float = 0.0) -> bool:
-        self._thread.join(timeout)
-        return not self._thread.is_alive()
+        """Whether the child has exited (waiting up to ``timeout`` seconds); once it has,
+        ``answer`` or ``failure`` is set."""
+        try:
+            self._process.wait(timeout)
+        except subprocess.TimeoutExpired:
+            return False
+        if self.answer is None and self.failure is None:
+            self._read_answer()
+        return True
+
+    def _read_answer(self) -> None:
+        self._out.seek(0)
+        self._err.seek(0)
+        if self._process.returncode == 0:
+            self.answer = json.loads(self._out.read())
+        else:
+            self.failure = (self._err.read().strip().splitlines()
+                            or [f"exit status {self._process.returncode}"])[-1]
+        self._out.close()
+        self._err.close()
+        self._folder.cleanup()
 
     def stop(self) -> None:
         if not self.done():
