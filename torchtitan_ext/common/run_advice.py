@@ -3,10 +3,10 @@
 * The verdict line (``rrfp.advise``: the timing variability, the best setting within a
   memory margin and the best that keeps the job's peak, each with its predicted speedup
   and bytes): once ``FIRST_VERDICT_AFTER`` steps after the first have run, and at the end.
-  It is computed by ``python -m rrfp.advise -`` in a child process at the lowest CPU
-  priority, fed the steps' trace events: training never waits for it, nor shares its
-  interpreter (and its GIL) with it; its line is logged at the first metrics step after it
-  is ready.
+  It is computed by ``python -m rrfp.advise -`` in a child process started with the
+  run, which once imported waits at the lowest CPU priority for the steps' trace events:
+  training never waits for it, nor shares its interpreter (and its GIL) with it; its line
+  is logged at the first metrics step after it is ready.
 * With ``rrfp.fixed_every`` (the in-run A/B), each fixed-order step's measured speedup
   (its step time over the RRFP steps beside it).
 * At the trainer's close, one summary block: steps, median step time, the measured A/B,
@@ -22,7 +22,6 @@ from __future__ import annotations
 import collections
 import json
 import os
-import shutil
 import statistics
 import subprocess
 import sys
@@ -47,33 +46,45 @@ FINAL_TIMEOUT_S = 300.0
 
 
 class AdvisorProcess:
-    """``python -m rrfp.advise - --json`` on steps' trace events, in a child process that
-    reads them from a file and writes its answer to files: the training process starts it
-    and later looks whether it has exited, with no thread of its own (a thread feeding a
-    pipe takes the GIL from the training thread at every 512-byte write while the child
-    reads, slowly at low priority). ``low_priority``: while training runs, at the lowest
-    CPU priority there is: Linux's ``SCHED_IDLE`` (``chrt --idle``), which a waking
-    training process preempts at once and the load balancer counts as idle, else
-    ``nice 19``."""
+    """``python -m rrfp.advise - --json --wait-for-steps`` in a child process, started
+    before the steps it predicts from exist (its start-up, mostly importing torch, then
+    runs beside the model's set-up, not beside the training steps); ``feed`` writes the
+    steps to a file and gives the child its path. The answer comes back in files: the
+    training process only looks whether the child has exited, with no thread of its own.
+    ``low_priority``: once started, the child runs at the lowest CPU priority (``rrfp.advise
+    --low-priority``), for while training runs."""
 
-    def __init__(self, steps: list[list[dict]], source: str, *, low_priority: bool):
-        command = [*(lowest_priority() if low_priority else []), sys.executable, "-m",
-                   "rrfp.advise", "-", "--json", "--source", source]
+    def __init__(self, source: str, *, low_priority: bool):
+        command = [sys.executable, "-m", "rrfp.advise", "-", "--json", "--source", source,
+                   "--wait-for-steps", *(["--low-priority"] if low_priority else [])]
         # The child imports the rrfp this process runs (a checkout on PYTHONPATH or not).
         root = os.path.dirname(os.path.dirname(os.path.abspath(rrfp.__file__)))
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(
             filter(None, [root, os.environ.get("PYTHONPATH")])), "OMP_NUM_THREADS": "1"}
         self._folder = tempfile.TemporaryDirectory(prefix="rrfp-advise-")
-        steps_file = os.path.join(self._folder.name, "steps.json")
-        with open(steps_file, "w") as f:
-            json.dump(steps, f)
         self._out = open(os.path.join(self._folder.name, "answer.json"), "w+")
         self._err = open(os.path.join(self._folder.name, "errors.txt"), "w+")
-        with open(steps_file) as stdin:
-            self._process = subprocess.Popen(command, stdin=stdin, stdout=self._out,
-                                             stderr=self._err, env=env)
+        self._process = subprocess.Popen(command, stdin=subprocess.PIPE, stdout=self._out,
+                                         stderr=self._err, text=True, env=env)
+        self.fed = False
         self.answer: dict | None = None
         self.failure: str | None = None
+
+    @property
+    def pid(self) -> int:
+        return self._process.pid
+
+    def feed(self, steps: list[list[dict]]) -> None:
+        """The steps' trace events to predict from: the child starts on them."""
+        path = os.path.join(self._folder.name, "steps.json")
+        with open(path, "w") as f:
+            json.dump(steps, f)
+        try:
+            self._process.stdin.write(path + "\n")  # type: ignore[union-attr]
+            self._process.stdin.close()  # type: ignore[union-attr]
+        except BrokenPipeError:  # the child has failed: its errors say why
+            pass
+        self.fed = True
 
     def done(self, timeout: float = 0.0) -> bool:
         """Whether the child has exited (waiting up to ``timeout`` seconds); once it has,
@@ -102,14 +113,6 @@ class AdvisorProcess:
         if not self.done():
             self._process.kill()
             self.done(10.0)
-
-
-def lowest_priority() -> list[str]:
-    """The command prefix that runs a command at the lowest CPU priority (none: [])."""
-    chrt, nice = shutil.which("chrt"), shutil.which("nice")
-    if chrt is not None and hasattr(os, "SCHED_IDLE"):
-        return [chrt, "--idle", "0"]
-    return [nice, "-n", "19"] if nice is not None else []
 
 
 class TextLog:
@@ -172,7 +175,8 @@ class RunAdvice:
         self.records: list[StepRecord] = []
         self.events: collections.deque[list[dict]] = collections.deque(maxlen=KEPT_STEPS)
         self.bytes_per_microbatch: dict[int, int] = {}
-        self.first_verdict: AdvisorProcess | None = None
+        self.first_verdict = AdvisorProcess(source, low_priority=True) if advise else None
+        """Started at once, fed once ``FIRST_VERDICT_AFTER`` steps after the first ran."""
         self._pairs_logged = 0
         self.bookkeeping_s = 0.0
         """Seconds this rank's main thread spent in ``add`` (what training pays)."""
@@ -201,11 +205,11 @@ class RunAdvice:
                 self.bytes_per_microbatch[stage] = nbytes
         if self.advise:
             self.events.append([e for s in gathered for e in s.chrome_trace_events()])
-            if self.first_verdict is None and len(self.records) == FIRST_VERDICT_AFTER + 1:
-                self.first_verdict = AdvisorProcess(list(self.events), self.source,
-                                                    low_priority=True)
+            if self.first_verdict is not None and len(self.records) == FIRST_VERDICT_AFTER + 1:
+                self.first_verdict.feed(list(self.events))
         scalars = self._ab_pair()
-        if self.first_verdict is not None and self.first_verdict.done():
+        if (self.first_verdict is not None and self.first_verdict.fed
+                and self.first_verdict.done()):
             self._say_verdict(self.first_verdict, step,
                               f"from steps 2-{FIRST_VERDICT_AFTER + 1}")
             self.first_verdict = None
@@ -234,14 +238,15 @@ class RunAdvice:
     def finish(self) -> None:
         """At the trainer's close: the end-of-run verdict and the summary block (a first
         verdict not ready by then is dropped: the last one says more)."""
-        if not self.records:
-            return
         if self.first_verdict is not None:
             self.first_verdict.stop()
+        if not self.records:
+            return
         verdict = None
         if self.advise and len(self.events) > 1:
             # Training is over: no need to yield the CPU.
-            final = AdvisorProcess(list(self.events), self.source, low_priority=False)
+            final = AdvisorProcess(self.source, low_priority=False)
+            final.feed(list(self.events))
             if not final.done(FINAL_TIMEOUT_S):
                 final.stop()
                 final.failure = f"not ready within {FINAL_TIMEOUT_S:.0f} s"
