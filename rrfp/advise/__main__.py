@@ -59,6 +59,8 @@ def main(argv: list[str] | None = None) -> int:
                              "before it has them, so that its start-up does not run beside "
                              "the steps)")
     args = parser.parse_args(argv)
+    if args.wait_for_steps and args.run != "-":
+        parser.error("--wait-for-steps reads the steps' path from stdin: give - as the run")
     if args.low_priority:
         lower_priority()
     try:
