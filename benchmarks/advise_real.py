@@ -18,8 +18,9 @@ over the mean of the RRFP steps beside it (step time: the slowest rank's schedul
 then off, then off then on): each run's median tokens/s over steps 5 to the last; within
 each pair of runs, the steps that ran beside the first verdict's child process against
 the steps after it (so that a run's own level, which varies more from run to run than the
-advisor could cost, cancels out); and the run's own account of it (its summary's ``advisor cost`` line: the main thread's
-bookkeeping per step, the child processes' CPU seconds).
+advisor could cost, cancels out); and the run's own account of it (its summary's
+``advisor cost`` line: the main thread's bookkeeping per step, the child processes' CPU
+seconds).
 """
 
 from __future__ import annotations
@@ -165,7 +166,8 @@ def cost(rounds: int, steps: int) -> list[str]:
         f"{steps}` under torchtitan {version_label()} ({time.time() - started:.0f} s here). "
         f"The main job, {steps} steps, traces off, `rrfp.advise` on and off in alternating "
         f"rounds; each run's median tokens/s over steps {FIRST_TIMED_STEP}-{steps} (the "
-        "first verdict's child process starts after step 4). Machine: "
+        "first verdict's child process, started with the run, is given the steps after step "
+        "4). Machine: "
         f"{os.cpu_count()} CPUs shared with other jobs (in parentheses: the 1-minute load "
         "average before the run).",
         "",
