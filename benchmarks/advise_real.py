@@ -15,12 +15,12 @@ over the mean of the RRFP steps beside it (step time: the slowest rank's schedul
 ``StepStats.step_time``); its median over the pairs stands beside the prediction.
 
 ``--cost``: the advisor's price (``rrfp.advise`` on against off), in alternating rounds (on
-then off, then off then on): each run's median tokens/s over steps 5 to the last; within
-each pair of runs, the steps that ran beside the first verdict's child process against
-the steps after it (so that a run's own level, which varies more from run to run than the
-advisor could cost, cancels out); and the run's own account of it (its summary's
-``advisor cost`` line: the main thread's bookkeeping per step, the child processes' CPU
-seconds).
+then off, then off then on): each run's median tokens/s over steps 5 to the last; where
+the run is long enough for its first verdict to come in the run, within each pair of
+runs, the steps that ran beside the first verdict's child process against the steps after
+it (so that a run's own level, which varies more from run to run than the advisor could
+cost, cancels out); and the run's own account of it (its summary's ``advisor cost`` line:
+the main thread's bookkeeping per step, the child processes' CPU seconds).
 """
 
 from __future__ import annotations
@@ -42,6 +42,7 @@ SETTINGS = [("hint", None), ("hint+1", None), ("hint+1", "hint"), ("hint+2", Non
 """(buffer_limit, policy; None: the default)."""
 OUT = os.path.join("outputs", "advise_real")
 FIRST_TIMED_STEP = 5
+AT_THE_END = "rrfp: the verdict comes at the end of the run"
 COST_LINE = re.compile(r"advisor cost: ([\d.]+) ms per step on this rank's main thread; "
                        r"([\d.]+) s of CPU")
 
@@ -139,7 +140,7 @@ def cost(rounds: int, steps: int) -> list[str]:
     started = time.time()
     runs: dict[str, list[tuple[float, float]]] = {"on": [], "off": []}
     per_step: dict[str, list[dict[int, float]]] = {"on": [], "off": []}
-    accounts, windows = [], []
+    accounts, windows, at_the_end = [], [], 0
     for r in range(rounds):
         order = ("on", "off") if r % 2 == 0 else ("off", "on")
         for which in order:
@@ -153,6 +154,7 @@ def cost(rounds: int, steps: int) -> list[str]:
             if which == "on":
                 accounts.append(COST_LINE.search(out).groups())
                 windows.append(child_steps(out))
+                at_the_end += AT_THE_END in out
             print(f"round {r + 1} advise {which}: {runs[which][-1][0]:.0f} tokens/s (load {load:.1f})",
                   flush=True)
     within = [within_run(on, off, w) if w is not None and w.stop + 1 <= steps else None
@@ -165,9 +167,11 @@ def cost(rounds: int, steps: int) -> list[str]:
         f"Regenerate with `python -m benchmarks.advise_real --cost --rounds {rounds} --steps "
         f"{steps}` under torchtitan {version_label()} ({time.time() - started:.0f} s here). "
         f"The main job, {steps} steps, traces off, `rrfp.advise` on and off in alternating "
-        f"rounds; each run's median tokens/s over steps {FIRST_TIMED_STEP}-{steps} (the "
-        "first verdict's child process, started with the run, is given the steps after step "
-        "4). Machine: "
+        f"rounds; each run's median tokens/s over steps {FIRST_TIMED_STEP}-{steps}. The first "
+        f"verdict came at the end of the run in {at_the_end} of the {rounds} runs with the "
+        "advisor (the run too short for it to take at most 1% of the CPU time its remaining "
+        "steps have); in the others its child process ran beside the steps after step 4. "
+        "Machine: "
         f"{os.cpu_count()} CPUs shared with other jobs (in parentheses: the 1-minute load "
         "average before the run).",
         "",

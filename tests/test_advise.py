@@ -266,18 +266,17 @@ def test_a_bad_run_stops_the_command_without_a_traceback(tmp_path):
 
 
 @pytest.mark.simulator
-def test_a_trainer_gives_the_steps_path_once_they_are_ready(tmp_path, monkeypatch, capsys):
+def test_a_trainer_gives_the_steps_on_stdin(tmp_path, monkeypatch, capsys):
     write_run(tmp_path, "1F1B", steps=5, policy="hint")
     steps = [json.loads((tmp_path / f"step{n}.json").read_text())["traceEvents"]
              for n in range(2, 6)]
-    (tmp_path / "steps.json").write_text(json.dumps(steps))
-    monkeypatch.setattr(sys, "stdin", io.StringIO(f"{tmp_path / 'steps.json'}\n"))
-    assert main(["-", "--json", "--wait-for-steps", "--source", "the run"]) == 0
+    monkeypatch.setattr(sys, "stdin", io.StringIO(json.dumps(steps)))
+    assert main(["-", "--json", "--source", "the run"]) == 0
     assert json.loads(capsys.readouterr().out)["verdict"].startswith("rrfp: ")
-    monkeypatch.setattr(sys, "stdin", io.StringIO(f"{tmp_path / 'none.json'}\n"))
-    assert main(["-", "--json", "--wait-for-steps"]) == 2
-    assert capsys.readouterr().err == (f"rrfp.advise: {tmp_path / 'none.json'}: cannot read "
-                                       "the steps (No such file or directory)\n")
+    monkeypatch.setattr(sys, "stdin", io.StringIO(json.dumps(steps)[:-2]))
+    assert main(["-", "--json"]) == 2
+    assert capsys.readouterr().err.startswith(
+        "rrfp.advise: stdin: not a whole JSON list of steps' trace events (")
 
 
 @pytest.mark.simulator

@@ -1,8 +1,20 @@
 """The advisor: what each setting would buy on a job, predicted from the job's own
 measured steps (``python -m rrfp.advise RUN_DIR``; docs/guide/advisor.md)."""
 
+import os
+
 from rrfp.advise.measured import AdviceError, MeasuredRun, read_run, run_from_trace_events
 from rrfp.advise.report import ab_speedups, advise, Advice
 
 __all__ = ["AdviceError", "MeasuredRun", "read_run", "run_from_trace_events", "ab_speedups",
-           "advise", "Advice"]
+           "advise", "Advice", "lower_priority"]
+
+
+def lower_priority(pid: int = 0) -> None:
+    """Process ``pid`` (0: this one) at the lowest CPU priority: ``SCHED_IDLE`` where the
+    OS has it (a process that wakes takes the core from it at once, and the load balancer
+    counts its core as idle), else ``nice 19`` (this process only)."""
+    if hasattr(os, "sched_setscheduler") and hasattr(os, "SCHED_IDLE"):
+        os.sched_setscheduler(pid, os.SCHED_IDLE, os.sched_param(0))
+    elif pid == 0:
+        os.nice(19)

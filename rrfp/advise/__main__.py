@@ -3,7 +3,6 @@
     python -m rrfp.advise outputs/llama3_debug_cpu        # a torchtitan dump folder
     python -m rrfp.advise outputs/llama3_debug_cpu/traces/20250101-120000 --margin 10%
     python -m rrfp.advise - --json --source NAME < steps.json   # steps' trace events
-    python -m rrfp.advise - --json --low-priority --wait-for-steps  # started by a trainer
 
 Reads the run's step traces, replays its measured steps in the simulator under every
 setting the job could take without changing its model split, and prints them ranked by
@@ -21,6 +20,7 @@ import os
 import sys
 import time
 
+from rrfp.advise import lower_priority
 from rrfp.advise.measured import AdviceError, read_run, run_from_trace_events
 from rrfp.advise.report import advise, DEFAULT_MARGIN
 
@@ -53,19 +53,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--low-priority", action="store_true",
                         help="once started, run at the lowest CPU priority (Linux's "
                              "SCHED_IDLE, else nice 19): beside a training job")
-    parser.add_argument("--wait-for-steps", action="store_true",
-                        help="with -: stdin gives, when they are ready, the path of a file "
-                             "holding the steps' trace events (a trainer starts the advisor "
-                             "before it has them, so that its start-up does not run beside "
-                             "the steps)")
     args = parser.parse_args(argv)
-    if args.wait_for_steps and args.run != "-":
-        parser.error("--wait-for-steps reads the steps' path from stdin: give - as the run")
     if args.low_priority:
         lower_priority()
     try:
         if args.run == "-":
-            steps = _stdin_steps(path_first=args.wait_for_steps)
+            steps = _stdin_steps()
             run, note = run_from_trace_events(steps, args.source or "stdin"), ""
         else:
             run, note = read_run(args.run)
@@ -85,31 +78,13 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def lower_priority() -> None:
-    """This process at the lowest CPU priority: ``SCHED_IDLE`` where the OS has it (a
-    process that wakes takes the core from it at once, and the load balancer counts its
-    core as idle), else ``nice 19``."""
-    if hasattr(os, "sched_setscheduler") and hasattr(os, "SCHED_IDLE"):
-        os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
-    else:
-        os.nice(19)
-
-
-def _stdin_steps(*, path_first: bool) -> list[list[dict]]:
-    source = "stdin"
+def _stdin_steps() -> list[list[dict]]:
     try:
-        if path_first:
-            source = sys.stdin.readline().strip()
-            with open(source) as f:
-                steps = json.load(f)
-        else:
-            steps = json.load(sys.stdin)
-    except OSError as e:
-        raise AdviceError(f"{source}: cannot read the steps ({e.strerror})") from None
+        steps = json.load(sys.stdin)
     except json.JSONDecodeError as e:
-        raise AdviceError(f"{source}: not a whole JSON list of steps' trace events ({e.msg})") from None
+        raise AdviceError(f"stdin: not a whole JSON list of steps' trace events ({e.msg})") from None
     if not isinstance(steps, list) or not all(isinstance(s, list) for s in steps):
-        raise AdviceError(f"{source}: expected a JSON list with one list of trace events per step")
+        raise AdviceError("stdin: expected a JSON list with one list of trace events per step")
     return steps
 
 

@@ -2,9 +2,11 @@
 
 * The verdict line (``rrfp.advise``: the timing variability, the best setting within a
   memory margin and the best that keeps the job's peak, each with its predicted speedup
-  and bytes): once ``FIRST_VERDICT_AFTER`` steps after the first have run, and at the end.
-  It is computed by ``python -m rrfp.advise -`` in a child process started with the
-  run, which once imported waits at the lowest CPU priority for the steps' trace events:
+  and bytes): at the end of the run, and once ``FIRST_VERDICT_AFTER`` steps after the
+  first have run where the run is long enough for it to cost training little: where its
+  CPU (``verdict_cpu_seconds``) is at most ``FIRST_VERDICT_CPU_SHARE`` of the CPU time the
+  remaining steps have; else one line says that the verdict waits for the end. It is
+  computed by ``python -m rrfp.advise -`` in a child process at the lowest CPU priority:
   training never waits for it, nor shares its interpreter (and its GIL) with it; its line
   is logged at the first metrics step after it is ready.
 * With ``rrfp.fixed_every`` (the in-run A/B), each fixed-order step's measured speedup
@@ -32,59 +34,74 @@ from dataclasses import dataclass
 
 import rrfp
 from rrfp import ScheduleRRFP, StepStats
-from rrfp.advise import ab_speedups
+from rrfp.advise import ab_speedups, lower_priority
 from rrfp.advise.report import MIN_STEPS, size, spread
 from rrfp.limits import fixed_peak_bytes
 from torchtitan.tools.logging import logger
 
 FIRST_VERDICT_AFTER = MIN_STEPS
 """Steps after the first (warm-up) one that the first verdict is predicted from."""
+FIRST_VERDICT_CPU_SHARE = 0.01
+"""The most of the CPU time the run's remaining steps have (their time x this process's
+cores) that the first verdict may take; beyond it, the verdict waits for the end of the
+run, where it costs training nothing. On a host whose cores the training processes keep
+busy, what the verdict's child takes comes out of training (measured on 2 cores:
+docs/guide/advisor.md)."""
+ADVISOR_START_CPU_S = 3.5
+"""CPU seconds ``python -m rrfp.advise`` takes to start, mostly importing torch (3.3-3.5 s
+measured on this project's CPU machine)."""
+PREDICT_CPU_S_PER_ACTION = 3.5e-3
+"""CPU seconds its predictions take per measured action, every setting and the fixed
+schedule replayed (3.2 ms measured on the main job, 5 and 20 steps)."""
 KEPT_STEPS = 20
 """The end-of-run verdict predicts from the last this-many steps."""
 FINAL_TIMEOUT_S = 300.0
 """The most the trainer's close waits for the end-of-run verdict."""
 
 
-class AdvisorProcess:
-    """``python -m rrfp.advise - --json --wait-for-steps`` in a child process, started
-    before the steps it predicts from exist (its start-up, mostly importing torch, then
-    runs beside the model's set-up, not beside the training steps); ``feed`` writes the
-    steps to a file and gives the child its path. The answer comes back in files: the
-    training process only looks whether the child has exited, with no thread of its own.
-    ``low_priority``: once started, the child runs at the lowest CPU priority (``rrfp.advise
-    --low-priority``), for while training runs."""
+def verdict_cpu_seconds(actions: int) -> float:
+    """About what the verdict's child process takes, in CPU seconds, to predict from
+    steps holding ``actions`` actions (on every rank)."""
+    return ADVISOR_START_CPU_S + PREDICT_CPU_S_PER_ACTION * actions
 
-    def __init__(self, source: str, *, low_priority: bool):
-        command = [sys.executable, "-m", "rrfp.advise", "-", "--json", "--source", source,
-                   "--wait-for-steps", *(["--low-priority"] if low_priority else [])]
+
+def available_cores() -> int:
+    """The cores this process may run on."""
+    if hasattr(os, "sched_getaffinity"):
+        return len(os.sched_getaffinity(0))
+    return os.cpu_count() or 1
+
+
+class AdvisorProcess:
+    """``python -m rrfp.advise - --json`` in a child process reading the steps' trace
+    events from a file as its standard input. The answer comes back in files: the training
+    process only looks whether the child has exited, with no thread of its own.
+    ``low_priority``: the child runs at the lowest CPU priority from its start (its
+    start-up, mostly importing torch, included), for while training runs."""
+
+    def __init__(self, source: str, steps: list[list[dict]], *, low_priority: bool):
+        command = [sys.executable, "-m", "rrfp.advise", "-", "--json", "--source", source]
         # The child imports the rrfp this process runs (a checkout on PYTHONPATH or not).
         root = os.path.dirname(os.path.dirname(os.path.abspath(rrfp.__file__)))
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(
             filter(None, [root, os.environ.get("PYTHONPATH")])), "OMP_NUM_THREADS": "1"}
         self._folder = tempfile.TemporaryDirectory(prefix="rrfp-advise-")
+        steps_path = os.path.join(self._folder.name, "steps.json")
+        with open(steps_path, "w") as f:
+            json.dump(steps, f)
         self._out = open(os.path.join(self._folder.name, "answer.json"), "w+")
         self._err = open(os.path.join(self._folder.name, "errors.txt"), "w+")
-        self._process = subprocess.Popen(command, stdin=subprocess.PIPE, stdout=self._out,
-                                         stderr=self._err, text=True, env=env)
-        self.fed = False
+        with open(steps_path) as stdin:
+            self._process = subprocess.Popen(command, stdin=stdin, stdout=self._out,
+                                             stderr=self._err, text=True, env=env)
+        if low_priority:
+            lower_priority(self._process.pid)
         self.answer: dict | None = None
         self.failure: str | None = None
 
     @property
     def pid(self) -> int:
         return self._process.pid
-
-    def feed(self, steps: list[list[dict]]) -> None:
-        """The steps' trace events to predict from: the child starts on them."""
-        path = os.path.join(self._folder.name, "steps.json")
-        with open(path, "w") as f:
-            json.dump(steps, f)
-        try:
-            self._process.stdin.write(path + "\n")  # type: ignore[union-attr]
-            self._process.stdin.close()  # type: ignore[union-attr]
-        except BrokenPipeError:  # the child has failed: its errors say why
-            pass
-        self.fed = True
 
     def done(self, timeout: float = 0.0) -> bool:
         """Whether the child has exited (waiting up to ``timeout`` seconds); once it has,
@@ -165,18 +182,20 @@ class RunAdvice:
     """The verdict, the A/B and the summary of one run (see the module)."""
 
     def __init__(self, schedule: ScheduleRRFP, *, source: str,
-                 label: Callable[[StepStats], str], advise: bool,
+                 label: Callable[[StepStats], str], advise: bool, total_steps: int,
                  tensorboard_folder: str | None):
         """``source``: how the verdict names the run (its traces' folder, where written);
         ``label``: a rank's name in the lines (``StepStats -> str``); ``advise``: whether
-        to predict (the ``rrfp.advise`` setting)."""
+        to predict (the ``rrfp.advise`` setting); ``total_steps``: the step the run ends
+        at (torchtitan's ``training.steps``)."""
         self.schedule, self.source, self.label, self.advise = schedule, source, label, advise
+        self.total_steps = total_steps
         self.text = TextLog(tensorboard_folder)
         self.records: list[StepRecord] = []
         self.events: collections.deque[list[dict]] = collections.deque(maxlen=KEPT_STEPS)
         self.bytes_per_microbatch: dict[int, int] = {}
-        self.first_verdict = AdvisorProcess(source, low_priority=True) if advise else None
-        """Started at once, fed once ``FIRST_VERDICT_AFTER`` steps after the first ran."""
+        self.first_verdict: AdvisorProcess | None = None
+        """Started once ``FIRST_VERDICT_AFTER`` steps after the first ran, where it fits."""
         self._pairs_logged = 0
         self.bookkeeping_s = 0.0
         """Seconds this rank's main thread spent in ``add`` (what training pays)."""
@@ -205,15 +224,26 @@ class RunAdvice:
                 self.bytes_per_microbatch[stage] = nbytes
         if self.advise:
             self.events.append([e for s in gathered for e in s.chrome_trace_events()])
-            if self.first_verdict is not None and len(self.records) == FIRST_VERDICT_AFTER + 1:
-                self.first_verdict.feed(list(self.events))
+            if len(self.records) == FIRST_VERDICT_AFTER + 1:
+                self._start_first_verdict(step)
         scalars = self._ab_pair()
-        if (self.first_verdict is not None and self.first_verdict.fed
-                and self.first_verdict.done()):
+        if self.first_verdict is not None and self.first_verdict.done():
             self._say_verdict(self.first_verdict, step,
                               f"from steps 2-{FIRST_VERDICT_AFTER + 1}")
             self.first_verdict = None
         return scalars
+
+    def _start_first_verdict(self, step: int) -> None:
+        needs = verdict_cpu_seconds(sum(sum(r.actions.values()) for r in self.records))
+        steps_left = self.total_steps - step
+        cores = available_cores()
+        has = steps_left * statistics.median(r.step_time for r in self.records[1:]) * cores
+        if needs <= FIRST_VERDICT_CPU_SHARE * has:
+            self.first_verdict = AdvisorProcess(self.source, list(self.events), low_priority=True)
+            return
+        logger.info(f"rrfp: the verdict comes at the end of the run: predicting now would "
+                    f"take about {needs:.0f} s of CPU, over {FIRST_VERDICT_CPU_SHARE:.0%} of "
+                    f"the {has:.0f} s the {steps_left} steps left have on {cores} cores")
 
     def _ab_pair(self) -> dict[str, float]:
         """The in-run A/B's newest pair, once a step after its fixed-order step has run."""
@@ -245,8 +275,7 @@ class RunAdvice:
         verdict = None
         if self.advise and len(self.events) > 1:
             # Training is over: no need to yield the CPU.
-            final = AdvisorProcess(self.source, low_priority=False)
-            final.feed(list(self.events))
+            final = AdvisorProcess(self.source, list(self.events), low_priority=False)
             if not final.done(FINAL_TIMEOUT_S):
                 final.stop()
                 final.failure = f"not ready within {FINAL_TIMEOUT_S:.0f} s"

@@ -166,13 +166,14 @@ class StepStatsLog:
 
 
 def log_step_stats(trainer, schedule: ScheduleRRFP, settings, metrics_rank: int,
-                   dump_folder: str, tensorboard_folder: str | None) -> None:
+                   dump_folder: str, tensorboard_folder: str | None, total_steps: int) -> None:
     """Add the pipeline's RRFP stats to each ``metrics_processor.log`` call of torchtitan's
     ``trainer`` (both versions): TensorBoard scalars where torchtitan writes TensorBoard
     (``metrics_rank``, into ``tensorboard_folder``; None: TensorBoard off), the console
     line where torchtitan's lines print, traces of each run in a folder of their own under
     ``dump_folder``; on ``metrics_rank`` the advisor's verdict, the in-run A/B and, at the
-    trainer's close, the run's summary (``torchtitan_ext.common.run_advice``)."""
+    trainer's close, the run's summary (``torchtitan_ext.common.run_advice``);
+    ``total_steps``: the step the run ends at."""
     if not (settings.log_stats or settings.trace_folder or settings.advise):
         return
     parallel_dims = trainer.parallel_dims
@@ -192,7 +193,8 @@ def log_step_stats(trainer, schedule: ScheduleRRFP, settings, metrics_rank: int,
     if dist.get_rank() == metrics_rank:
         stats_log.advice = RunAdvice(
             schedule, source=trace_folder or "(set rrfp.trace_folder to keep the traces)",
-            label=stats_log.label, advise=settings.advise, tensorboard_folder=tensorboard_folder)
+            label=stats_log.label, advise=settings.advise, total_steps=total_steps,
+            tensorboard_folder=tensorboard_folder)
         torch_close = trainer.close
 
         @functools.wraps(torch_close)

@@ -154,4 +154,4 @@ def _log_step_stats(trainer, schedule: ScheduleRRFP) -> None:
                    metrics._get_metrics_rank(trainer.parallel_dims, job_config),
                    job_config.job.dump_folder,
                    os.path.join(job_config.job.dump_folder, tensorboard.save_tb_folder)
-                   if tensorboard.enable_tensorboard else None)
+                   if tensorboard.enable_tensorboard else None, job_config.training.steps)

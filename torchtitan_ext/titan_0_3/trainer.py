@@ -198,5 +198,6 @@ class RRFPTrainer(Trainer):
                                         config.parallelism.pipeline_parallel_schedule),
                            config.dump_folder,
                            os.path.join(config.dump_folder, config.metrics.save_tb_folder)
-                           if config.metrics.enable_tensorboard else None)
+                           if config.metrics.enable_tensorboard else None,
+                           config.training.steps)
         return super().train()
