@@ -6,8 +6,9 @@ Checks the ``--before`` commit out into a temporary worktree and runs the same r
 benchmark case (``benchmarks.runtime_bench``: 1F1B, emulated asynchronous device, A/B pairs
 of the fixed order and RRFP) with that tree's code and with this tree's, alternating, each
 in fresh processes. Reports each run's dispatch overhead: the median over ranks and steps of
-the arbiter's CPU time per action (``StepStats.overhead_per_action``: choosing actions and
-keeping the books). Writes benchmarks/results/dispatch_overhead.md.
+the time per action the rank's thread spent choosing actions and keeping the books
+(``StepStats.overhead_per_action``, on the wall clock). Writes
+benchmarks/results/dispatch_overhead.md.
 """
 
 from __future__ import annotations
@@ -74,7 +75,9 @@ def main(argv: list[str] | None = None) -> int:
         f"{load:.1f} at the start, on a 2-core machine). Each run: `benchmarks.runtime_bench` "
         "on the case named, in fresh processes, with the code of `--before` and with this "
         "tree's, alternating; the figure is the run's median over ranks and steps of the "
-        "arbiter's CPU time per action (`StepStats.overhead_per_action`), in microseconds.", "",
+        "time per action the rank's thread spent choosing actions and keeping the books "
+        "(`StepStats.overhead_per_action`, on the wall clock: waits for the GIL or a CPU "
+        "included), in microseconds.", "",
         "| ranks | workload | limit | before (each run) | now (each run) | median before | "
         "median now |",
         "|---|---|---|---|---|---|---|",

@@ -120,11 +120,12 @@ class StepLoop:
     completions: list[Completion] = field(default_factory=list)
     received: list[Arrival] = field(default_factory=list)
     decision_time: float = 0.0
-    """CPU seconds choosing actions and keeping the books (dispatch overhead)."""
+    """Seconds on the host thread's clock (wall time: waits for the GIL or a CPU included)
+    choosing actions and keeping the books (dispatch overhead)."""
     launch_time: float = 0.0
-    """CPU seconds inside ``Device.launch`` (on a synchronous device: the compute too)."""
+    """Seconds inside ``Device.launch`` (on a synchronous device: the compute too)."""
     wait_time: float = 0.0
-    """CPU seconds waiting for an event with nothing to launch."""
+    """Seconds waiting for an event with nothing to launch."""
     waits: list[tuple[float, float]] = field(default_factory=list)
     """(start, end) of each such wait."""
     _on_device: deque[_Action] = field(default_factory=deque)

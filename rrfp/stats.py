@@ -75,12 +75,13 @@ class StepStats:
     """Seconds the device spent running the step's actions (device timing: CUDA events,
     or the emulated device's clock)."""
     wait_time: float
-    """CPU seconds waiting for a message or a completion with nothing to launch."""
+    """Seconds waiting for a message or a completion with nothing to launch."""
     decision_time: float
-    """CPU seconds choosing actions: the arbiter and the bookkeeping of arrivals and
-    completions (the dispatch overhead)."""
+    """Seconds choosing actions: the arbiter and the bookkeeping of arrivals and
+    completions (the dispatch overhead), on the host thread's clock (wall time: waits for
+    the GIL or a CPU included, as they delay the next launch too)."""
     launch_time: float
-    """CPU seconds launching actions (on a synchronous device this includes the compute)."""
+    """Seconds launching actions (on a synchronous device this includes the compute)."""
     start_unix: float
     """Wall-clock time of the step start, to align traces of several ranks."""
     coordination: str | None = None

@@ -93,7 +93,7 @@ class MeasuredRun:
     """The same for the fixed schedule: without bound on an asynchronous device, as torch's
     schedules launch; 1 on a synchronous one, whose CPU runs each action."""
     dispatch_cost: float
-    """Median CPU seconds the runtime spent deciding per action (the simulator's launch
+    """Median seconds (host clock) the runtime spent deciding per action (the simulator's launch
     cost)."""
     limits: MemoryLimits
     """The microbatch limits its last step ran at (a byte setting's, as settled)."""
