@@ -1,13 +1,15 @@
 """Harness code stays on its side: the benchmarks import nothing from ``tests/`` (what they
-share with the tests lives in ``rrfp.testing``), the runtime imports nothing of
-``rrfp.testing``, the modules the local worlds' fork server preloads exist, and what a
-rank writes by a relative path stays out of the caller's folder."""
+share with the tests lives in ``rrfp.testing``) and each of them imports, the runtime
+imports nothing of ``rrfp.testing``, the modules the local worlds' fork server preloads
+exist, and what a rank writes by a relative path stays out of the caller's folder."""
 
 from __future__ import annotations
 
 import ast
 import importlib.util
 import os
+import subprocess
+import sys
 from pathlib import Path
 
 from rrfp.testing.worlds import PRELOAD, run_local_world
@@ -35,6 +37,22 @@ def imports_of(root: Path, package: str) -> list[str]:
 
 def test_benchmarks_import_nothing_from_tests():
     assert imports_of(ROOT / "benchmarks", "tests") == []
+
+
+def test_every_benchmark_imports():
+    """Most benchmarks run in no test, so a module or name they import that moves would
+    go unnoticed until someone regenerates a page: each at least imports (in a process of
+    its own, so that what they import stays out of the other tests' process)."""
+    modules = [f"benchmarks.{path.stem}" for path in sorted((ROOT / "benchmarks").glob("*.py"))]
+    check = ("import importlib, sys\n"
+             "for name in sys.argv[1:]:\n"
+             "    try:\n"
+             "        importlib.import_module(name)\n"
+             "    except Exception as error:\n"
+             "        print(name, repr(error))\n")
+    done = subprocess.run([sys.executable, "-c", check, *modules], cwd=ROOT, text=True,
+                          capture_output=True, timeout=300)
+    assert (done.returncode, done.stdout) == (0, ""), done.stderr[-2000:]
 
 
 def test_the_runtime_imports_nothing_of_its_testing_package():
