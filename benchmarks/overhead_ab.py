@@ -4,10 +4,11 @@
 
 Checks the ``--before`` commit out into a temporary worktree and runs the same runtime
 benchmark case (``benchmarks.runtime_bench``: 1F1B, emulated asynchronous device, A/B pairs
-of the fixed order and RRFP) with that tree's code and with this tree's, alternating, each
-in fresh processes. Reports each run's dispatch overhead: the median over ranks and steps of
-the time per action the rank's thread spent choosing actions and keeping the books
-(``StepStats.overhead_per_action``, on the wall clock). Writes
+of the fixed order and RRFP) with that tree's code and with this tree's, alternating (each
+first in every other round), each in fresh processes. Reports each run's dispatch overhead:
+the median over ranks and steps of the time per action the rank's thread spent choosing
+actions and keeping the books (``StepStats.overhead_per_action``, on the wall clock), and
+per case the median of the rounds' ratios now / before. Writes
 benchmarks/results/dispatch_overhead.md.
 """
 
@@ -60,8 +61,11 @@ def main(argv: list[str] | None = None) -> int:
         try:
             for case in CASES:
                 runs: dict[str, list[float]] = {"before": [], "now": []}
-                for _ in range(args.rounds):
-                    for name, tree in (("before", before), ("now", ROOT)):
+                for round_ in range(args.rounds):
+                    # Each tree runs first in every other round: a run's speed depends on
+                    # the one before it (caches, the fork server's pages).
+                    order = (("before", before), ("now", ROOT))
+                    for name, tree in order if round_ % 2 == 0 else order[::-1]:
                         runs[name].append(measure(tree, case, args.pairs)["overhead_us"])
                 rows.append((case, runs))
                 print(case, {k: [round(v) for v in vs] for k, vs in runs.items()}, flush=True)
@@ -77,16 +81,21 @@ def main(argv: list[str] | None = None) -> int:
         "tree's, alternating; the figure is the run's median over ranks and steps of the "
         "time per action the rank's thread spent choosing actions and keeping the books "
         "(`StepStats.overhead_per_action`, on the wall clock: waits for the GIL or a CPU "
-        "included), in microseconds.", "",
+        "included), in microseconds. The same work costs a run more or less CPU time "
+        "from one run to the next on a shared machine, so each round's two runs, back to "
+        "back and in alternating order, give a ratio now / before; the last column is the "
+        "median of those ratios and their range.", "",
         "| ranks | workload | limit | before (each run) | now (each run) | median before | "
-        "median now |",
-        "|---|---|---|---|---|---|---|",
+        "median now | now / before, per round: median (range) |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     for (pp, workload, limit), runs in rows:
+        ratios = [now / before for now, before in zip(runs["now"], runs["before"])]
         lines.append(
             f"| {pp} | {workload} | {limit} | {', '.join(f'{v:.0f}' for v in runs['before'])} | "
             f"{', '.join(f'{v:.0f}' for v in runs['now'])} | "
-            f"{statistics.median(runs['before']):.0f} | {statistics.median(runs['now']):.0f} |")
+            f"{statistics.median(runs['before']):.0f} | {statistics.median(runs['now']):.0f} | "
+            f"{statistics.median(ratios):.3f} ({min(ratios):.2f}-{max(ratios):.2f}) |")
     print(f"wrote {write_page('dispatch_overhead.md', lines)}")
     return 0
 
