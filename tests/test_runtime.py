@@ -327,21 +327,21 @@ def test_slow_microbatch_is_overtaken_on_an_asynchronous_device():
     # until it arrives; RRFP runs stage 1's (0.15 s) backwards of microbatches 0-3
     # meanwhile. The simulator predicts 1.98 s fixed vs 1.40 s RRFP: the 0.2 s asserted
     # leaves a loaded machine's launch and scheduling delays (0.13 s seen at load 15) room.
+    # A busy machine only adds time, so each schedule's fastest of three steps is compared
+    # (with one step's median of two, RRFP took 2.02 s vs 2.11 s at load 8-9 once).
     # (Plain readiness-first: the lookahead guard would wait, as earlier steps never saw
     # microbatch 4 late.)
     # RRFP runs on the emulated asynchronous device and decides only when it is idle
     # (launch depth 1): launches return before the work is done, as on CUDA.
-    ranks = run_local_world(2, slow_microbatch_comparison, "GPipe", "hint", 8, 4, 0.6, 2,
+    ranks = run_local_world(2, slow_microbatch_comparison, "GPipe", "hint", 8, 4, 0.6, 3,
                             1, timeout=120)
     last = ranks[1]
     assert last["device"] == "EmulatedDevice"
     assert last["realized_order"] != last["hint_order"]
     for rank, result in enumerate(ranks):
-        fixed = statistics.median(result["times"]["fixed"])
-        rrfp = statistics.median(result["times"]["rrfp"])
+        fixed, rrfp = min(result["times"]["fixed"]), min(result["times"]["rrfp"])
         assert rrfp < fixed - 0.2, f"rank {rank}: RRFP {rrfp:.3f} s vs fixed {fixed:.3f} s"
-        fixed_wait = statistics.median(result["waits"]["fixed"])
-        rrfp_wait = statistics.median(result["waits"]["rrfp"])
+        fixed_wait, rrfp_wait = min(result["waits"]["fixed"]), min(result["waits"]["rrfp"])
         assert rrfp_wait < fixed_wait - 0.2, (
             f"rank {rank}: device idle {rrfp_wait:.3f} s under RRFP vs {fixed_wait:.3f} s")
 
