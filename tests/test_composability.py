@@ -537,7 +537,8 @@ def test_fsdp_unshards_for_the_whole_step_and_reduce_scatters_at_reduce_grad_in_
 def tensor_parallel_peer_stops(rank: int, world_size: int, coordination: str) -> dict:
     """PP 2 x TP 2; after one step, global rank 0 (the TP leader of pipeline rank 0)
     stops stepping. Every other rank must raise PipelineStallError within about the stall
-    timeout (2 s), naming a peer, not wait for gloo's own timeout."""
+    timeout (5 s), naming a peer, not wait for gloo's own timeout (120 s). With 2 s, the
+    first step's coordination once took longer than that at load 6-9."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor.parallel import (
         ColwiseParallel, parallelize_module, RowwiseParallel)
@@ -554,7 +555,7 @@ def tensor_parallel_peer_stops(rank: int, world_size: int, coordination: str) ->
               for s in local]
     stages = [PipelineStage(b, s, num_stages, torch.device("cpu"), group=mesh["pp"].get_group())
               for b, s in zip(blocks, local)]
-    schedule = ScheduleRRFP(stages, M, loss_fn=loss_fn, hint="Interleaved1F1B", stall_timeout=2.0,
+    schedule = ScheduleRRFP(stages, M, loss_fn=loss_fn, hint="Interleaved1F1B", stall_timeout=5.0,
                             coordination_group=mesh["tp"].get_group(), coordination=coordination)
     run_steps(schedule, stages, blocks, x, y, 1)
     outcome: dict = {}
@@ -575,7 +576,7 @@ def test_tensor_parallel_ranks_raise_within_the_stall_timeout_when_a_peer_stops(
         outcome = ranks[rank]
         assert outcome["error"].startswith(("PipelineStallError", "PeerFailedError",
                                             "RuntimeError")), outcome
-        assert outcome["elapsed"] < 15.0, outcome
+        assert outcome["elapsed"] < 20.0, outcome
     # The TP follower of the stopped leader names it: by its own stall, or through the first
     # failure of the job (a receive from global rank 0 that failed as its process ended).
     assert ranks[1]["error"].startswith(("PipelineStallError", "PeerFailedError"))
