@@ -207,8 +207,9 @@ class CriticalPath:
     its next forward: ``rrfp.graph``), costed per kind (F, B, I, W) by this rank's device
     durations in earlier steps, taken to be alike on every stage (a rank measures only its
     own); where the step's microbatch sizes are known (``History.expect_sizes``), each
-    action on every stage by the duration its size predicts (``rrfp.sizes``; the fits of
-    other ranks' stages shared with this one). So a forward runs ahead only while the
+    action on every stage halfway between its stage and kind's mean and the duration
+    its size predicts (``SIZE_WEIGHT``, ``rrfp.sizes``; the fits of other ranks' stages
+    shared with this one). So a forward runs ahead only while the
     memory it takes will not hold up a backward chain that is longer. Ties go to the input that arrived first, then to the
     hint's order. Greedy; ahead of a busy device the step loop launches only the most
     critical action not yet launched.
@@ -293,12 +294,21 @@ def _measured_costs(history: History | None,
     return tuple(sorted((kind, round(cost * 4) / 4) for kind, cost in costs.items()))
 
 
+SIZE_WEIGHT = 0.5
+"""How far ``critical`` moves an action's cost from its stage and kind's mean towards what
+its microbatch's size predicts. Halfway kept what the sizes buy on the size-driven
+workloads and lost nothing where link latencies vary, which the chains leave out: there,
+costed fully by the predictions, the default fell below itself not told the sizes
+(simulated, 1F1B 8 x 32 at ``hint+2``, chosen on seeds 20-79; checked on seeds 100-119 in
+benchmarks/results/optimum_100-119_*_sizes-known.md)."""
+
+
 def _predicted_costs(history: History | None, hint: Hint) -> dict[_Action, float] | None:
     """Per compute action of the step, in forwards (the mean forward of the stages with a
-    fit), the duration its microbatch's size predicts on its stage; for a (stage, kind)
-    without a fit, the mean of that kind's fits on the others (``DEFAULT_COSTS`` where
-    none has one). None where the sizes tell no microbatches apart or no forward has a
-    fit."""
+    fit), its stage and kind's mean duration moved ``SIZE_WEIGHT`` of the way to what its
+    microbatch's size predicts; for a (stage, kind) without a fit, the mean of that kind's
+    fits on the others (``DEFAULT_COSTS`` where none has one). None where the sizes tell no
+    microbatches apart or no forward has a fit."""
     if history is None or not history.sizes_tell_apart:
         return None
     # In key order, so that every rank holding the same fits adds them up alike.
@@ -319,7 +329,11 @@ def _predicted_costs(history: History | None, hint: Hint) -> dict[_Action, float
                 continue
             kind = n.action.computation_type.value
             predicted = history.predicted(n.stage, kind, n.microbatch)
-            costs[n.action] = fallback[kind] if predicted is None else predicted / unit
+            if predicted is None:
+                costs[n.action] = fallback[kind]
+                continue
+            mean = history.models.fits[(n.stage, kind)].mean
+            costs[n.action] = (SIZE_WEIGHT * predicted + (1 - SIZE_WEIGHT) * mean) / unit
     return costs
 
 

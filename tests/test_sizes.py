@@ -142,6 +142,29 @@ def test_critical_ranks_by_the_sizes_of_the_step_on_every_stage():
     assert most_critical([big] + [small] * 7) == "0F5"
 
 
+def test_critical_costs_an_action_halfway_from_its_stage_mean_to_its_size_prediction():
+    """Stage 0's forwards take twice stage 1's, each in proportion to tokens (1..8, mean
+    4.5): an action costs, in mean forwards of the stages, SIZE_WEIGHT of the way from its
+    stage and kind's mean to its size's prediction."""
+    from rrfp.policy import _predicted_costs, History, SIZE_WEIGHT
+    from rrfp.actions import _Action, F
+
+    hint = build_hint("1F1B", num_ranks=2, num_stages=2, n_microbatches=8)
+    sizes = [MicrobatchSize(tokens=t) for t in range(1, 9)]
+    history = History()
+    history.models.adopt({(s, kind): fit_durations([(size, scale * size.tokens)
+                                                     for size in sizes])
+                          for s, scale in ((0, 2.0), (1, 1.0)) for kind in ("F", "B")})
+    history.expect_sizes(sizes)
+    costs = _predicted_costs(history, hint)
+    unit = (2.0 * 4.5 + 1.0 * 4.5) / 2  # the stages' mean forward
+    for stage, scale in ((0, 2.0), (1, 1.0)):
+        for mb, size in enumerate(sizes):
+            expected = scale * (SIZE_WEIGHT * size.tokens + (1 - SIZE_WEIGHT) * 4.5) / unit
+            assert costs[_Action(stage, F, mb)] == pytest.approx(expected)
+    assert 0 < SIZE_WEIGHT < 1
+
+
 def test_the_simulated_policy_is_told_sizes_and_predicts_from_earlier_steps_only():
     """Every rank predicts every stage's durations from the step's sizes and the fits of
     earlier steps (its own stages' and those the other ranks shared); never from the
