@@ -106,11 +106,11 @@ def _panels(runs: dict, one_f_one_b: dict, name: str, label: dict[float, str],
 
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--seeds", type=int, default=3)
+    parser.add_argument("--seeds", type=int, default=10)
     parser.add_argument("--processes", type=int, default=os.cpu_count() or 1)
     args = parser.parse_args(argv)
     seeds = range(args.seeds)
-    started = time.time()
+    started, load = time.time(), os.getloadavg()[0]
     jobs = [(name, sigma, seed, limit) for name in FAMILIES for sigma in SIGMAS
             for seed in seeds for limit in LIMITS]
     with Pool(args.processes) as pool:
@@ -121,12 +121,13 @@ def main(argv=None) -> None:
     cvs = {sigma: variability(sigma, seeds) for sigma in SIGMAS}
     label = {sigma: f"CV {cvs[sigma]:.2f} (sigma {sigma})" for sigma in SIGMAS}
     command = "python -m benchmarks.memory_buys_bench" + (
-        f" --seeds {args.seeds}" if args.seeds != 3 else "")
+        f" --seeds {args.seeds}" if args.seeds != 10 else "")
     lines = [
         "# What memory buys (simulated)",
         "",
         f"Regenerate with `{command}` ({len(jobs)} simulated comparisons, "
-        f"{elapsed / 60:.1f} min on {args.processes} processes of this loaded 2-core machine). "
+        f"{elapsed / 60:.1f} min on {args.processes} processes of a 2-core machine, 1-minute "
+        f"load {load:.1f} at the start). "
         "See the module docstring for the method. 8 ranks x 32 microbatches, the unpacked "
         f"documents workload (sizes told to the ranks), seeds {seeds.start}-{seeds.stop - 1}; "
         "variability by the lognormal sigma of document lengths, shown as the coefficient of "
