@@ -247,8 +247,9 @@ def job_failure(rank: int, world_size: int, kind: str, parallel: str, how: str,
 
 def planted_stall(rank: int, world_size: int, folder: str) -> dict:
     """1F1B over a pipeline of ``world_size`` ranks, one stage each, ``stall_timeout``
-    2 s; global rank 1 never sends its activation of microbatch 1 to stage 2. Each rank
-    returns what it raised; the hang report goes to ``folder``."""
+    5 s (a loaded machine may take 2 s over a first step's set-up); global rank 1 never
+    sends its activation of microbatch 1 to stage 2. Each rank returns what it raised; the
+    hang report goes to ``folder``."""
     if rank == 1:
         send = Transport.send
 
@@ -261,7 +262,7 @@ def planted_stall(rank: int, world_size: int, folder: str) -> dict:
     chain = make_chain(world_size)
     x, y = make_batch(M)
     stage = PipelineStage(copy.deepcopy(chain[rank]), rank, world_size, torch.device("cpu"))
-    schedule = ScheduleRRFP(stage, M, loss_fn=loss_fn, hint="1F1B", stall_timeout=2.0,
+    schedule = ScheduleRRFP(stage, M, loss_fn=loss_fn, hint="1F1B", stall_timeout=5.0,
                             report_folder=folder)
     start = time.perf_counter()
     try:
