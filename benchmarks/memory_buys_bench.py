@@ -121,7 +121,7 @@ def main(argv=None) -> None:
     cvs = {sigma: variability(sigma, seeds) for sigma in SIGMAS}
     label = {sigma: f"CV {cvs[sigma]:.2f} (sigma {sigma})" for sigma in SIGMAS}
     command = "python -m benchmarks.memory_buys_bench" + (
-        f" --seeds {args.seeds}" if args.seeds != 10 else "")
+        f" --seeds {args.seeds}" if args.seeds != parser.get_default("seeds") else "")
     lines = [
         "# What memory buys (simulated)",
         "",

@@ -209,10 +209,10 @@ class CriticalPath:
     own); where the step's microbatch sizes are known (``History.expect_sizes``), each
     action on every stage halfway between its stage and kind's mean and the duration
     its size predicts (``SIZE_WEIGHT``, ``rrfp.sizes``; the fits of other ranks' stages
-    shared with this one). So a forward runs ahead only while the
-    memory it takes will not hold up a backward chain that is longer. Ties go to the input that arrived first, then to the
-    hint's order. Greedy; ahead of a busy device the step loop launches only the most
-    critical action not yet launched.
+    shared with this one). So a forward runs ahead only while the memory it takes will
+    not hold up a backward chain that is longer. Ties go to the input that arrived first,
+    then to the hint's order. Greedy; ahead of a busy device the step loop launches only
+    the most critical action not yet launched.
     """
 
     name = "critical"
