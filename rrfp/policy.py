@@ -43,6 +43,31 @@ class HintOrder(HintLed):
         return ready[0]
 
 
+class HintThenDrain(HintLed):
+    """Readiness-first, as ``hint``, until the rank's hint order reaches its last forward;
+    from there on (the drain: the step's last backward pieces) the hint's own order.
+
+    Deviations pay where they fill a wait in the warm-up and the steady state; in the
+    drain they only reorder the backward pieces whose order the hint laid out to end the
+    step, moving its last chain. It always allows the hint's next action, so it cannot
+    deadlock where the fixed schedule does not.
+    """
+
+    name = "drain"
+
+    def __init__(self) -> None:
+        self._drain_from: int | None = None
+
+    def choose(self, ready: Sequence[Node], arbiter: ArbiterView) -> Node | None:
+        if self._drain_from is None:
+            self._drain_from = max((n.index for n in arbiter.nodes if n.kind == "F"),
+                                   default=0)
+        first = ready[0]
+        if arbiter.first_undone >= self._drain_from and first.index != arbiter.first_undone:
+            return None
+        return first
+
+
 class FixedOrder(OwnOrder):
     """The fixed schedule itself: only the first not-yet-run action of the hint."""
 
@@ -363,10 +388,11 @@ MIN_SLACK = 2
 before the default leaves lookahead."""
 
 
-HINT_ORDER_WITH_SLACK = ("InterleavedZeroBubble", "ZBVZeroBubble")
-"""Hints with several stages per rank whose own order, run readiness-first, stayed at or
-above the fixed schedule with slack on every rank in the sweep of
-benchmarks/results/limits.md, where lookahead did not: the default runs it there."""
+SLACK_POLICIES = {"InterleavedZeroBubble": "hint", "ZBVZeroBubble": "drain"}
+"""Hints with several stages per rank whose own order, run readiness-first, stayed above
+the fixed schedule with slack on every rank in the sweep of benchmarks/results/limits.md,
+where lookahead did not: the default runs that policy there (ZBVZeroBubble's V couples
+each rank's two stages in the drain, where reordering fell below the fixed schedule)."""
 
 
 def default_policy(hint: Hint, limits: MemoryLimits) -> str:
@@ -382,9 +408,9 @@ def default_policy(hint: Hint, limits: MemoryLimits) -> str:
       input is expected (ranks with slack holding back backwards that a rank without slack
       waits for would lose);
     * with slack on every rank: ``critical`` for one stage per rank; for several stages
-      per rank the hint's own order for ``HINT_ORDER_WITH_SLACK`` and ``lookahead`` for
-      the others (Interleaved1F1B, DualPipeV), where the greedy orders fell below the
-      fixed schedule.
+      per rank ``SLACK_POLICIES`` (readiness-first in the hint's order, on ZBVZeroBubble
+      only until the drain) and ``lookahead`` for the others (Interleaved1F1B, DualPipeV),
+      where the greedy orders fell below the fixed schedule.
     """
     if hint.policy != "hint":
         return hint.policy
@@ -399,7 +425,7 @@ def default_policy(hint: Hint, limits: MemoryLimits) -> str:
     # InterleavedZeroBubble a message whose upstream chain had a slow transfer in each of
     # them came sooner than expected, so a forward ran into it; the hint's order guesses
     # nothing there.
-    return "hint" if hint.name in HINT_ORDER_WITH_SLACK else "lookahead"
+    return SLACK_POLICIES.get(hint.name, "lookahead")
 
 
 PolicyFactory = Callable[["History | None", "Callable[[], float] | None"], Policy]
@@ -408,6 +434,7 @@ since the step start; both may be None where the caller has none)."""
 
 _FACTORIES: dict[str, PolicyFactory] = {
     "hint": lambda history, clock: HintOrder(),
+    "drain": lambda history, clock: HintThenDrain(),
     "BF": lambda history, clock: BackwardFirst("BF"),
     "BFW": lambda history, clock: BackwardFirst("BFW"),
     "fixed": lambda history, clock: FixedOrder(),

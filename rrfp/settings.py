@@ -12,7 +12,8 @@ import re
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 
-POLICIES = ("hint", "fixed", "BF", "BFW", "window", "lookahead", "arrival", "critical")
+POLICIES = ("hint", "drain", "fixed", "BF", "BFW", "window", "lookahead", "arrival",
+            "critical")
 """The arbitration policies ``rrfp.policy`` implements."""
 
 _REGISTERED: list[str] = []

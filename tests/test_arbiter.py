@@ -245,7 +245,7 @@ def test_busiest_gives_every_rank_the_busiest_ranks_peak_and_no_more():
     ("1F1B", 1, "hint+2", "critical"), ("1F1B", 1, "2x hint", "critical"),
     ("1F1B", 1, 32, "critical"), ("Interleaved1F1B", 2, "hint+1", "lookahead"),
     ("Interleaved1F1B", 2, "hint+2", "lookahead"), ("BF", 2, "hint+2", "BF"),
-    ("ZBVZeroBubble", 2, "hint+1", "lookahead"), ("ZBVZeroBubble", 2, "2x hint", "hint"),
+    ("ZBVZeroBubble", 2, "hint+1", "lookahead"), ("ZBVZeroBubble", 2, "2x hint", "drain"),
     ("InterleavedZeroBubble", 2, 32, "hint"), ("DualPipeV", 2, 32, "lookahead"),
 ])
 def test_default_policy_leaves_lookahead_only_with_slack_on_every_rank(
