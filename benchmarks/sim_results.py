@@ -132,8 +132,9 @@ def main(argv=None) -> None:
     out("")
     out("Default policy per limit, as `ScheduleRRFP` picks it: `lookahead` at the hint's "
         "memory and wherever some rank has less than 2 microbatches of slack; with that slack, "
-        "the most critical ready action (`critical`) for one stage per rank (1F1B), plain "
-        "readiness-first (`hint`) for ZBVZeroBubble and InterleavedZeroBubble, `lookahead` "
+        "the most critical ready action (`critical`) for one stage per rank (1F1B), "
+        "readiness-first until the drain, then the hint's order (`drain`), for ZBVZeroBubble, "
+        "plain readiness-first (`hint`) for InterleavedZeroBubble, `lookahead` "
         "for Interleaved1F1B; BF/BFW keep their rules. Cells: speedup "
         "`mean [min, max]`, then memory of the busiest rank and of the worst rank (means over "
         "seeds). Limits count per stage and per rank: `hint+k` allows k microbatches more on "

@@ -50,7 +50,8 @@ class HintThenDrain(HintLed):
     Deviations pay where they fill a wait in the warm-up and the steady state; in the
     drain they only reorder the backward pieces whose order the hint laid out to end the
     step, moving its last chain. It always allows the hint's next action, so it cannot
-    deadlock where the fixed schedule does not.
+    deadlock where the fixed schedule does not, and is greedy below the hint's memory
+    (where the hint's next action may wait for one that comes later in its order).
     """
 
     name = "drain"
@@ -63,7 +64,8 @@ class HintThenDrain(HintLed):
             self._drain_from = max((n.index for n in arbiter.nodes if n.kind == "F"),
                                    default=0)
         first = ready[0]
-        if arbiter.first_undone >= self._drain_from and first.index != arbiter.first_undone:
+        if (arbiter.first_undone >= self._drain_from and first.index != arbiter.first_undone
+                and not arbiter.below_hint_memory):
             return None
         return first
 

@@ -22,11 +22,12 @@ class RRFP:
     activation checkpointing too: docs/guide/choosing.md gives the measurements and why."""
 
     policy: str = ""
-    """Arbitration policy, case-insensitive: ``hint``, ``lookahead``, ``critical``,
-    ``arrival``, ``window``, ``BF``, ``BFW``, ``fixed``; empty = ScheduleRRFP's default (the
-    rule for BF/BFW; else ``lookahead`` at the hint's memory or where some rank has less than
-    2 microbatches of slack; with slack on every rank ``critical`` for one stage per rank,
-    ``lookahead`` for several)."""
+    """Arbitration policy, case-insensitive: ``hint``, ``drain``, ``lookahead``,
+    ``critical``, ``arrival``, ``window``, ``BF``, ``BFW``, ``fixed``; empty = ScheduleRRFP's
+    default (the rule for BF/BFW; else ``lookahead`` at the hint's memory or where some rank
+    has less than 2 microbatches of slack; with slack on every rank ``critical`` for one
+    stage per rank, ``drain`` for ZBVZeroBubble, ``hint`` for InterleavedZeroBubble,
+    ``lookahead`` for other hints with several stages per rank)."""
 
     coordination: str = "leader"
     """With tensor or expert parallelism, how the coordination group (its TP and EP ranks)
