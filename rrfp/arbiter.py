@@ -128,6 +128,10 @@ class Arbiter:
         self._heads = [0] * len(self._streams)
         self._done = [False] * len(self.nodes)
         self._arrived: set[tuple[Edge, int]] = set()
+        self._changes = 0
+        """Deliveries and launches so far: ``ready()`` is recomputed when they change."""
+        self._ready: list[Node] = []
+        self._ready_of = -1
         self.arrival_times: dict[tuple[Edge, int], float] = {}
         self._remaining = len(self.nodes)
         self.first_undone = 0
@@ -254,10 +258,17 @@ class Arbiter:
         return True
 
     def ready(self) -> list[Node]:
-        """Actions that may run now, in hint order."""
-        ready = [n for n in self.stream_heads() if self._may_run(n)]
+        """Actions that may run now, in hint order (do not modify the list)."""
+        # What may run changes only with deliver and record_launch; the step loop asks
+        # again after a completion, which changes neither.
+        if self._ready_of == self._changes:
+            return self._ready
+        nodes, may_run = self.nodes, self._may_run
+        ready = [node for members, head in zip(self._streams, self._heads)
+                 if head < len(members) and may_run(node := nodes[members[head]])]
         if len(ready) > 1:
             ready.sort(key=_by_index)
+        self._ready, self._ready_of = ready, self._changes
         return ready
 
     def waits(self) -> list[Wait]:
@@ -273,12 +284,16 @@ class Arbiter:
             return None
         # Gradient reduction first: it is cheap to issue and its fixed stage order is
         # what keeps data-parallel collectives matched across replicas.
-        chosen = next((n for n in ready if n.kind == "R"), None) or self.policy.choose(ready, self)
+        for node in ready:
+            if node.kind == "R":
+                return node.action
+        chosen = self.policy.choose(ready, self)
         return chosen.action if chosen is not None else None
 
     def deliver(self, edge: Edge, microbatch: int, at: float | None = None) -> None:
         """A message on ``edge`` for ``microbatch`` has arrived (``at``: when, if known)."""
         self._arrived.add((edge, microbatch))
+        self._changes += 1
         if at is not None:
             self.arrival_times[(edge, microbatch)] = at
 
@@ -292,6 +307,7 @@ class Arbiter:
         if self._done[node.index] or not self._may_run(node):
             raise RuntimeError(f"{action} launched out of turn on rank {self.rank}")
         self._done[node.index] = True
+        self._changes += 1
         self._remaining -= 1
         for sid in node.streams:
             self._heads[sid] += 1

@@ -143,11 +143,9 @@ class EmulatedDevice:
 
     def completed(self) -> list[Completion]:
         done = []
-        while True:
-            try:
-                item = self._done.get_nowait()
-            except queue.Empty:
-                break
+        queued = self._done
+        while not queued.empty():  # the step loop is the only consumer
+            item = queued.get_nowait()
             self._outstanding -= 1
             if isinstance(item, tuple):
                 action, error = item

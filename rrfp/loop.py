@@ -26,7 +26,7 @@ import math
 from collections import deque
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import NamedTuple, Protocol
 
 from rrfp.actions import _Action, describe, Edge
 from rrfp.arbiter import Arbiter
@@ -48,8 +48,7 @@ class Completion:
     end: float
 
 
-@dataclass(frozen=True)
-class Arrival:
+class Arrival(NamedTuple):
     """A message that arrived, in seconds from the step start."""
 
     edge: Edge
@@ -163,15 +162,19 @@ class StepLoop:
     def _take_events(self) -> bool:
         """Hand arrivals to the arbiter, collect completions; whether there were any."""
         arrived = self.arrivals()
-        for arrival in arrived:
-            self.arbiter.deliver(arrival.edge, arrival.microbatch, at=arrival.at)
-        self.received.extend(arrived)
+        if arrived:
+            deliver = self.arbiter.deliver
+            for arrival in arrived:
+                deliver(arrival.edge, arrival.microbatch, at=arrival.at)
+            self.received.extend(arrived)
         done = self.device.completed()
+        if not done:
+            return bool(arrived)
         self.completions.extend(done)
         for completion in done:
             self._on_device.popleft()
             self.executor.completed(completion.action)
-        return bool(arrived or done)
+        return True
 
     def _choose(self) -> _Action | None:
         arbiter, coordinator = self.arbiter, self.coordinator

@@ -129,6 +129,13 @@ class PipelineRuntime:
         def clock() -> float:
             return time.perf_counter() - origin
 
+        def arrivals() -> list[Arrival]:
+            collected = self.transport.collect()
+            if not collected:
+                return []
+            return [Arrival(r.edge, r.microbatch, r.seen - origin)
+                    for r in self.receives.arrived(collected)]
+
         hint = self.hint if training else self._forward_only
         self._expect_sizes(sizes if training else None)
         # The in-run A/B's fixed-order steps launch without bound, as torch's schedules do.
@@ -146,8 +153,7 @@ class PipelineRuntime:
                        if self.coordination.twin is not None else None)
         loop = StepLoop(
             arbiter, self.device, executor,
-            arrivals=lambda: [Arrival(r.edge, r.microbatch, r.seen - origin)
-                              for r in self.receives.arrived(self.transport.collect())],
+            arrivals=arrivals,
             clock=clock, launch_depth=math.inf if fixed else self.launch_depth,
             reorder_ahead=self.reorder_ahead,
             stall_timeout=self.stall_timeout,

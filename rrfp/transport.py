@@ -89,16 +89,15 @@ class _WaiterThreads:
             self._wakeup.notify()
 
     def collect(self) -> list[Received]:
-        arrived = []
-        while True:
-            try:
-                arrival, error = self._arrived.get_nowait()
-            except queue.Empty:
-                return arrived
+        arrived: list[Received] = []
+        queued = self._arrived
+        while not queued.empty():  # the step loop is the only consumer
+            arrival, error = queued.get_nowait()
             if error is not None:
                 raise RuntimeError(f"receive of microbatch {arrival.microbatch} on "
                                    f"{self._describe(arrival.edge)} failed") from error
             arrived.append(arrival)
+        return arrived
 
     def close(self, timeout: float) -> list[threading.Thread]:
         """Stop the threads once their current wait returns; the ones still alive."""
@@ -422,9 +421,11 @@ class Transport:
             arrived = self._arrivals.collect()
             if self._header_arrivals is not None:
                 arrived += self._header_arrivals.collect()
-            for received in arrived:
-                if not received.header:
-                    self.ledger.arrived(received.edge, received.microbatch)
+            if arrived:
+                ledger = self.ledger
+                for received in arrived:
+                    if not received.header:
+                        ledger.arrived(received.edge, received.microbatch)
             return arrived
         except RuntimeError as e:
             try:
