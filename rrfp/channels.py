@@ -36,7 +36,6 @@ from __future__ import annotations
 
 import contextlib
 import datetime
-import functools
 import itertools
 import logging
 import os
@@ -98,14 +97,22 @@ def _gloo_devices() -> list[dist.ProcessGroupGloo.Device]:
     return _own_gloo_devices()
 
 
-@functools.cache
+_own_devices: list[dist.ProcessGroupGloo.Device] = []
+_own_devices_lock = threading.Lock()
+
+
 def _own_gloo_devices() -> list[dist.ProcessGroupGloo.Device]:
     """Devices as torch's ``ProcessGroupGloo(store, rank, size, timeout)`` makes them: one
-    per interface in ``GLOO_SOCKET_IFNAME``, else the default one; made once a process."""
-    interfaces = [i for i in os.environ.get("GLOO_SOCKET_IFNAME", "").split(",") if i]
-    if interfaces:
-        return [dist.ProcessGroupGloo.create_device(interface=i) for i in interfaces]
-    return [dist.ProcessGroupGloo.create_default_device()]
+    per interface in ``GLOO_SOCKET_IFNAME``, else the default one; made once a process.
+    Under a lock: channels are made from several threads at once (``concurrently``), and
+    only the first call may make devices (each runs an I/O thread)."""
+    with _own_devices_lock:
+        if not _own_devices:
+            interfaces = [i for i in os.environ.get("GLOO_SOCKET_IFNAME", "").split(",") if i]
+            _own_devices.extend(
+                [dist.ProcessGroupGloo.create_device(interface=i) for i in interfaces]
+                if interfaces else [dist.ProcessGroupGloo.create_default_device()])
+        return list(_own_devices)
 
 def make_channel_group(name: str, store: dist.Store, rank: int,
                        timeout: datetime.timedelta, *, group_name: str = "",

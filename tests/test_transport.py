@@ -368,6 +368,12 @@ if sys.argv[1] == "world":
     deadline = time.monotonic() + 30
     while _gloo_io_threads() < 1 and time.monotonic() < deadline:
         time.sleep(0.01)  # a gloo I/O thread names itself once it runs
+else:  # widen the window in which the channels' threads all ask for rrfp's device
+    make_device = dist.ProcessGroupGloo.create_default_device
+    def slow_device(*args, **kwargs):
+        time.sleep(0.2)
+        return make_device(*args, **kwargs)
+    dist.ProcessGroupGloo.create_default_device = slow_device
 before, store, groups = _gloo_io_threads(), dist.HashStore(), {}
 def build(rank, channel):
     groups[rank, channel] = make_channel_group(
@@ -395,7 +401,9 @@ def test_gloo_channels_add_at_most_one_io_thread(world, io_threads):
     """gloo channels use the default group's transport device (no I/O thread of their
     own), or without a gloo default group one device of rrfp's: a device per channel ran
     an I/O thread per channel, each waking about every 10 ms to take a core from compute.
-    In a fresh process, so that no earlier test's device is counted."""
+    The channels are made from six threads at once, rrfp's device made slowly, so that
+    they all ask for it before it exists (only one may make it). In a fresh process, so
+    that no earlier test's device is counted."""
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     done = subprocess.run([sys.executable, "-c", _MAKE_CHANNELS, world], cwd=root,
                           env={**os.environ, "PYTHONPATH": root}, capture_output=True,
