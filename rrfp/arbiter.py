@@ -263,9 +263,7 @@ class Arbiter:
         # again after a completion, which changes neither.
         if self._ready_of == self._changes:
             return self._ready
-        nodes, may_run = self.nodes, self._may_run
-        ready = [node for members, head in zip(self._streams, self._heads)
-                 if head < len(members) and may_run(node := nodes[members[head]])]
+        ready = [n for n in self.stream_heads() if self._may_run(n)]
         if len(ready) > 1:
             ready.sort(key=_by_index)
         self._ready, self._ready_of = ready, self._changes

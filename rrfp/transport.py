@@ -421,11 +421,9 @@ class Transport:
             arrived = self._arrivals.collect()
             if self._header_arrivals is not None:
                 arrived += self._header_arrivals.collect()
-            if arrived:
-                ledger = self.ledger
-                for received in arrived:
-                    if not received.header:
-                        ledger.arrived(received.edge, received.microbatch)
+            for received in arrived:
+                if not received.header:
+                    self.ledger.arrived(received.edge, received.microbatch)
             return arrived
         except RuntimeError as e:
             try:
