@@ -8,8 +8,8 @@ rank checks those keys while it waits (at most every ``FAILURE_POLL_S``), raisin
 even while its rank is blocked elsewhere (``rrfp.job.JobWatch``). On gloo the closed
 connections would fail the peers too, but on NCCL an abort is local: a peer would wait out
 its ``stall_timeout``. The same board carries values every rank says once (a refusal to
-run, the job's settings, a rank's state for a hang report), exchanged before or apart
-from any stage's data.
+run, the job's settings, a rank's state for a hang report, that it stopped sending before
+its gloo channels close), exchanged before or apart from any stage's data.
 """
 
 from __future__ import annotations
@@ -27,6 +27,10 @@ logger = logging.getLogger(__name__)
 
 FAILURE_POLL_S = 0.1
 """How often a waiting rank reads the pipeline's failure key (one store round trip)."""
+QUIET_WAIT_S = 2.0
+"""How long a rank that abandons a step waits for the peers of its gloo channels to say
+they stopped sending before it aborts the channels (``FailureBoard.stop_sending``); a
+peer notices a failure within ``FAILURE_POLL_S`` while it waits."""
 
 
 class FailureBoard:
@@ -43,6 +47,7 @@ class FailureBoard:
     """
 
     KEY = "failed"
+    STOPPED_SENDING = "stopped-sending"
 
     def __init__(self, store: dist.Store | None, me: int, ranks: Sequence[int] = (),
                  interval: float = FAILURE_POLL_S,
@@ -117,11 +122,14 @@ class FailureBoard:
         if store is not None:
             store.set(f"{key}/{self._me}", value)
 
-    def collect(self, key: str, timeout: float, *, job: bool = False) -> dict[int, str]:
-        """What each rank said under ``key`` (``tell``) within ``timeout`` seconds, by
-        global rank; ranks that said nothing by then are left out."""
+    def collect(self, key: str, timeout: float, *, job: bool = False,
+                ranks: Sequence[int] | None = None) -> dict[int, str]:
+        """What each rank of the pipeline (``job``: of the job; ``ranks``: these global
+        ranks) said under ``key`` (``tell``) within ``timeout`` seconds, by global rank;
+        ranks that said nothing by then are left out."""
         store = self._job_store if job else self._store
-        ranks = self.job_ranks if job else self._ranks
+        if ranks is None:
+            ranks = self.job_ranks if job else self._ranks
         if store is None:
             return {}
         said: dict[int, str] = {}
@@ -133,6 +141,19 @@ class FailureBoard:
             if len(said) == len(ranks) or time.perf_counter() >= deadline:
                 return said
             time.sleep(min(self._interval, max(0.0, deadline - time.perf_counter())))
+
+    def stop_sending(self, peers: Sequence[int], timeout: float) -> list[int]:
+        """Say that this rank issues no more sends on the pipeline's channels, then wait at
+        most ``timeout`` seconds until each of ``peers`` (global ranks) has said so too;
+        return those that had not by then (outside a step, hung or dead)."""
+        self.tell(self.STOPPED_SENDING, "")
+        said = self.collect(self.STOPPED_SENDING, timeout, ranks=peers)
+        silent = [rank for rank in peers if rank not in said]
+        if silent:
+            logger.warning("global rank %d closes its channels although global ranks %s did "
+                           "not say within %g s that they stopped sending", self._me, silent,
+                           timeout)
+        return silent
 
     def gather(self, key: str, value: str, timeout: float, *, job: bool = False) -> dict[int, str]:
         """Every rank of the pipeline (``job``: of the job) says ``value`` under ``key``;

@@ -39,6 +39,7 @@ from rrfp.hints import build_hint, declares_split_backward, Hint, HintSource, in
 from rrfp.inputs import microbatch_inputs
 from rrfp.job import agree_on_settings, collective_groups, JobGroups, JobScope
 from rrfp.limit_plan import LimitPlan
+from rrfp.link_latency import SendDelay
 from rrfp.loop import DEFAULT_LAUNCH_DEPTH
 from rrfp.memory import ActivationMeter, DEFAULT_METER_EVERY
 from rrfp.platform import Platform, platform_for
@@ -48,7 +49,7 @@ from rrfp.settings import (check_limit_can_be_measured, parse_launch_depth, pars
                            parse_policy, parse_stall_timeout)
 from rrfp.sizes import MicrobatchSize, step_sizes
 from rrfp.torch_interface import CustomFunctions, IncompatibleStagesError, TorchRuntimeInterface
-from rrfp.transport import SendDelay, Transport
+from rrfp.transport import Transport
 
 logger = logging.getLogger(__name__)
 

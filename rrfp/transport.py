@@ -19,7 +19,8 @@
   peer's published failure where there is one.
 * **Closing**: a healthy ``close`` first completes the sends still in flight (NCCL: the
   step may return before the peer has received its last messages), bounded by the send
-  timeout, then shuts the channels down; after a failure they are aborted, concurrently.
+  timeout, then shuts the channels down; after a failure they are aborted, concurrently,
+  on gloo once the peers have said they stopped sending (or ``QUIET_WAIT_S`` passed).
 """
 
 from __future__ import annotations
@@ -38,9 +39,10 @@ from rrfp.actions import Edge
 from rrfp.channels import Channel, ChannelMap, concurrently
 from rrfp.device import Wakeup
 from rrfp.errors import PeerFailedError
-from rrfp.failures import FAILURE_POLL_S, FailureBoard
+from rrfp.failures import FAILURE_POLL_S, QUIET_WAIT_S, FailureBoard
 from rrfp.job import JobScope
 from rrfp.ledger import Ledger
+from rrfp.link_latency import DelayedSender, SendDelay
 from rrfp.platform import ReceiveStreams
 
 class Received(NamedTuple):
@@ -52,8 +54,6 @@ class Received(NamedTuple):
     """``time.perf_counter()`` when it was seen complete."""
     header: bool = False
     """The shape header sent ahead of a message (variable shapes), not the message."""
-SendDelay = Callable[[Edge, int], float]
-"""Emulated link latency: seconds to hold the message for ``(edge, microbatch)``."""
 
 
 class _WaiterThreads:
@@ -263,64 +263,6 @@ class _SendCompletion:
             self._closed = True
             self._cond.notify_all()
 
-class _DelayedSender:
-    """Holds each message of one channel for an emulated latency, keeping FIFO order."""
-
-    def __init__(self, channel: Channel, completion: _SendCompletion) -> None:
-        self._channel = channel
-        self._completion = completion
-        self._queue: deque = deque()
-        self._cond = threading.Condition()
-        self._last_release = 0.0
-        self._busy = False
-        self._closed = False
-        self._error: BaseException | None = None
-        self.thread = threading.Thread(target=self._run, daemon=True,
-                                       name=f"rrfp-send-{channel.edge.src}-{channel.edge.dst}")
-        self.thread.start()
-
-    def submit(self, microbatch: int, tensors: list[torch.Tensor], delay: float) -> None:
-        with self._cond:
-            self._last_release = max(time.perf_counter() + delay, self._last_release)
-            self._queue.append((self._last_release, microbatch, tensors))
-            self._cond.notify()
-
-    def _run(self) -> None:
-        while True:
-            with self._cond:
-                while not self._queue and not self._closed:
-                    self._cond.wait()
-                if self._closed:
-                    return
-                release, microbatch, tensors = self._queue[0]
-                self._busy = True
-            time.sleep(max(0.0, release - time.perf_counter()))
-            try:
-                works = [self._channel.send(t) for t in tensors]
-                self._completion.watch(self._channel.edge, microbatch, works, tensors)
-            except BaseException as e:  # surfaced by drain()
-                self._error = e
-            with self._cond:
-                self._queue.popleft()
-                self._busy = False
-                self._cond.notify_all()
-
-    def drain(self, deadline: float) -> None:
-        """Wait until every message submitted so far has been sent."""
-        with self._cond:
-            while self._queue or self._busy:
-                if not self._cond.wait(timeout=max(0.0, deadline - time.perf_counter())):
-                    raise TimeoutError(
-                        f"{len(self._queue)} delayed sends on {self._channel.edge} not issued"
-                    )
-            if self._error is not None:
-                raise RuntimeError(f"send on {self._channel.edge} failed") from self._error
-
-    def close(self) -> None:
-        with self._cond:
-            self._closed = True
-            self._cond.notify_all()
-
 class Transport:
     """Sends and receives of one rank's stages over their channels."""
 
@@ -339,7 +281,7 @@ class Transport:
         self.operations = 0
         """Receives posted and messages sent so far (never reset): a step that failed
         before it issued any has left its channels as its peers expect them."""
-        self._delayed = ({e: _DelayedSender(c, self._sends) for e, c in channels.items()
+        self._delayed = ({e: DelayedSender(c, self._sends) for e, c in channels.items()
                           if c.rank == 0} if send_delay is not None else {})
         headed = [c for c in channels.values() if c.headers is not None]
         self.headers_on_host = bool(headed)
@@ -441,6 +383,19 @@ class Transport:
         if self._header_sends is not None:
             self._header_sends.finish(deadline, self.failures.check)
 
+    def _stop_sending(self) -> None:
+        """Before gloo channels are aborted: this rank says it sends no more and waits (at
+        most ``QUIET_WAIT_S``) until the peers of its channels say so too. gloo leaves a
+        send issued into a connection its peer has just closed pending until the channel
+        timeout, neither completed nor failed (a pair that closes fails only the sends
+        that have not begun to write), so no end closes a channel the other still sends on."""
+        if not any(c.backend_name == "gloo" or c.headers is not None
+                   for c in self.channels.values()):
+            return  # NCCL's abort is local
+        me = self.failures.me
+        peers = {r for c in self.channels.values() for r in (c.src_rank, c.dst_rank)} - {me}
+        self.failures.stop_sending(sorted(peers), QUIET_WAIT_S)
+
     def close(self, timeout: float = 10.0, *, failed: bool = False,
               send_timeout: float | None = None) -> list[threading.Thread]:
         """Close the channels and stop the helper threads; return the threads still alive
@@ -449,8 +404,9 @@ class Transport:
         Healthy (``failed=False``): first every send still in flight completes (within
         ``send_timeout``, default ``timeout``; NCCL sends may still be waiting for the
         peer's receive when a step returns), then the channels are shut down. After a
-        failure, or if those sends do not complete: the channels are aborted, all at once
-        (pending receives fail; on gloo at the peers too). Either way the channels' calls
+        failure, or if those sends do not complete: no more sends are issued, and the
+        channels are aborted, all at once (pending receives fail; on gloo at the peers
+        too, once they have said they stopped sending: ``_stop_sending``). Either way the channels' calls
         run concurrently, waited for together for at most ``timeout`` seconds. Raises the
         error of a send that did not complete or failed (after aborting). Once no thread
         is left, the transport lets its channels go (their groups are destroyed then)."""
@@ -469,11 +425,13 @@ class Transport:
                     self._header_sends.drain(deadline, self.failures.check)
             except Exception as e:  # raised once the channels are aborted
                 error, failed = e, True
+        for sender in self._delayed.values():
+            sender.close()
+        if failed:
+            self._stop_sending()
         how = "abort" if failed else "shutdown"
         alive = concurrently({f"rrfp-{how}-{e.src}-{e.dst}": getattr(c, how)
                               for e, c in self.channels.items()}, timeout)
-        for sender in self._delayed.values():
-            sender.close()
         self._sends.close()
         alive += self._arrivals.close(timeout)
         threads = [s.thread for s in self._delayed.values()] + [self._sends.thread]

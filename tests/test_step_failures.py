@@ -129,6 +129,34 @@ def recovers_as_gpipe(chain, snapshot, rank: int, world_size: int, M: int, x, y)
     return bitwise_equal(got, expected)
 
 
+class ArmedThirdForward(torch.nn.Module):
+    """A stage's block whose third forward, once ``armed``, first calls ``strike``."""
+
+    def __init__(self, inner: torch.nn.Module, strike):
+        super().__init__()
+        self.inner, self.strike, self.calls, self.armed = inner, strike, 0, False
+
+    def forward(self, inp):
+        self.calls += 1
+        if self.armed and self.calls == 3:
+            self.strike()
+        return self.inner(inp)
+
+
+def armed_step(schedule, stages, blocks, x, y) -> tuple[str | None, float]:
+    """One step with the stages' ``ArmedThirdForward`` blocks armed: the error it raised
+    (with its causes), if any, and how long it took."""
+    for stage in stages:
+        if isinstance(stage.submod, ArmedThirdForward):
+            stage.submod.calls, stage.submod.armed = 0, True
+    start = time.perf_counter()
+    try:
+        run_steps(schedule, stages, blocks, x, y, 1)
+    except Exception as e:
+        return error_chain(e), time.perf_counter() - start
+    return None, time.perf_counter() - start
+
+
 def failure_and_recovery(rank: int, world_size: int, failing_rank: int) -> dict:
     """GPipe over the emulated device; the second step fails on ``failing_rank`` (rank 0:
     stage 0's forward of microbatch 2 raises; the last rank: its loss raises). Every rank
@@ -139,35 +167,17 @@ def failure_and_recovery(rank: int, world_size: int, failing_rank: int) -> dict:
     x, y = make_batch(M)
     failing_loss = FailingLoss(fail_at_call=2)
 
-    class FailingForward(torch.nn.Module):
-        def __init__(self, inner):
-            super().__init__()
-            self.inner, self.calls, self.armed = inner, 0, False
+    def fail():
+        raise RuntimeError("forward failed on purpose")
 
-        def forward(self, inp):
-            self.calls += 1
-            if self.armed and self.calls == 3:
-                raise RuntimeError("forward failed on purpose")
-            return self.inner(inp)
-
-    wrap = (lambda s, b: FailingForward(b)) if rank == failing_rank == 0 else None
+    wrap = (lambda s, b: ArmedThirdForward(b, fail)) if rank == failing_rank == 0 else None
     stages, blocks = build_stages(chain, rank, world_size, "loop", wrap=wrap)
     schedule = ScheduleRRFP(stages, M, loss_fn=failing_loss, hint="GPipe", stall_timeout=30,
                             device=EmulatedDevice(), launch_depth=1)
     run_steps(schedule, stages, blocks, x, y, 1)
     snapshot = [copy.deepcopy(b) for b in blocks]
-    failing_loss.armed = rank == failing_rank
-    for stage in stages:
-        if isinstance(stage.submod, FailingForward):
-            stage.submod.calls, stage.submod.armed = 0, True
-    failing_loss.calls = 0
-    start = time.perf_counter()
-    error = None
-    try:
-        run_steps(schedule, stages, blocks, x, y, 1)
-    except Exception as e:
-        error = error_chain(e)
-    elapsed = time.perf_counter() - start
+    failing_loss.armed, failing_loss.calls = rank == failing_rank, 0
+    error, elapsed = armed_step(schedule, stages, blocks, x, y)
     threads_after_failure = rrfp_threads()
     # Microbatches forwarded but never backwarded: their graphs must not outlive the failure.
     cached_after_failure = sum(forward_states_held(stage) for stage in stages)
@@ -365,3 +375,62 @@ def test_after_a_clean_step_and_close_the_peer_completes_its_step(kind):
     assert ranks[0]["error"] is None and ranks[1]["error"] is None, ranks
     # Rank 0's close waited for rank 1's slow forwards to take its messages.
     assert ranks[0]["elapsed"] >= 0.2, ranks[0]
+
+
+def sends_and_breaks_around_a_failure(rank: int, world_size: int) -> dict:
+    """GPipe over 2 ranks on the CPU (its compute on the main thread), with an emulated
+    link latency: the activation of microbatch 0 is held 0.2 s, that of microbatch 1
+    0.9 s. In the second step rank 1's loss fails at once, while rank 0's main thread
+    runs a 1.2 s forward (microbatch 2), so its sender thread issues microbatch 1's
+    activation after rank 1's failure. Each rank records when it issued each send and
+    when it broke each gloo channel (``time.time()``)."""
+    import rrfp.channels
+    from rrfp.channels import Channel
+
+    M = 4
+    chain = make_chain(world_size)
+    x, y = make_batch(M)
+    events: list[tuple[str, float, int, int]] = []
+    real_send, real_break = Channel.send, rrfp.channels.break_gloo_group
+
+    def send(self, tensor):
+        if tensor.numel() > 1:  # not the connection's token
+            events.append(("send", time.time(), self.edge.src, self.edge.dst))
+        return real_send(self, tensor)
+
+    def break_group(group, peer):
+        events.append(("break", time.time(), -1, -1))
+        real_break(group, peer)
+
+    failing_loss = FailingLoss(fail_at_call=1)
+    wrap = (lambda s, b: ArmedThirdForward(b, lambda: time.sleep(1.2))) if rank == 0 else None
+    stages, blocks = build_stages(chain, rank, world_size, "loop", wrap=wrap)
+    schedule = ScheduleRRFP(stages, M, loss_fn=failing_loss, hint="GPipe", stall_timeout=30,
+                            send_delay=lambda edge, mb: {0: 0.2, 1: 0.9}.get(mb, 0.0))
+    run_steps(schedule, stages, blocks, x, y, 1)
+    failing_loss.armed, failing_loss.calls = rank == 1, 0
+    Channel.send, rrfp.channels.break_gloo_group = send, break_group
+    try:
+        error, elapsed = armed_step(schedule, stages, blocks, x, y)
+    finally:
+        Channel.send, rrfp.channels.break_gloo_group = real_send, real_break
+    return {"error": error, "elapsed": elapsed, "events": events,
+            "threads": rrfp_threads()}
+
+
+def test_no_rank_breaks_a_gloo_channel_its_peer_still_sends_on():
+    """gloo leaves a send issued into a connection that its peer has just closed pending,
+    neither completed nor failed, until the channel's timeout (30 min): the sender's close
+    would wait for it and leave its thread behind. So a failed rank aborts its channels
+    only once its peers have said they stopped sending: here rank 1 fails while rank 0
+    still has a send to issue (0.7 s later); rank 1's break of their channel must come
+    after it."""
+    ranks = run_local_world(2, sends_and_breaks_around_a_failure, timeout=120)
+    assert "loss failed on purpose" in ranks[1]["error"], ranks[1]["error"]
+    assert ranks[0]["error"].startswith("PeerFailedError"), ranks[0]["error"]
+    sends = [t for kind, t, src, dst in ranks[0]["events"] if kind == "send" and src == 0]
+    breaks = [t for kind, t, _, _ in ranks[1]["events"] if kind == "break"]
+    assert len(sends) >= 2 and breaks, ranks  # microbatches 0 and 1 at least
+    assert min(breaks) > max(sends), (min(breaks) - max(sends), ranks)
+    for result in ranks:
+        assert result["threads"] == [] and result["elapsed"] < 10, result

@@ -151,6 +151,35 @@ def test_a_healthy_close_whose_send_does_not_complete_aborts_and_says_which():
     assert producer.group.aborts == 1 and producer.group.shutdowns == 0
 
 
+def test_a_closed_delayed_sender_issues_none_of_the_messages_it_still_held():
+    """Emulated link latency: a message held when its sender closes (after a failure) is
+    never sent, so that a rank that said it stopped sending does not send."""
+    from rrfp.link_latency import DelayedSender
+
+    sent, watched = [], []
+
+    class Recording:
+        edge = Edge(0, 1)
+
+        def send(self, tensor):
+            sent.append(time.perf_counter())
+            return None
+
+    class Watcher:
+        def watch(self, edge, microbatch, works, tensors):
+            watched.append(microbatch)
+
+    sender = DelayedSender(Recording(), Watcher())
+    sender.submit(0, [torch.ones(2)], 0.0)
+    sender.drain(time.perf_counter() + 10)
+    sender.submit(1, [torch.ones(2)], 0.3)
+    time.sleep(0.05)  # the thread holds microbatch 1 now
+    sender.close()
+    sender.thread.join(10.0)
+    assert not sender.thread.is_alive()
+    assert len(sent) == 1 and watched == [0]
+
+
 def test_a_send_whose_work_completed_with_an_error_raises_naming_its_channel():
     producer, consumer = _pair(dist.HashStore(), Edge(0, 1), fail_send_at=0)
     transport = _transport([producer])
