@@ -142,10 +142,10 @@ class FailureBoard:
                 return said
             time.sleep(min(self._interval, max(0.0, deadline - time.perf_counter())))
 
-    def stop_sending(self, peers: Sequence[int], timeout: float) -> list[int]:
+    def stop_sending(self, peers: Sequence[int], timeout: float) -> None:
         """Say that this rank issues no more sends on the pipeline's channels, then wait at
         most ``timeout`` seconds until each of ``peers`` (global ranks) has said so too;
-        return those that had not by then (outside a step, hung or dead)."""
+        log those that had not by then (outside a step, hung or dead)."""
         self.tell(self.STOPPED_SENDING, "")
         said = self.collect(self.STOPPED_SENDING, timeout, ranks=peers)
         silent = [rank for rank in peers if rank not in said]
@@ -153,7 +153,6 @@ class FailureBoard:
             logger.warning("global rank %d closes its channels although global ranks %s did "
                            "not say within %g s that they stopped sending", self._me, silent,
                            timeout)
-        return silent
 
     def gather(self, key: str, value: str, timeout: float, *, job: bool = False) -> dict[int, str]:
         """Every rank of the pipeline (``job``: of the job) says ``value`` under ``key``;

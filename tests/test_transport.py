@@ -213,6 +213,21 @@ def test_the_failure_board_keeps_the_first_failure_and_reads_the_store_at_its_in
         second.check(force=True)
 
 
+def test_stopping_to_send_waits_for_the_peers_that_say_so_and_no_longer_than_its_bound(caplog):
+    store = dist.HashStore()
+    quick, slow = FailureBoard(store, 0, (0, 1, 2)), FailureBoard(store, 1, (0, 1, 2))
+    threading.Timer(0.3, slow.stop_sending, args=([0], 30.0)).start()
+    start = time.perf_counter()
+    quick.stop_sending([1], 30.0)
+    waited = time.perf_counter() - start
+    assert 0.3 <= waited < 10.0, waited  # until rank 1 said it, not its 30 s bound
+    start = time.perf_counter()
+    with caplog.at_level("WARNING", logger="rrfp.failures"):
+        quick.stop_sending([1, 2], 0.5)  # rank 2 never says it
+    assert 0.5 <= time.perf_counter() - start < 10.0
+    assert "global ranks [2] did not say within 0.5 s" in caplog.text
+
+
 class _Stream:
     def __init__(self, name: str):
         self.name = name
