@@ -123,6 +123,13 @@ MUTATIONS = [
         ("tests/test_composability.py::test_fsdp_unshards_for_the_whole_step_and_reduce_scatters_"
          "at_reduce_grad_in_stage_order",)),
     Mutation(
+        "abort_while_the_peer_sends", "a failed rank aborts its gloo channels only once the "
+        "peers of its channels said they stopped sending",
+        "rrfp/transport.py", "        if failed:\n            self._stop_sending()\n",
+        "",
+        ("tests/test_step_failures.py::test_no_rank_breaks_a_gloo_channel_its_peer_still_"
+         "sends_on",)),
+    Mutation(
         "gloo_send_kept", "a sent tensor is let go once its send completes (gloo and NCCL)",
         "rrfp/transport.py", "        data = [t.detach() for t in tensors]\n",
         "        data = [t.detach() for t in tensors]\n"
