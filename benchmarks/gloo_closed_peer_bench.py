@@ -35,7 +35,8 @@ WAIT_S = 1.0
 MODES = ("at once", "after the producer stopped")
 
 
-def _trial(group: dist.ProcessGroup, store: dist.Store, rank: int, quiesce: bool) -> tuple[int, int]:
+def _trial(group: dist.ProcessGroup, store: dist.Store, rank: int,
+           quiesce: bool) -> tuple[int, int]:
     """(sends issued, sends pending) at the producer; (0, 0) at the consumer."""
     if rank == 1:
         works = [group.recv([torch.zeros(16)], 0, 7) for _ in range(RECEIVES)]

@@ -406,10 +406,10 @@ class Transport:
         peer's receive when a step returns), then the channels are shut down. After a
         failure, or if those sends do not complete: no more sends are issued, and the
         channels are aborted, all at once (pending receives fail; on gloo at the peers
-        too, once they have said they stopped sending: ``_stop_sending``). Either way the channels' calls
-        run concurrently, waited for together for at most ``timeout`` seconds. Raises the
-        error of a send that did not complete or failed (after aborting). Once no thread
-        is left, the transport lets its channels go (their groups are destroyed then)."""
+        too, once they have said they stopped sending: ``_stop_sending``). Either way the
+        channels' calls run concurrently, waited for together for at most ``timeout``
+        seconds. Raises the error of a send that did not complete or failed (after
+        aborting). Once no thread is left, the transport lets its channels go (their groups are destroyed then)."""
         if self._closed:
             return []
         self._closed = True
