@@ -409,7 +409,8 @@ class Transport:
         too, once they have said they stopped sending: ``_stop_sending``). Either way the
         channels' calls run concurrently, waited for together for at most ``timeout``
         seconds. Raises the error of a send that did not complete or failed (after
-        aborting). Once no thread is left, the transport lets its channels go (their groups are destroyed then)."""
+        aborting). Once no thread is left, the transport lets its channels go (their
+        groups are destroyed then)."""
         if self._closed:
             return []
         self._closed = True
