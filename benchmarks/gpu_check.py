@@ -4,8 +4,9 @@
     python -m benchmarks.gpu_check --dry-run                # the same on CPU (CI runs this)
     torchrun --nproc-per-node 2 -m benchmarks.gpu_check --multi   # >= 2 GPUs over NCCL
 
-Written against torch 2.13's documented CUDA and NCCL semantics on a machine without a GPU:
-only ``--dry-run`` has been run (docs/guide/devices.md, "GPU check").
+The single-process part has run on one NVIDIA H200, on that machine's torch 2.11 through
+``benchmarks/torch_2_11`` (benchmarks/results/gpu_check.md); ``--multi`` needs two GPUs and
+has not run: it is written against torch 2.13's documented CUDA and NCCL semantics.
 
 **Single process** (all stages on one device, so every edge is local): ScheduleRRFP runs an
 Interleaved1F1B hint over 4 stages on the device's current stream (``CudaDevice``: each
@@ -14,12 +15,16 @@ action between two timing events, completion by event queries). Checked:
 1. gradients and losses are bitwise those of torch's ``ScheduleInterleaved1F1B`` on the
    same stages and inputs;
 2. each action's device duration (stats spans, from the events) is within 10% (or 50 us)
-   of ``torch.cuda.Event`` timings of the same kernels run on their own (on the dry run,
-   with kernels five times longer, every span at least its emulated kernel time and the
-   median span within 1.5x of the kernel timed alone: there the stage's Python
-   bookkeeping runs on the emulated device too, and sleeps overshoot on busy cores);
+   of what torch's profiler (CUPTI) saw of the kernels the action launched in the same
+   step (on the dry run, with kernels five times longer, every span at least its emulated
+   kernel time and the median span within 1.5x of the kernel timed alone: there the
+   stage's Python bookkeeping runs on the emulated device too, and sleeps overshoot on
+   busy cores);
 3. launches returned before the work was done: the CPU spent less time launching than the
    device computing.
+
+Then, as a report on the GPU, step wall time of torch's schedule and RRFP with all stages
+on one stream (no overlap to find: what differs is host time the device waits for).
 
 Kernel time is made to vary per stage and microbatch with ``torch.cuda._sleep`` (a spin
 kernel). ``--dry-run`` does the same on CPU with ``EmulatedDevice`` and sleeps
@@ -57,9 +62,11 @@ from __future__ import annotations
 import argparse
 import copy
 import datetime
+import json
 import os
 import random
 import statistics
+import tempfile
 import time
 
 import torch
@@ -110,7 +117,10 @@ class _SpinInBackward(torch.autograd.Function):
 
 
 def cycles_per_ms() -> float:
-    """Spin-kernel cycles per millisecond on this GPU (timed with events)."""
+    """Spin-kernel cycles per millisecond on this GPU (timed with events), once the SM clock
+    has risen: a spin kernel counts clock cycles, and calibrated at an idle clock the
+    step's kernels ran 4-5 times shorter than asked (seen on an H200)."""
+    torch.cuda._sleep(1_000_000_000)
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     start.record()
     torch.cuda._sleep(10_000_000)
@@ -156,6 +166,9 @@ def single_process(dry_run: bool) -> None:
     backward_ms = [[scale * 2 * rng.uniform(2, 6) for _ in range(MICROBATCHES)]
                    for _ in range(STAGES)]
     per_ms = 1.0 if dry_run else cycles_per_ms()
+    if not dry_run:
+        print(f"spin kernels: {per_ms:.0f} cycles per ms on {torch.cuda.get_device_name(device)}, "
+              f"torch {torch.__version__}")
 
     def timed(s: int, block: torch.nn.Module) -> torch.nn.Module:
         if dry_run:
@@ -186,40 +199,25 @@ def single_process(dry_run: bool) -> None:
     bitwise = all(torch.equal(a, b) for a, b in zip(expected[0] + expected[1], got[0] + got[1]))
     print(f"[1] bitwise equal to torch's ScheduleInterleaved1F1B: {bitwise}")
 
-    # Durations of one more step, against the same kernels timed on their own.
+    # Durations of one more step: on the GPU against what the profiler (CUPTI) saw of the
+    # same step's kernels; on the dry run against the same emulated kernels timed alone.
     for stage in rrfp_stages:
         stage.submod.zero_grad(set_to_none=True)
         stage.submod.reset()
-    _step(rrfp, rrfp_stages, x, y)
-    stats = rrfp.last_step_stats
-    measured = {(sp.stage, sp.kind, sp.microbatch): sp.end - sp.start
-                for sp in stats.spans if sp.kind in ("F", "B")}
-    reference = _reference_durations(blocks, timed, x, device, dry_run)
-    differences = sorted(abs(measured[k] - reference[k]) / reference[k] for k in reference)
-    median = statistics.median(differences)
     if dry_run:
-        # On CPU the stage's Python bookkeeping runs on the emulated device too, and sleeps
-        # overshoot when the cores are busy (a median difference of 18% was seen with both
-        # cores loaded). What the check means holds with margins such a machine keeps: a
-        # span is the action's own run, not its launch (which returns at once: a span is
-        # at least the emulated kernel time it slept) nor its time since launch (which
-        # adds the queue ahead of it, about one more action at launch depth 2: the
-        # typical span would be twice the action timed alone).
-        slept = {(s, kind, mb): (forward_ms if kind == "F" else backward_ms)[s][mb] / 1e3
-                 for (s, kind, mb) in reference}
-        ratio = statistics.median(measured[k] / reference[k] for k in reference)
-        close = all(measured[k] >= 0.99 * slept[k] for k in reference) and ratio <= 1.5
+        _step(rrfp, rrfp_stages, x, y)
+        close, described = _durations_vs_alone(rrfp.last_step_stats, blocks, timed, x,
+                                               forward_ms, backward_ms)
     else:
-        close = all(abs(measured[k] - reference[k]) <= max(0.1 * reference[k], 50e-6)
-                    for k in reference)
-    print(f"[2] device durations vs the same kernels timed alone, over {len(reference)} "
-          f"actions: median relative difference {median:.1%}, worst {differences[-1]:.1%}"
-          + (f"; every span at least its emulated kernel time, median ratio {ratio:.2f} "
-             "(<= 1.5)" if dry_run else "") + f": {'ok' if close else 'MISMATCH'}")
+        close, described = _durations_vs_profiler(rrfp, rrfp_stages, x, y)
+    print(f"[2] {described}: {'ok' if close else 'MISMATCH'}")
+    stats = rrfp.last_step_stats
     asynchronous = stats.launch_time < stats.device_busy_time
     print(f"[3] launch time {stats.launch_time * 1e3:.1f} ms < device busy "
           f"{stats.device_busy_time * 1e3:.1f} ms (launches return before the work is done): "
           f"{asynchronous}")
+    if not dry_run:
+        one_stream_ab(fixed, fixed_stages, rrfp, rrfp_stages, x, y)
     rrfp.close()
     dist.destroy_process_group()
     if not (bitwise and close and asynchronous):
@@ -227,31 +225,121 @@ def single_process(dry_run: bool) -> None:
     print("gpu_check: single-process checks passed" + (" (dry run on CPU)" if dry_run else ""))
 
 
-def _reference_durations(blocks, timed, x, device, dry_run: bool) -> dict:
-    """Each stage's forward and backward of each microbatch, timed on its own."""
-    durations = {}
+def _durations_vs_alone(stats, blocks, timed, x, forward_ms, backward_ms) -> tuple[bool, str]:
+    """Dry run: each action's span against the same emulated kernels timed on their own.
+
+    On CPU the stage's Python bookkeeping runs on the emulated device too, and sleeps
+    overshoot when the cores are busy (a median difference of 18% was seen with both cores
+    loaded). What the check means holds with margins such a machine keeps: a span is the
+    action's own run, not its launch (which returns at once: a span is at least the
+    emulated kernel time it slept) nor its time since launch (which adds the queue ahead
+    of it, about one more action at launch depth 2: the typical span would be twice the
+    action timed alone)."""
+    measured = {(sp.stage, sp.kind, sp.microbatch): sp.end - sp.start
+                for sp in stats.spans if sp.kind in ("F", "B")}
+    alone = {}
     chunks = x.chunk(MICROBATCHES)
     for s in range(STAGES):
         module = timed(s, copy.deepcopy(blocks[s]))
         for mb in range(MICROBATCHES):
             inp = chunks[mb].detach().requires_grad_()
-            for kind in ("F", "B"):
-                if dry_run:
-                    start = time.perf_counter()
-                else:
-                    begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                    begin.record()
-                if kind == "F":
-                    out = module(inp)
-                else:
-                    out.backward(torch.ones_like(out))
-                if dry_run:
-                    durations[(s, kind, mb)] = time.perf_counter() - start
-                else:
-                    end.record()
-                    end.synchronize()
-                    durations[(s, kind, mb)] = begin.elapsed_time(end) / 1e3
-    return durations
+            start = time.perf_counter()
+            out = module(inp)
+            alone[(s, "F", mb)] = time.perf_counter() - start
+            start = time.perf_counter()
+            out.backward(torch.ones_like(out))
+            alone[(s, "B", mb)] = time.perf_counter() - start
+    slept = {(s, kind, mb): (forward_ms if kind == "F" else backward_ms)[s][mb] / 1e3
+             for (s, kind, mb) in alone}
+    differences = sorted(abs(measured[k] - alone[k]) / alone[k] for k in alone)
+    ratio = statistics.median(measured[k] / alone[k] for k in alone)
+    close = all(measured[k] >= 0.99 * slept[k] for k in alone) and ratio <= 1.5
+    return close, (f"device durations vs the same kernels timed alone, over {len(alone)} "
+                   f"actions: median relative difference {statistics.median(differences):.1%}, "
+                   f"worst {differences[-1]:.1%}; every span at least its emulated kernel "
+                   f"time, median ratio {ratio:.2f} (<= 1.5)")
+
+
+def _durations_vs_profiler(schedule, stages, x, y) -> tuple[bool, str]:
+    """GPU: each action's span (``CudaDevice``'s events) against the GPU time torch's
+    profiler (CUPTI) saw for the kernels the action launched, in the same step: from its
+    first kernel's start to its last one's end. A kernel belongs to the action whose host
+    range (rrfp names it as torch's schedules do, ``PP:<action>``) holds the kernel's
+    launch, on any thread: a backward's kernels are launched by autograd's engine thread
+    while the action's range is open, which is why the profiler's own GPU ranges miss
+    them. Timing the kernels again on their own would compare two clocks: a spin
+    kernel's length follows the SM clock, which moves between steps (differences up to
+    21% were seen on an H200)."""
+    activities = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+    with torch.profiler.profile(activities=activities) as profile:
+        _step(schedule, stages, x, y)
+        torch.cuda.synchronize()
+    with tempfile.TemporaryDirectory() as folder:
+        path = os.path.join(folder, "trace.json")
+        profile.export_chrome_trace(path)
+        with open(path) as trace:
+            events = json.load(trace)["traceEvents"]
+    seen = _kernel_extents(events)
+    spans = {sp.name: sp.end - sp.start for sp in schedule.last_step_stats.spans
+             if sp.kind in ("F", "B")}
+    both = [name for name in spans if name in seen]
+    if not both:
+        return False, f"the profile holds no kernel of rrfp's {len(spans)} actions"
+    differences = sorted(abs(spans[n] - seen[n]) / seen[n] for n in both)
+    close = len(both) == len(spans) and all(
+        abs(spans[n] - seen[n]) <= max(0.1 * seen[n], 50e-6) for n in both)
+    worst = max(both, key=lambda n: abs(spans[n] - seen[n]) / seen[n])
+    absent = sorted(set(spans) - set(seen))
+    return close, (f"device durations vs the profiler's kernels of the same step, over "
+                   f"{len(both)} of {len(spans)} actions: median relative difference "
+                   f"{statistics.median(differences):.1%}, worst {differences[-1]:.1%} ({worst}: "
+                   f"span {spans[worst] * 1e3:.3f} ms, kernels {seen[worst] * 1e3:.3f} ms)"
+                   + (f"; no kernel for {', '.join(absent[:8])}" if absent else ""))
+
+
+def _kernel_extents(events: list[dict]) -> dict[str, float]:
+    """Per action (``PP:<action>`` host ranges of a Chrome trace): seconds from the start of
+    the first device kernel or copy it launched to the end of the last."""
+    ranges = [(e["ts"], e["ts"] + e["dur"], e["name"].removeprefix("PP:")) for e in events
+              if e.get("cat") == "user_annotation" and e.get("name", "").startswith("PP:")]
+    launched = {e["args"]["correlation"]: e["ts"] for e in events
+                if e.get("cat") == "cuda_runtime" and "correlation" in e.get("args", {})}
+    extents: dict[str, tuple[float, float]] = {}
+    for e in events:
+        if e.get("cat") not in ("kernel", "gpu_memcpy", "gpu_memset"):
+            continue
+        at = launched.get(e["args"].get("correlation"))
+        owners = [name for first, last, name in ranges if at is not None and first <= at <= last]
+        if owners:
+            begin, finish = extents.get(owners[-1], (e["ts"], e["ts"] + e["dur"]))
+            extents[owners[-1]] = (min(begin, e["ts"]), max(finish, e["ts"] + e["dur"]))
+    return {name: (finish - begin) / 1e6 for name, (begin, finish) in extents.items()}
+
+
+def one_stream_ab(fixed, fixed_stages, rrfp, rrfp_stages, x, y, rounds: int = 8) -> None:
+    """Report (no pass or fail): step wall time of torch's fixed schedule and RRFP with all
+    stages on one stream, alternating, after 2 warm-up rounds. One stream leaves no
+    overlap to find, so the difference is the host work each leaves unhidden; RRFP's
+    loop time (its stats) beside its wall time shows how much lies outside the loop."""
+    times: dict[str, list[float]] = {"fixed": [], "rrfp": []}
+    loop_ms = []
+    for round_ in range(rounds + 2):
+        for name, schedule, stages in (("fixed", fixed, fixed_stages), ("rrfp", rrfp, rrfp_stages)):
+            for stage in stages:
+                stage.submod.reset()
+            torch.cuda.synchronize()
+            start = time.perf_counter()
+            _step(schedule, stages, x, y)
+            torch.cuda.synchronize()
+            if round_ >= 2:
+                times[name].append((time.perf_counter() - start) * 1e3)
+        if round_ >= 2:
+            loop_ms.append(rrfp.last_step_stats.step_time * 1e3)
+    fixed_ms, rrfp_ms = statistics.median(times["fixed"]), statistics.median(times["rrfp"])
+    print(f"[A/B] one stream, {rounds} alternating rounds (a report): median step torch fixed "
+          f"{fixed_ms:.1f} ms, RRFP {rrfp_ms:.1f} ms (its loop {statistics.median(loop_ms):.1f} ms), "
+          f"RRFP/fixed {rrfp_ms / fixed_ms:.3f}; per round "
+          + " ".join(f"{b / a:.3f}" for a, b in zip(times["fixed"], times["rrfp"])))
 
 
 def multi_process(device_id: bool = False) -> None:

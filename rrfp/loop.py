@@ -126,17 +126,19 @@ class StepLoop:
     wait_time: float = 0.0
     """Seconds waiting for an event with nothing to launch."""
     waits: list[tuple[float, float]] = field(default_factory=list)
-    """(start, end) of each such wait."""
+    """(start, end) of each stretch of such waits that no launch or event interrupted."""
     _on_device: deque[_Action] = field(default_factory=deque)
 
     def run(self) -> Iterator[float]:
         arbiter, device, coordinator = self.arbiter, self.device, self.coordinator
         changed = True  # what may run only changes with arrivals and completions
         progress_at = self.clock()  # last launch, arrival or completion
+        # Polled sources wake the loop every few microseconds: one idle stretch is one wait.
+        extends_wait = False
         while True:
             t0 = self.clock()
             if self._take_events():
-                changed, progress_at = True, t0
+                changed, progress_at, extends_wait = True, t0, False
             if arbiter.finished and not device.outstanding:
                 return
             free = not arbiter.finished and device.outstanding < self.launch_depth
@@ -147,17 +149,22 @@ class StepLoop:
             self.decision_time += self.clock() - t0
             if action is not None:
                 self._launch(action)
-                changed, progress_at = True, self.clock()
+                changed, progress_at, extends_wait = True, self.clock(), False
                 continue
             now = self.clock()
             if now - progress_at >= self.stall_timeout:
                 raise self._stall_error(now - progress_at)
             if free and coordinator is not None and not coordinator.waits_when_idle:
-                changed = True  # the next proposal round waited for arrivals itself
+                changed, extends_wait = True, False  # the next round waited for arrivals itself
                 continue
             yield self.stall_timeout - (now - progress_at)
-            self.wait_time += self.clock() - now
-            self.waits.append((now, self.clock()))
+            end = self.clock()
+            self.wait_time += end - now
+            if extends_wait:
+                self.waits[-1] = (self.waits[-1][0], end)
+            else:
+                self.waits.append((now, end))
+            extends_wait = True
 
     def _take_events(self) -> bool:
         """Hand arrivals to the arbiter, collect completions; whether there were any."""

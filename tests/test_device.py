@@ -238,6 +238,40 @@ def test_the_step_loop_launches_only_while_fewer_than_launch_depth_actions_are_i
     assert device.most_behind == min(launch_depth - 1, 8)
 
 
+def test_a_polled_loop_records_one_wait_per_idle_stretch_not_one_per_poll():
+    """Polled sources (CUDA events, NCCL works) wake the loop every 20 us. Each stretch with
+    nothing to launch must still be one wait span: one per poll made thousands per step on
+    an H200, and building their spans took 4 ms of host time after every step."""
+    hint = build_hint("GPipe", num_ranks=1, num_stages=1, n_microbatches=4)
+    device, wakeup = EmulatedDevice(), Wakeup()
+
+    class Executor:
+        def work(self, action, sends):
+            return _busy_work("emulated", 0.02)
+
+        def completed(self, action):
+            pass
+
+    origin = time.perf_counter()
+    device.begin_step(origin, wakeup)
+    wakeup.polled = True
+    loop = StepLoop(Arbiter(hint, 0, limits=resolve_buffer_limits("hint", hint),
+                            policy=make_policy("hint")), device,
+                    Executor(), arrivals=lambda: [], clock=lambda: time.perf_counter() - origin,
+                    launch_depth=1, stall_timeout=30)
+    polls = 0
+    for timeout in loop.run():
+        polls += 1
+        wakeup.wait(timeout)
+    device.close(5.0)
+    assert polls > 5 * len(loop.completions)  # the situation: many polls per action
+    # Launch depth 1: every idle stretch ends with a completion.
+    assert 1 <= len(loop.waits) <= len(loop.completions)
+    for (start, end), (later_start, _) in zip(loop.waits, loop.waits[1:]):
+        assert start <= end <= later_start
+    assert sum(end - start for start, end in loop.waits) >= loop.wait_time
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason=NO_CUDA)
 def test_cuda_launch_returns_before_the_kernels_run_and_completion_is_polled_in_order():
     device, wakeup = CudaDevice(torch.device("cuda", 0)), Wakeup()
