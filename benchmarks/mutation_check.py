@@ -130,6 +130,12 @@ MUTATIONS = [
         ("tests/test_step_failures.py::test_no_rank_breaks_a_gloo_channel_its_peer_still_"
          "sends_on",)),
     Mutation(
+        "a_wait_span_per_poll", "the step loop records one wait span per idle stretch, not one "
+        "per poll of a polled source",
+        "rrfp/loop.py", "            extends_wait = True\n", "",
+        ("tests/test_device.py::test_a_polled_loop_records_one_wait_per_idle_stretch_not_one_"
+         "per_poll",)),
+    Mutation(
         "gloo_send_kept", "a sent tensor is let go once its send completes (gloo and NCCL)",
         "rrfp/transport.py", "        data = [t.detach() for t in tensors]\n",
         "        data = [t.detach() for t in tensors]\n"
