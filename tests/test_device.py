@@ -123,6 +123,35 @@ def test_wakeup_wakes_a_waiter_and_host_device_completes_at_launch():
     assert device.outstanding == 0 and done.end - done.start >= 0.01
 
 
+def test_the_gpu_check_gives_each_action_the_kernels_launched_inside_its_range():
+    """``gpu_check``'s reading of a profiler trace (as torch's Chrome trace writes it): a
+    kernel belongs to the action whose host range holds its launch, on whichever thread
+    launched it (a backward's kernels come from autograd's thread); its extent runs from
+    its first kernel's start to its last one's end; kernels launched outside every range
+    belong to none."""
+    from benchmarks.gpu_check import _kernel_extents
+
+    def launch(ts, correlation, tid):
+        return {"cat": "cuda_runtime", "ts": ts, "dur": 1, "tid": tid,
+                "args": {"correlation": correlation}}
+
+    def kernel(ts, dur, correlation, cat="kernel"):
+        return {"cat": cat, "ts": ts, "dur": dur, "args": {"correlation": correlation}}
+
+    events = [
+        {"cat": "user_annotation", "name": "PP:0F0", "ts": 100, "dur": 50},
+        {"cat": "user_annotation", "name": "PP:0B0", "ts": 200, "dur": 80},
+        {"cat": "user_annotation", "name": "other", "ts": 300, "dur": 50},
+        launch(110, 1, tid=1), launch(120, 2, tid=1),
+        launch(210, 3, tid=2), launch(270, 4, tid=2),  # autograd's thread
+        launch(310, 5, tid=1),  # outside every PP range
+        kernel(1000, 400, 1), kernel(1400, 100, 2, cat="gpu_memcpy"),
+        kernel(1500, 700, 3), kernel(2250, 250, 4), kernel(2600, 50, 5),
+    ]
+    extents = _kernel_extents(events)
+    assert extents == {"0F0": pytest.approx(500e-6), "0B0": pytest.approx(1000e-6)}
+
+
 def test_gpu_check_dry_run_passes_on_cpu():
     # benchmarks/gpu_check.py on CPU: the single-process part on the emulated device, and
     # the transport part (many channels, a receive posted with compute queued, a clean
