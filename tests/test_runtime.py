@@ -21,7 +21,8 @@ from rrfp.testing.chains import (BATCH_PER_MICROBATCH, bitwise_equal, build_stag
                                  local_stage_indices, loss_fn, make_batch, make_chain,
                                  reference_steps, run_steps, torch_schedule)
 from rrfp.testing.emulation import EmulatedDeviceTime
-from rrfp.testing.timing import random_device_time, random_send_delay, SECOND_ACTIVATION_LATE
+from rrfp.testing.timing import (ACROSS_BOTH_RANKS_LATE, random_device_time, random_send_delay,
+                                 SECOND_ACTIVATION_LATE)
 from rrfp.testing.worlds import run_local_world
 
 
@@ -104,8 +105,9 @@ def fidelity(rank: int, world_size: int, case: FidelityCase, tmpdir: str) -> dic
             # readiness-first runs what is ready meanwhile (lookahead, the default at most of
             # these limits, deviates only where its estimates from the earlier steps say the
             # deviation fits, which a loaded machine's first step can change).
+            late = ACROSS_BOTH_RANKS_LATE if case.reference == "LoopedBFS" else SECOND_ACTIVATION_LATE
             send_delay = random_send_delay(seed * 7919 + rank, case.max_delay_s,
-                                           SECOND_ACTIVATION_LATE if i == 1 else None)
+                                           late if i == 1 else None)
         stages, blocks = build_stages(chain, rank, world_size, case.layout, wrap=wrap)
         schedule = ScheduleRRFP(stages, M, loss_fn=loss_fn, hint=hint, send_delay=send_delay,
                                 buffer_limit=buffer_limit, stall_timeout=60, device=device,

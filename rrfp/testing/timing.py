@@ -46,6 +46,13 @@ gradient waits on stage 1), at any limit with room for it; even where the hint l
 none (LoopedBFS), a later stage's forward of microbatch 0 passes it."""
 
 
+ACROSS_BOTH_RANKS_LATE = {(Edge(0, 1), 1): 3 * LATE_S}
+"""``SECOND_ACTIVATION_LATE`` for LoopedBFS, whose hint leaves stage 1 nothing else to run:
+only stage 3's forward of microbatch 0 can pass it, and its input comes after five actions
+and three messages across both ranks, which a loaded machine (three CI lanes on 2 cores)
+stretched past ``LATE_S``."""
+
+
 def replicas_apart(hint: str, replica: int) -> dict[tuple[Edge, int], float]:
     """Late messages (``random_send_delay``'s ``late``) that make two data-parallel
     replicas of a 2-rank, 4-stage, 4-microbatch pipeline, readiness-first with memory for
