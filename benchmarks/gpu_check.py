@@ -285,14 +285,14 @@ def _durations_vs_profiler(schedule, stages, x, y) -> tuple[bool, str]:
     both = [name for name in spans if name in seen]
     if not both:
         return False, f"the profile holds no kernel of rrfp's {len(spans)} actions"
-    differences = sorted(abs(spans[n] - seen[n]) / seen[n] for n in both)
+    relative = {n: abs(spans[n] - seen[n]) / seen[n] for n in both}
     close = len(both) == len(spans) and all(
         abs(spans[n] - seen[n]) <= max(0.1 * seen[n], 50e-6) for n in both)
-    worst = max(both, key=lambda n: abs(spans[n] - seen[n]) / seen[n])
+    worst = max(relative, key=relative.__getitem__)
     absent = sorted(set(spans) - set(seen))
     return close, (f"device durations vs the profiler's kernels of the same step, over "
                    f"{len(both)} of {len(spans)} actions: median relative difference "
-                   f"{statistics.median(differences):.1%}, worst {differences[-1]:.1%} ({worst}: "
+                   f"{statistics.median(relative.values()):.1%}, worst {relative[worst]:.1%} ({worst}: "
                    f"span {spans[worst] * 1e3:.3f} ms, kernels {seen[worst] * 1e3:.3f} ms)"
                    + (f"; no kernel for {', '.join(absent[:8])}" if absent else ""))
 
