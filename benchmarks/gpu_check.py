@@ -23,8 +23,10 @@ action between two timing events, completion by event queries). Checked:
 3. launches returned before the work was done: the CPU spent less time launching than the
    device computing.
 
-Then, as a report on the GPU, step wall time of torch's schedule and RRFP with all stages
-on one stream (no overlap to find: what differs is host time the device waits for).
+Then, as reports on the GPU: the device's idle time inside one profiled step of each
+schedule, with RRFP's longest gaps and the actions on either side (``[idle]``), and step
+wall time of torch's schedule and RRFP with all stages on one stream (``[A/B]``: no
+overlap to find, so what differs is host time the device waits for).
 
 Kernel time is made to vary per stage and microbatch with ``torch.cuda._sleep`` (a spin
 kernel). ``--dry-run`` does the same on CPU with ``EmulatedDevice`` and sleeps
@@ -209,7 +211,8 @@ def single_process(dry_run: bool) -> None:
         close, described = _durations_vs_alone(rrfp.last_step_stats, blocks, timed, x,
                                                forward_ms, backward_ms)
     else:
-        close, described = _durations_vs_profiler(rrfp, rrfp_stages, x, y)
+        rrfp_kernels = _profiled_kernels(rrfp, rrfp_stages, x, y)
+        close, described = _durations_vs_profiler(rrfp.last_step_stats, rrfp_kernels)
     print(f"[2] {described}: {'ok' if close else 'MISMATCH'}")
     stats = rrfp.last_step_stats
     asynchronous = stats.launch_time < stats.device_busy_time
@@ -217,6 +220,10 @@ def single_process(dry_run: bool) -> None:
           f"{stats.device_busy_time * 1e3:.1f} ms (launches return before the work is done): "
           f"{asynchronous}")
     if not dry_run:
+        for stage in fixed_stages:
+            stage.submod.zero_grad(set_to_none=True)
+            stage.submod.reset()
+        print(_idle_report(_profiled_kernels(fixed, fixed_stages, x, y), rrfp_kernels))
         one_stream_ab(fixed, fixed_stages, rrfp, rrfp_stages, x, y)
     rrfp.close()
     dist.destroy_process_group()
@@ -260,7 +267,25 @@ def _durations_vs_alone(stats, blocks, timed, x, forward_ms, backward_ms) -> tup
                    f"time, median ratio {ratio:.2f} (<= 1.5)")
 
 
-def _durations_vs_profiler(schedule, stages, x, y) -> tuple[bool, str]:
+Kernel = tuple[float, float, "str | None"]
+"""A device kernel, copy or set of a profiled step: start and end (trace microseconds) and
+the action whose ``PP:<action>`` host range holds its launch (None: no action's)."""
+
+
+def _profiled_kernels(schedule, stages, x, y) -> list[Kernel]:
+    """One step of ``schedule`` under torch's profiler (CUPTI): its kernels in start order."""
+    activities = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+    with torch.profiler.profile(activities=activities) as profile:
+        _step(schedule, stages, x, y)
+        torch.cuda.synchronize()
+    with tempfile.TemporaryDirectory() as folder:
+        path = os.path.join(folder, "trace.json")
+        profile.export_chrome_trace(path)
+        with open(path) as trace:
+            return _kernels(json.load(trace)["traceEvents"])
+
+
+def _durations_vs_profiler(stats, kernels: list[Kernel]) -> tuple[bool, str]:
     """GPU: each action's span (``CudaDevice``'s events) against the GPU time torch's
     profiler (CUPTI) saw for the kernels the action launched, in the same step: from its
     first kernel's start to its last one's end. A kernel belongs to the action whose host
@@ -270,18 +295,8 @@ def _durations_vs_profiler(schedule, stages, x, y) -> tuple[bool, str]:
     them. Timing the kernels again on their own would compare two clocks: a spin
     kernel's length follows the SM clock, which moves between steps (differences up to
     21% were seen on an H200)."""
-    activities = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
-    with torch.profiler.profile(activities=activities) as profile:
-        _step(schedule, stages, x, y)
-        torch.cuda.synchronize()
-    with tempfile.TemporaryDirectory() as folder:
-        path = os.path.join(folder, "trace.json")
-        profile.export_chrome_trace(path)
-        with open(path) as trace:
-            events = json.load(trace)["traceEvents"]
-    seen = _kernel_extents(events)
-    spans = {sp.name: sp.end - sp.start for sp in schedule.last_step_stats.spans
-             if sp.kind in ("F", "B")}
+    seen = _kernel_extents(kernels)
+    spans = {sp.name: sp.end - sp.start for sp in stats.spans if sp.kind in ("F", "B")}
     both = [name for name in spans if name in seen]
     if not both:
         return False, f"the profile holds no kernel of rrfp's {len(spans)} actions"
@@ -297,23 +312,59 @@ def _durations_vs_profiler(schedule, stages, x, y) -> tuple[bool, str]:
                    + (f"; no kernel for {', '.join(absent[:8])}" if absent else ""))
 
 
-def _kernel_extents(events: list[dict]) -> dict[str, float]:
-    """Per action (``PP:<action>`` host ranges of a Chrome trace): seconds from the start of
-    the first device kernel or copy it launched to the end of the last."""
+def _kernels(events: list[dict]) -> list[Kernel]:
+    """The device kernels, copies and sets of a Chrome trace, in start order, each with the
+    action (``PP:<action>`` host range, on any thread) that launched it."""
     ranges = [(e["ts"], e["ts"] + e["dur"], e["name"].removeprefix("PP:")) for e in events
               if e.get("cat") == "user_annotation" and e.get("name", "").startswith("PP:")]
     launched = {e["args"]["correlation"]: e["ts"] for e in events
                 if e.get("cat") == "cuda_runtime" and "correlation" in e.get("args", {})}
-    extents: dict[str, tuple[float, float]] = {}
+    kernels = []
     for e in events:
         if e.get("cat") not in ("kernel", "gpu_memcpy", "gpu_memset"):
             continue
         at = launched.get(e["args"].get("correlation"))
         owners = [name for first, last, name in ranges if at is not None and first <= at <= last]
-        if owners:
-            begin, finish = extents.get(owners[-1], (e["ts"], e["ts"] + e["dur"]))
-            extents[owners[-1]] = (min(begin, e["ts"]), max(finish, e["ts"] + e["dur"]))
+        kernels.append((e["ts"], e["ts"] + e["dur"], owners[-1] if owners else None))
+    return sorted(kernels, key=lambda kernel: kernel[0])
+
+
+def _kernel_extents(kernels: list[Kernel]) -> dict[str, float]:
+    """Per action: seconds from the start of the first kernel it launched to the end of the
+    last."""
+    extents: dict[str, tuple[float, float]] = {}
+    for start, end, owner in kernels:
+        if owner is not None:
+            begin, finish = extents.get(owner, (start, end))
+            extents[owner] = (min(begin, start), max(finish, end))
     return {name: (finish - begin) / 1e6 for name, (begin, finish) in extents.items()}
+
+
+def _idle_gaps(kernels: list[Kernel], shortest_us: float = 5.0) -> list[tuple[float, str, str]]:
+    """Where the device ran nothing between a step's first kernel and its last: (seconds,
+    the action whose kernel ran last before, the action whose kernel starts it), longest
+    first, for gaps of at least ``shortest_us``."""
+    gaps = []
+    busy_until, before = None, None
+    for start, end, owner in kernels:
+        if busy_until is not None and start - busy_until >= shortest_us:
+            gaps.append(((start - busy_until) / 1e6, before or "-", owner or "-"))
+        if busy_until is None or end >= busy_until:
+            busy_until, before = end, owner
+    return sorted(gaps, key=lambda gap: -gap[0])
+
+
+def _idle_report(fixed: list[Kernel], rrfp: list[Kernel]) -> str:
+    """Report (no pass or fail): the device's idle time inside one step of each schedule,
+    and RRFP's longest gaps with the actions around them."""
+    def total(kernels: list[Kernel]) -> str:
+        gaps = _idle_gaps(kernels)
+        return f"{sum(g for g, _, _ in gaps) * 1e3:.2f} ms in {len(gaps)} gaps"
+    longest = ", ".join(f"{gap * 1e3:.3f} ms {before} -> {after}"
+                        for gap, before, after in _idle_gaps(rrfp)[:4])
+    return (f"[idle] device idle between a step's first and last kernel, gaps of 5 us or more "
+            f"(a report): torch fixed {total(fixed)}, RRFP {total(rrfp)}; RRFP's longest: "
+            f"{longest or 'none'}")
 
 
 def one_stream_ab(fixed, fixed_stages, rrfp, rrfp_stages, x, y, rounds: int = 8) -> None:

@@ -129,7 +129,7 @@ def test_the_gpu_check_gives_each_action_the_kernels_launched_inside_its_range()
     launched it (a backward's kernels come from autograd's thread); its extent runs from
     its first kernel's start to its last one's end; kernels launched outside every range
     belong to none."""
-    from benchmarks.gpu_check import _kernel_extents
+    from benchmarks.gpu_check import _kernel_extents, _kernels
 
     def launch(ts, correlation, tid):
         return {"cat": "cuda_runtime", "ts": ts, "dur": 1, "tid": tid,
@@ -148,8 +148,22 @@ def test_the_gpu_check_gives_each_action_the_kernels_launched_inside_its_range()
         kernel(1000, 400, 1), kernel(1400, 100, 2, cat="gpu_memcpy"),
         kernel(1500, 700, 3), kernel(2250, 250, 4), kernel(2600, 50, 5),
     ]
-    extents = _kernel_extents(events)
+    extents = _kernel_extents(_kernels(events))
     assert extents == {"0F0": pytest.approx(500e-6), "0B0": pytest.approx(1000e-6)}
+
+
+def test_the_gpu_check_finds_where_the_device_idles_inside_a_step():
+    """The idle report's gaps: only where no kernel runs (a kernel inside a longer one
+    leaves none), from the end of the latest-ending kernel so far, longest first, each
+    named by the action whose kernel ran last before it and the one that ends it."""
+    from benchmarks.gpu_check import _idle_gaps
+
+    kernels = [(0, 100, "0F0"), (20, 50, "0F0"),  # the second inside the first
+               (130, 200, "1F0"),                  # 30 us after 0F0's end
+               (202, 300, "0F1"),                  # 2 us: too short to count
+               (400, 450, None)]                   # 100 us, launched by no action
+    assert _idle_gaps(kernels) == [(pytest.approx(100e-6), "0F1", "-"),
+                                   (pytest.approx(30e-6), "0F0", "1F0")]
 
 
 def test_gpu_check_dry_run_passes_on_cpu():
