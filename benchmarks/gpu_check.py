@@ -342,8 +342,8 @@ def _kernel_extents(kernels: list[Kernel]) -> dict[str, float]:
 
 def _idle_gaps(kernels: list[Kernel], shortest_us: float = 5.0) -> list[tuple[float, str, str]]:
     """Where the device ran nothing between a step's first kernel and its last: (seconds,
-    the action whose kernel ran last before, the action whose kernel starts it), longest
-    first, for gaps of at least ``shortest_us``."""
+    the action whose kernel ran last before the gap, the action whose kernel ends it),
+    longest first, for gaps of at least ``shortest_us`` ("-": a kernel of no action)."""
     gaps = []
     busy_until, before = None, None
     for start, end, owner in kernels:
