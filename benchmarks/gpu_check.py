@@ -203,9 +203,7 @@ def single_process(dry_run: bool) -> None:
 
     # Durations of one more step: on the GPU against what the profiler (CUPTI) saw of the
     # same step's kernels; on the dry run against the same emulated kernels timed alone.
-    for stage in rrfp_stages:
-        stage.submod.zero_grad(set_to_none=True)
-        stage.submod.reset()
+    _restart(rrfp_stages)
     if dry_run:
         _step(rrfp, rrfp_stages, x, y)
         close, described = _durations_vs_alone(rrfp.last_step_stats, blocks, timed, x,
@@ -220,9 +218,7 @@ def single_process(dry_run: bool) -> None:
           f"{stats.device_busy_time * 1e3:.1f} ms (launches return before the work is done): "
           f"{asynchronous}")
     if not dry_run:
-        for stage in fixed_stages:
-            stage.submod.zero_grad(set_to_none=True)
-            stage.submod.reset()
+        _restart(fixed_stages)
         print(_idle_report(_profiled_kernels(fixed, fixed_stages, x, y), rrfp_kernels))
         one_stream_ab(fixed, fixed_stages, rrfp, rrfp_stages, x, y)
     rrfp.close()
@@ -230,6 +226,14 @@ def single_process(dry_run: bool) -> None:
     if not (bitwise and close and asynchronous):
         raise SystemExit("gpu_check: FAILED")
     print("gpu_check: single-process checks passed" + (" (dry run on CPU)" if dry_run else ""))
+
+
+def _restart(stages: list[PipelineStage]) -> None:
+    """Before a step measured on its own: no gradients, each block's timed kernels counted
+    again from microbatch 0."""
+    for stage in stages:
+        stage.submod.zero_grad(set_to_none=True)
+        stage.submod.reset()
 
 
 def _durations_vs_alone(stats, blocks, timed, x, forward_ms, backward_ms) -> tuple[bool, str]:
@@ -340,7 +344,12 @@ def _kernel_extents(kernels: list[Kernel]) -> dict[str, float]:
     return {name: (finish - begin) / 1e6 for name, (begin, finish) in extents.items()}
 
 
-def _idle_gaps(kernels: list[Kernel], shortest_us: float = 5.0) -> list[tuple[float, str, str]]:
+SHORTEST_GAP_US = 5.0
+"""Idle stretches shorter than this are left out of the ``[idle]`` report."""
+
+
+def _idle_gaps(kernels: list[Kernel],
+               shortest_us: float = SHORTEST_GAP_US) -> list[tuple[float, str, str]]:
     """Where the device ran nothing between a step's first kernel and its last: (seconds,
     the action whose kernel ran last before the gap, the action whose kernel ends it),
     longest first, for gaps of at least ``shortest_us`` ("-": a kernel of no action)."""
@@ -357,14 +366,15 @@ def _idle_gaps(kernels: list[Kernel], shortest_us: float = 5.0) -> list[tuple[fl
 def _idle_report(fixed: list[Kernel], rrfp: list[Kernel]) -> str:
     """Report (no pass or fail): the device's idle time inside one step of each schedule,
     and RRFP's longest gaps with the actions around them."""
-    def total(kernels: list[Kernel]) -> str:
-        gaps = _idle_gaps(kernels)
+    fixed_gaps, rrfp_gaps = _idle_gaps(fixed), _idle_gaps(rrfp)
+
+    def total(gaps: list[tuple[float, str, str]]) -> str:
         return f"{sum(g for g, _, _ in gaps) * 1e3:.2f} ms in {len(gaps)} gaps"
     longest = ", ".join(f"{gap * 1e3:.3f} ms {before} -> {after}"
-                        for gap, before, after in _idle_gaps(rrfp)[:4])
-    return (f"[idle] device idle between a step's first and last kernel, gaps of 5 us or more "
-            f"(a report): torch fixed {total(fixed)}, RRFP {total(rrfp)}; RRFP's longest: "
-            f"{longest or 'none'}")
+                        for gap, before, after in rrfp_gaps[:4])
+    return (f"[idle] device idle between a step's first and last kernel, gaps of "
+            f"{SHORTEST_GAP_US:.0f} us or more (a report): torch fixed {total(fixed_gaps)}, "
+            f"RRFP {total(rrfp_gaps)}; RRFP's longest: {longest or 'none'}")
 
 
 def one_stream_ab(fixed, fixed_stages, rrfp, rrfp_stages, x, y, rounds: int = 8) -> None:
