@@ -27,7 +27,7 @@ from benchmarks.titan_runs import activation_checkpoint_args, run_job, VERSION, 
 from rrfp.advise import read_run
 from rrfp.advise.predict import limits_of, predict, replay, Setting
 from rrfp.advise.report import size
-from rrfp.limits import fixed_peak_bytes
+from rrfp.core.limits import fixed_peak_bytes
 
 OUT = os.path.join("outputs", "ac_bytes")
 
@@ -86,7 +86,7 @@ def page(rows: list[dict], steps: int, seconds: float) -> list[str]:
         "",
         f"Regenerate with `python -m benchmarks.ac_bytes_bench --steps {steps}` under "
         f"torchtitan {version_label()} ({seconds:.0f} s here; the module docstring has the "
-        "method). Bytes: the byte meter (`rrfp.memory.ActivationMeter`: the tensors autograd "
+        "method). Bytes: the byte meter (`rrfp.runtime.meter.ActivationMeter`: the tensors autograd "
         "saves, parameters excluded), per microbatch, in the first training step. The job: "
         "PP 2 x 2 stages, Interleaved1F1B hint, 8 microbatches of 1 x 128 tokens, float32.",
         "",

@@ -4,7 +4,7 @@
 
 One job: ``ScheduleRRFP`` over 4 ranks, the 1F1B hint, 16 microbatches, a tiny MLP per
 stage whose forward and backward sleep the durations the ``jitter`` workload model draws
-(10 ms per mean forward) on the emulated asynchronous device (``rrfp.device.
+(10 ms per mean forward) on the emulated asynchronous device (``rrfp.devices.device.
 EmulatedDevice``): **emulated device time**. Step r of every run draws the same timings
 (seed r), as step r of a job trains on the same batch in every run.
 
@@ -33,10 +33,10 @@ from benchmarks.pages import write_page
 from rrfp import ScheduleRRFP
 from rrfp.advise import advise, run_from_trace_events
 from rrfp.advise.predict import predict, replay, Setting
-from rrfp.device import EmulatedDevice
+from rrfp.devices.device import EmulatedDevice
+from rrfp.sim.workloads import make_timing
 from rrfp.testing.emulation import EmulatedDeviceTime
 from rrfp.testing.worlds import run_local_world
-from rrfp.sim.workloads import make_timing
 
 RANKS, MICROBATCHES, UNIT_S, DIM = 4, 16, 0.01, 16
 WORKLOAD = "jitter"

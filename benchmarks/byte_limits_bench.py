@@ -2,7 +2,7 @@
 
     python -m benchmarks.byte_limits_bench      # writes results/byte_limits.md (~1 min)
 
-**Measured, emulated device time** (``rrfp.device.EmulatedDevice``: launches return at
+**Measured, emulated device time** (``rrfp.devices.device.EmulatedDevice``: launches return at
 once, a worker thread sleeps each action's time): 1F1B on 4 gloo ranks x 16 microbatches,
 one stage per rank saving 2 / 4 / 2 / 2 KiB per microbatch
 (``rrfp/testing/byte_limits_world.py``: stage 1 twice as wide, so its rank is the busiest

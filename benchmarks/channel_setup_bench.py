@@ -4,7 +4,7 @@
 
 Every pipeline edge and direction gets a channel of its own (a 2-rank communicator).
 *rrfp* (now): only a channel's two ranks create it, under a deterministic name, and
-connect it with one message, in one canonical order (``rrfp.channels.create_channels``).
+connect it with one message, in one canonical order (``rrfp.comm.channels.create_channels``).
 *new_group* (before): every rank of the world called ``dist.new_group`` for every channel
 of every pipeline, members or not. Measured per rank (maximum over ranks) with one
 pipeline of the whole world (PP = world) and with pipelines of 2 ranks (PP 2 x DP world/2),
@@ -22,8 +22,8 @@ import torch
 import torch.distributed as dist
 
 from benchmarks.pages import write_page
-from rrfp.hints import build_hint
-from rrfp.channels import create_channels
+from rrfp.comm.channels import create_channels
+from rrfp.core.hints import build_hint
 from rrfp.testing.worlds import run_local_world
 
 

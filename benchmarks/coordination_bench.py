@@ -19,7 +19,7 @@ Two measurements on 4 gloo processes, CPU only:
 
 Before/after in one run: ``--before <commit>`` (default ``BEFORE_COMMIT``, the code before
 the follower posted its receives ahead on a private group) loads that commit's
-``rrfp/coordination.py`` (``git show``) and runs its "leader" next to the current one,
+``rrfp/comm/coordination.py`` (``git show``) and runs its "leader" next to the current one,
 interleaved, on the same machine load; in the per-step runs the schedule then builds that
 coordinator over the user's group, as that code did. Writes
 benchmarks/results/coordination.md.
@@ -40,12 +40,12 @@ import torch
 import torch.distributed as dist
 
 from benchmarks.pages import write_page
-import rrfp.runtime
+import rrfp.runtime.pipeline
 from rrfp import ScheduleRRFP
-from rrfp.arbiter import Arbiter
-from rrfp.coordination import make_coordinator
-from rrfp.hints import build_hint
-from rrfp.policy import make_policy
+from rrfp.comm.coordination import make_coordinator
+from rrfp.core.arbiter import Arbiter
+from rrfp.core.hints import build_hint
+from rrfp.core.policy import make_policy
 from rrfp.testing.emulation import EmulatedDeviceTime
 from rrfp.testing.worlds import run_local_world
 
@@ -56,12 +56,12 @@ KINDS = ("leader", "leader@before", "agree")
 
 
 def _coordination_at(commit: str) -> types.ModuleType:
-    """``rrfp/coordination.py`` as it was at ``commit``, as a module of its own."""
-    source = subprocess.run(["git", "show", f"{commit}:rrfp/coordination.py"], check=True,
+    """``rrfp/comm/coordination.py`` as it was at ``commit``, as a module of its own."""
+    source = subprocess.run(["git", "show", f"{commit}:rrfp/comm/coordination.py"], check=True,
                             capture_output=True, text=True,
                             cwd=os.path.dirname(os.path.abspath(__file__))).stdout
     module = types.ModuleType(f"rrfp_coordination_{commit}")
-    exec(compile(source, f"{commit}:rrfp/coordination.py", "exec"), module.__dict__)
+    exec(compile(source, f"{commit}:rrfp/comm/coordination.py", "exec"), module.__dict__)
     return module
 
 
@@ -171,7 +171,7 @@ def _per_step(rank: int, world_size: int, parallel: str, commit: str) -> dict:
     for step in range(STEPS + 1):
         for name, (st, schedule) in runs.items():
             # The code before built its coordinator over the user's group at each step.
-            rrfp.runtime.make_coordinator = (
+            rrfp.runtime.pipeline.make_coordinator = (
                 (lambda kind, _twin, timeout: before.make_coordinator(kind, group, timeout))
                 if name.endswith("@before") else make_coordinator)
             dist.barrier()

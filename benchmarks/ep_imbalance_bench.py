@@ -41,8 +41,8 @@ from torch.distributed._functional_collectives import all_to_all_single_autograd
 
 from benchmarks.pages import result_path, write_page
 from rrfp import ScheduleRRFP, write_chrome_trace
-from rrfp.device import EmulatedDevice
-from rrfp.hints import build_hint
+from rrfp.core.hints import build_hint
+from rrfp.devices.device import EmulatedDevice
 from rrfp.sim.replay import resample, timing_from_trace
 from rrfp.sim.study import compare
 from rrfp.testing.worlds import run_local_world

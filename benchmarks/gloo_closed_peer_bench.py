@@ -2,7 +2,7 @@
 
     python -m benchmarks.gloo_closed_peer_bench   # writes results/gloo_closed_peer.md (~1 min)
 
-Two processes and a fresh 2-rank gloo group per trial (``rrfp.channels.make_channel_group``).
+Two processes and a fresh 2-rank gloo group per trial (``rrfp.comm.channels.make_channel_group``).
 The consumer posts ``RECEIVES`` receives and the producer sends one small message every
 ``SPACING_S`` until a send raises or all are sent; ``CLOSE_AFTER_S`` into the sending the
 consumer breaks the group as rrfp aborts a gloo channel (``break_gloo_group``), and so does
@@ -25,7 +25,7 @@ import torch
 import torch.distributed as dist
 
 from benchmarks.pages import write_page
-from rrfp.channels import break_gloo_group, make_channel_group
+from rrfp.comm.channels import break_gloo_group, make_channel_group
 from rrfp.testing.worlds import run_local_world
 
 RECEIVES = 3000

@@ -41,7 +41,7 @@ communicator, serialized, while RRFP uses one communicator per channel, which wo
 RRFP (``--device-id`` runs that variant, saying so).
 
 **Transport** (``--multi`` on >= 2 GPUs over NCCL; ``--dry-run`` on 2 CPU processes over
-gloo, the same code), pipeline ranks 0 and 1, channel by channel (``rrfp.transport``):
+gloo, the same code), pipeline ranks 0 and 1, channel by channel (``rrfp.comm.transport``):
 
 4. many channels at once: the channels of an Interleaved1F1B hint with 4 stages per rank,
    one message on each, all posted before any is sent;
@@ -78,7 +78,7 @@ from torch.distributed.pipelining._utils import generate_stage_to_rank_mapping
 from torch.distributed.pipelining.schedules import get_schedule_class, PipelineScheduleSingle
 
 from rrfp import ScheduleRRFP
-from rrfp.device import EmulatedDevice
+from rrfp.devices.device import EmulatedDevice
 from rrfp.testing.emulation import EmulatedDeviceTime
 
 STAGES = 4
@@ -499,12 +499,13 @@ def transport_checks(rank: int, world: int, device: torch.device) -> bool:
     """Checks 4-7 (see the module docstring) between pipeline ranks 0 and 1; the other
     ranks only take part in creating the channels. Prints from rank 1; returns whether
     they passed (the same on every rank)."""
-    from rrfp.device import EmulatedDevice, Wakeup
-    from rrfp.hints import build_hint
-    from rrfp.channels import create_channels
-    from rrfp.errors import PeerFailedError
-    from rrfp.platform import platform_for, ReceiveStreams
-    from rrfp.transport import Transport
+    from rrfp.devices.device import EmulatedDevice
+    from rrfp.core.wakeup import Wakeup
+    from rrfp.core.hints import build_hint
+    from rrfp.comm.channels import create_channels
+    from rrfp.core.errors import PeerFailedError
+    from rrfp.devices.platform import platform_for, ReceiveStreams
+    from rrfp.comm.transport import Transport
 
     cuda = device.type == "cuda"
     per_ms = cycles_per_ms() if cuda else 1.0
@@ -584,7 +585,7 @@ def transport_checks(rank: int, world: int, device: torch.device) -> bool:
                 if cuda:
                     _spin(device, kernel, per_ms)
                 else:
-                    from rrfp.actions import _Action, F
+                    from rrfp.core.actions import _Action, F
                     device_thread.launch(_Action(1, F, 0), lambda: time.sleep(kernel))
                 transport.post_receive(edge, 0, [buffer])
                 (at,) = _await(transport, edge, 1)

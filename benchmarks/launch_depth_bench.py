@@ -16,7 +16,7 @@ schedule on the same device and launch cost:
 with an emulated launch cost of 0, 5% and 20% of a forward.
 
 Runtime part (**measured**, emulated asynchronous device): ``ScheduleRRFP`` on
-``rrfp.device.EmulatedDevice`` on gloo, stage compute is emulated device time
+``rrfp.devices.device.EmulatedDevice`` on gloo, stage compute is emulated device time
 (``EmulatedDeviceTime``: the workload model's durations, 10 ms per mean forward, around a
 tiny MLP). The fixed schedule is ``ScheduleRRFP(policy="fixed")`` on the same device with
 no depth bound (a fixed order needs no decisions, so its CPU runs ahead as torch's
@@ -42,8 +42,8 @@ from torch.distributed.pipelining._utils import generate_stage_to_rank_mapping
 
 from benchmarks.pages import write_page
 from rrfp import ScheduleRRFP
-from rrfp.device import EmulatedDevice
-from rrfp.hints import build_hint
+from rrfp.core.hints import build_hint
+from rrfp.devices.device import EmulatedDevice
 from rrfp.sim.study import compare
 from rrfp.sim.workloads import make_timing, Timing
 from rrfp.testing.ab import in_alternating_order

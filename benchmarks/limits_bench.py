@@ -25,7 +25,7 @@ import time
 from multiprocessing import Pool
 
 from benchmarks.pages import write_page
-from rrfp.hints import build_hint
+from rrfp.core.hints import build_hint
 from rrfp.sim.study import compare
 from rrfp.sim.workloads import SIZE_WORKLOADS, WORKLOADS
 

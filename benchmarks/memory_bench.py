@@ -8,7 +8,7 @@ microbatch holds 64 KiB of activations per stage. **Receive buffers**: torch's s
 allocate one per microbatch for every input and gradient they receive (counted from the
 stages after a step); ScheduleRRFP keeps a ring per incoming channel
 (``StepStats.receive_buffer_bytes``). **Activations**: bytes of saved tensors alive at once,
-measured on the tensors (``rrfp.memory.ActivationMeter``: around torch's stage modules,
+measured on the tensors (``rrfp.runtime.meter.ActivationMeter``: around torch's stage modules,
 inside ScheduleRRFP for RRFP), the most over two steps, per rank. **What the meter costs**
 (one process, one thread): forwards of a chain of Linear + Tanh blocks with 16 microbatches
 in flight, then their backwards, with plain autograd and under the meter (sampled after each
@@ -29,7 +29,7 @@ from torch.distributed.pipelining.schedules import get_schedule_class, PipelineS
 
 from benchmarks.pages import write_page
 from rrfp import ScheduleRRFP
-from rrfp.memory import ActivationMeter, MeteredModule
+from rrfp.runtime.meter import ActivationMeter, MeteredModule
 from rrfp.testing.worlds import run_local_world
 
 DIM, ROWS = 256, 32

@@ -25,7 +25,7 @@ import time
 from multiprocessing import Pool
 
 from benchmarks.pages import result_path, write_page
-from rrfp.hints import build_hint
+from rrfp.core.hints import build_hint
 from rrfp.sim.engine import simulate
 from rrfp.sim.plot import LimitSeries, plot_speedup_and_memory
 from rrfp.sim.study import compare

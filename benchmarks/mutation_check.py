@@ -42,21 +42,21 @@ class Mutation:
 MUTATIONS = [
     Mutation(
         "hint_as_hint+2", "buffer_limit='hint' holds no more than the hint, per stage and rank",
-        "rrfp/limit_plan.py",
+        "rrfp/runtime/limit_plan.py",
         "first_step_limits(self.setting, hint,",
         "first_step_limits(\"hint+2\" if self.setting.spec == \"hint\" else self.setting, hint,",
         ("tests/test_memory_limits.py::test_measured_activation_bytes_stay_within_what_the_limit_"
          "allows",)),
     Mutation(
         "rings_at_microbatch_count", "receive buffers grow with the limit, not the microbatches",
-        "rrfp/receives.py",
+        "rrfp/comm/receives.py",
         "size = limits[edge.dst] + 1 if edge.is_forward else limits[edge.dst]",
         "size = len(order)",
         ("tests/test_memory_limits.py::test_receive_buffers_grow_with_the_limit_not_the_"
          "microbatch_count",)),
     Mutation(
         "launch_depth_check_removed", "the rank decides when fewer than launch_depth actions "
-        "are incomplete", "rrfp/loop.py",
+        "are incomplete", "rrfp/core/loop.py",
         "free = not arbiter.finished and device.outstanding < self.launch_depth",
         "free = not arbiter.finished",
         ("tests/test_device.py",
@@ -65,7 +65,7 @@ MUTATIONS = [
          "|1F1B-vs-1F1B or BFW-vs-ZBV")),
     Mutation(
         "policy_is_fixed_order", "readiness-first reorders, and stays bitwise the fixed schedule",
-        "rrfp/runtime.py",
+        "rrfp/runtime/pipeline.py",
         "make_policy(self.limits.policy, history=self.history, clock=clock)",
         "make_policy(\"fixed\", history=self.history, clock=clock)",
         ("tests/test_runtime.py::test_bitwise_equal_to_torch_schedule_with_and_without_delays",
@@ -77,12 +77,12 @@ MUTATIONS = [
          "tests/test_variable_shapes.py::test_microbatches_of_different_shapes")),
     Mutation(
         "arbiter_held_off_by_one", "the simulator keeps every rank within its memory limit "
-        "(the arbiter's rank count one low)", "rrfp/arbiter.py",
+        "(the arbiter's rank count one low)", "rrfp/core/arbiter.py",
         "        self.held = 0\n", "        self.held = -1\n",
         ("tests/test_arbiter.py::test_no_deadlock_and_memory_bound_under_random_timings",)),
     Mutation(
         "arbiter_stage_held_off_by_one", "the simulator keeps every stage within its memory "
-        "limit (the arbiter's stage counts one low)", "rrfp/arbiter.py",
+        "limit (the arbiter's stage counts one low)", "rrfp/core/arbiter.py",
         "self.in_flight = {s: 0 for s in local}", "self.in_flight = {s: -1 for s in local}",
         ("tests/test_arbiter.py::test_no_deadlock_and_memory_bound_under_random_timings",)),
     Mutation(
@@ -93,31 +93,31 @@ MUTATIONS = [
         ("tests/test_arbiter.py::test_no_deadlock_and_memory_bound_under_random_timings",)),
     Mutation(
         "header_of_88_bytes", "a variable-shape header is 80 bytes for one tensor",
-        "rrfp/receives.py", "HEADER_DIMS = 8\n", "HEADER_DIMS = 9\n",
+        "rrfp/comm/receives.py", "HEADER_DIMS = 8\n", "HEADER_DIMS = 9\n",
         ("tests/test_variable_shapes.py::test_fixed_shapes_send_no_header_and_variable_shapes_"
          "one_per_activation",)),
     Mutation(
         "bytes_sent_counts_elements", "the stats count the bytes sent",
-        "rrfp/transport.py", "self._bytes_sent += sum(t.nbytes for t in tensors)",
+        "rrfp/comm/transport.py", "self._bytes_sent += sum(t.nbytes for t in tensors)",
         "self._bytes_sent += sum(t.numel() for t in tensors)",
         ("tests/test_variable_shapes.py::test_fixed_shapes_send_no_header_and_variable_shapes_"
          "one_per_activation",)),
     Mutation(
         "ddp_one_bucket", "DDP gradients are reduced in buckets of at most bucket_bytes_cap",
-        "rrfp/data_parallel.py",
+        "rrfp/runtime/data_parallel.py",
         "for bucket in gradient_buckets([p.grad for p in params], module.bucket_bytes_cap):",
         "for bucket in [[p.grad for p in params]]:",
         ("tests/test_composability.py::test_ddp_reduces_in_buckets_no_larger_than_its_bucket_cap",
          "tests/test_composability.py::test_ddp_gradients_are_reduced_in_buckets_of_at_most_the_cap")),
     Mutation(
         "fsdp_reshards_after_forward", "FSDP modules stay unsharded for the whole step",
-        "rrfp/data_parallel.py", "module.set_reshard_after_forward(False, recurse=False)",
+        "rrfp/runtime/data_parallel.py", "module.set_reshard_after_forward(False, recurse=False)",
         "module.set_reshard_after_forward(True, recurse=False)",
         ("tests/test_composability.py::test_fsdp_unshards_for_the_whole_step_and_reduce_scatters_"
          "at_reduce_grad_in_stage_order",)),
     Mutation(
         "fsdp_no_unshard_at_step_start", "FSDP modules are unsharded at step start, in stage "
-        "order", "rrfp/data_parallel.py",
+        "order", "rrfp/runtime/data_parallel.py",
         "handles = [module.unshard(async_op=True) for module in fsdp_modules]",
         "handles = []",
         ("tests/test_composability.py::test_fsdp_unshards_for_the_whole_step_and_reduce_scatters_"
@@ -125,31 +125,31 @@ MUTATIONS = [
     Mutation(
         "abort_while_the_peer_sends", "a failed rank aborts its gloo channels only once the "
         "peers of its channels said they stopped sending",
-        "rrfp/transport.py", "        if failed:\n            self._stop_sending()\n",
+        "rrfp/comm/transport.py", "        if failed:\n            self._stop_sending()\n",
         "",
         ("tests/test_step_failures.py::test_no_rank_breaks_a_gloo_channel_its_peer_still_"
          "sends_on",)),
     Mutation(
         "a_wait_span_per_poll", "the step loop records one wait span per idle stretch, not one "
         "per poll of a polled source",
-        "rrfp/loop.py", "            extends_wait = True\n", "",
+        "rrfp/core/loop.py", "            extends_wait = True\n", "",
         ("tests/test_device.py::test_a_polled_loop_records_one_wait_per_idle_stretch_not_one_"
          "per_poll",)),
     Mutation(
         "gloo_send_kept", "a sent tensor is let go once its send completes (gloo and NCCL)",
-        "rrfp/transport.py", "        data = [t.detach() for t in tensors]\n",
+        "rrfp/comm/transport.py", "        data = [t.detach() for t in tensors]\n",
         "        data = [t.detach() for t in tensors]\n"
         "        self.__dict__.setdefault(\"kept\", []).extend(data)\n",
         ("tests/test_memory.py",)),
     Mutation(
         "dtensor_variable_shapes_accepted", "variable_shapes refuses DTensor activations",
-        "rrfp/receives.py",
+        "rrfp/comm/receives.py",
         "if isinstance(getattr(info, \"tensor_meta\", None), _DTensorMeta):",
         "if False:",
         ("tests/test_composability.py::test_variable_shapes_refuse_dtensor_activations",)),
     Mutation(
         "torchtitan_grads_scaled_slightly", "RRFP in torchtitan logs the fixed schedule's "
-        "losses (a gradient off by one part in 10^7)", "rrfp/schedule.py",
+        "losses (a gradient off by one part in 10^7)", "rrfp/runtime/schedule.py",
         "self._n_microbatches if self.scale_grads else 1)",
         "self._n_microbatches if self.scale_grads else 1.0000001)",
         ("tests/test_torchtitan.py::test_rrfp_trains_exactly_as_the_fixed_schedule"
@@ -162,7 +162,7 @@ MUTATIONS = [
         ("tests/test_advise.py::test_the_run_is_replayed_exactly_and_each_setting_predicted",)),
     Mutation(
         "trace_without_step_metadata", "traces carry what the advisor needs of each step",
-        "rrfp/stats.py", "{\"ph\": \"M\", \"name\": STEP_METADATA,",
+        "rrfp/core/stats.py", "{\"ph\": \"M\", \"name\": STEP_METADATA,",
         "{\"ph\": \"M\", \"name\": \"step\",",
         ("tests/test_advise.py::test_the_run_is_replayed_exactly_and_each_setting_predicted",)),
     Mutation(
@@ -198,14 +198,14 @@ MUTATIONS = [
         ("tests/test_advise.py::test_the_ab_pairs_each_fixed_step_with_its_neighbours",)),
     Mutation(
         "fixed_every_ignored", "the in-run A/B runs every k-th step in the fixed order",
-        "rrfp/runtime.py", "fixed = training and self.fixed_every > 0 and (",
+        "rrfp/runtime/pipeline.py", "fixed = training and self.fixed_every > 0 and (",
         "fixed = False and self.fixed_every > 0 and (",
         ("tests/test_advise.py::test_in_run_ab_measures_what_the_advisor_predicts_and_stays_"
          "bitwise",
          "tests/test_torchtitan.py::test_rrfp_trains_exactly_as_the_fixed_schedule|in-run-ab")),
     Mutation(
         "fixed_steps_bounded_launch", "the A/B's fixed steps launch without bound, as torch's",
-        "rrfp/runtime.py", "launch_depth=math.inf if fixed else self.launch_depth,",
+        "rrfp/runtime/pipeline.py", "launch_depth=math.inf if fixed else self.launch_depth,",
         "launch_depth=self.launch_depth,",
         ("tests/test_advise.py::test_in_run_ab_measures_what_the_advisor_predicts_and_stays_"
          "bitwise",)),
@@ -215,7 +215,7 @@ MUTATIONS = [
         ("tests/test_torchtitan.py::test_main_job_trains_on_cpu_and_logs_rrfp_stats",)),
     Mutation(
         "critical_ignores_sizes", "critical costs each action by the duration its "
-        "microbatch's size predicts, on every stage", "rrfp/policy.py",
+        "microbatch's size predicts, on every stage", "rrfp/core/policy.py",
         "    if history is None or not history.sizes_tell_apart:", "    if True:",
         ("tests/test_sizes.py::test_critical_ranks_by_the_sizes_of_the_step_on_every_stage",
          "tests/test_sizes.py::test_knowing_sizes_gains_where_costs_follow_them")),
@@ -227,26 +227,26 @@ MUTATIONS = [
          "earlier_steps_only",)),
     Mutation(
         "packed_sizes_change_decisions", "a step whose sizes are all alike is decided as "
-        "without sizes", "rrfp/history.py",
+        "without sizes", "rrfp/core/history.py",
         "self._sizes_tell_apart = tell_apart(sizes)",
         "self._sizes_tell_apart = sizes is not None",
         ("tests/test_sizes.py::test_without_sizes_that_tell_microbatches_apart_decisions_are_"
          "as_without_sizes",)),
     Mutation(
         "runtime_fits_not_shared", "every rank costs every stage from the fits the ranks "
-        "share through the store (runtime)", "rrfp/runtime.py",
+        "share through the store (runtime)", "rrfp/runtime/pipeline.py",
         "            self.history.models.adopt(self.fit_sharing.latest())", "            pass",
         ("tests/test_sizes_runtime.py::test_sized_steps_share_fits_predict_by_size_and_"
          "keep_torchs_gradients",)),
     Mutation(
         "mb_sizes_length_unchecked", "sizes of the wrong length raise ValueError before the "
-        "step communicates", "rrfp/sizes.py",
+        "step communicates", "rrfp/core/sizes.py",
         "    if len(given) != n_microbatches:", "    if False:",
         ("tests/test_sizes_runtime.py::test_bad_sizes_raise_value_error_on_every_rank_before_"
          "any_communication",)),
     Mutation(
         "size_error_relative_to_prediction", "the stats' size prediction error is relative to "
-        "the measured duration", "rrfp/history.py",
+        "the measured duration", "rrfp/core/history.py",
         "append(abs(predicted - seconds) / seconds)",
         "append(abs(predicted - seconds) / predicted)",
         ("tests/test_sizes.py::test_the_prediction_error_is_per_stage_the_median_relative_"

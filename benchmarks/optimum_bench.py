@@ -44,8 +44,8 @@ import time
 from collections.abc import Mapping, Sequence
 
 from benchmarks.pages import result_path, write_page
-from rrfp.limits import resolve_buffer_limits
-from rrfp.hints import build_hint
+from rrfp.core.hints import build_hint
+from rrfp.core.limits import resolve_buffer_limits
 from rrfp.sim.foresight import FORESIGHT_CRITICAL, INFORMED_CRITICAL
 from rrfp.sim.optimum import optimum
 from rrfp.sim.study import compare
@@ -152,7 +152,7 @@ def render(rows: dict, seeds: Sequence[int], workloads: Sequence[str], limits: S
             "**Sizes known**: every policy's ranks are told each step's microbatch sizes "
             "(`Timing.sizes`: tokens, sum of squared document lengths, images; never the "
             "durations) and predict durations from them by what the two earlier steps "
-            "measured (`rrfp.sizes`); workloads without sizes run as without. "
+            "measured (`rrfp.core.sizes`); workloads without sizes run as without. "
             f"*{UNSIZED_DEFAULT}*: the default not told them.", ""]
         columns.insert(1, UNSIZED_DEFAULT)
     for limit in limits:

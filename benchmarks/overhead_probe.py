@@ -53,7 +53,7 @@ def install() -> None:
     directory = os.environ.get("RRFP_PROBE_DIR")
     if not directory:
         return
-    from rrfp.loop import StepLoop
+    from rrfp.core.loop import StepLoop
     totals = _Totals(directory)
     StepLoop._take_events = totals.timed(StepLoop._take_events)
     StepLoop._choose = totals.timed(StepLoop._choose)

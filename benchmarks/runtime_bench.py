@@ -3,7 +3,7 @@
     python -m benchmarks.runtime_bench            # PP=4 and PP=8, writes results/runtime.md
 
 Stage compute is **emulated device time** on the **emulated asynchronous device**
-(``rrfp.device.EmulatedDevice``): each forward/backward sleeps for the duration the
+(``rrfp.devices.device.EmulatedDevice``): each forward/backward sleeps for the duration the
 workload model (rrfp/sim/workloads.py) draws, 10 ms per mean forward, on the device's
 thread; the model itself is a tiny MLP. The baseline is the fixed schedule on the same
 device and transport: ``ScheduleRRFP(policy="fixed", launch_depth=None)`` (the hint's
@@ -27,8 +27,8 @@ from torch.distributed.pipelining import PipelineStage
 
 from benchmarks.pages import result_path, write_page
 from rrfp import ScheduleRRFP
-from rrfp.device import EmulatedDevice
-from rrfp.hints import build_hint
+from rrfp.core.hints import build_hint
+from rrfp.devices.device import EmulatedDevice
 from rrfp.sim.study import compare
 from rrfp.sim.workloads import make_timing, Timing
 from rrfp.testing.emulation import EmulatedDeviceTime

@@ -13,7 +13,7 @@ import time
 from multiprocessing import Pool
 
 from benchmarks.pages import result_path, write_page
-from rrfp.hints import build_hint
+from rrfp.core.hints import build_hint
 from rrfp.sim.plot import plot_timelines, plot_tradeoff
 from rrfp.sim.study import compare, SWEEP_LIMITS
 from rrfp.sim.workloads import WORKLOADS

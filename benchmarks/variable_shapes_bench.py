@@ -50,10 +50,10 @@ from torchtitan.components.loss import IGNORE_INDEX
 
 from benchmarks.pages import write_page
 from rrfp import ScheduleRRFP
-from rrfp.limits import resolve_buffer_limits
-from rrfp.hints import build_hint
-from rrfp.memory import ActivationMeter, MeteredModule
-from rrfp.receives import HEADER_DIMS, shape_header
+from rrfp.comm.receives import HEADER_DIMS, shape_header
+from rrfp.core.hints import build_hint
+from rrfp.core.limits import resolve_buffer_limits
+from rrfp.runtime.meter import ActivationMeter, MeteredModule
 from rrfp.sim.engine import simulate
 from rrfp.sim.workloads import Timing
 from rrfp.testing.ab import in_alternating_order

@@ -4,10 +4,10 @@ from rrfp._torch_compat import check_supported
 
 check_supported()
 
-from rrfp.errors import PeerFailedError, PipelineStallError  # noqa: E402
-from rrfp.hints import build_hint, Hint, HINT_NAMES  # noqa: E402
-from rrfp.schedule import ScheduleRRFP  # noqa: E402
-from rrfp.stats import merge_chrome_traces, StepStats, write_chrome_trace  # noqa: E402
+from rrfp.core.errors import PeerFailedError, PipelineStallError  # noqa: E402
+from rrfp.core.hints import build_hint, Hint, HINT_NAMES  # noqa: E402
+from rrfp.runtime.schedule import ScheduleRRFP  # noqa: E402
+from rrfp.core.stats import merge_chrome_traces, StepStats, write_chrome_trace  # noqa: E402
 
 __all__ = [
     "build_hint",

@@ -22,8 +22,8 @@ from torch.distributed.pipelining._utils import generate_stage_to_rank_mapping
 from torch.distributed.pipelining.schedules import get_schedule_class, PipelineScheduleSingle
 
 from rrfp import ScheduleRRFP, write_chrome_trace
-from rrfp.hints import build_hint, infer_layout, rule_reference
-from rrfp.settings import BUFFER_LIMIT_HELP
+from rrfp.core.hints import build_hint, infer_layout, rule_reference
+from rrfp.core.settings import BUFFER_LIMIT_HELP
 from rrfp.testing.emulation import EmulatedDeviceTime
 from rrfp.testing.worlds import run_local_world
 

@@ -19,13 +19,13 @@ from rrfp import ScheduleRRFP
 from rrfp.advise import ab_speedups, advise, read_run, run_from_trace_events
 from rrfp.advise.__main__ import main
 from rrfp.advise.predict import Setting
-from rrfp.device import EmulatedDevice
-from rrfp.hints import build_hint, Hint
-from rrfp.limits import resolve_buffer_limits
-from rrfp.policy import default_policy
+from rrfp.core.hints import build_hint, Hint
+from rrfp.core.limits import resolve_buffer_limits
+from rrfp.core.policy import default_policy
+from rrfp.core.stats import StepStats, write_chrome_trace
+from rrfp.devices.device import EmulatedDevice
 from rrfp.sim.engine import simulate
 from rrfp.sim.workloads import make_timing, Timing
-from rrfp.stats import StepStats, write_chrome_trace
 from rrfp.testing.chains import (bitwise_equal, build_stages, loss_fn, make_batch, make_chain,
                                  run_steps, torch_schedule)
 from rrfp.testing.emulation import EmulatedDeviceTime

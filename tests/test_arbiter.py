@@ -7,11 +7,11 @@ import random
 
 import pytest
 
-from rrfp.actions import _Action, B, Edge, F, I, INPUT_GRAD_KINDS, W, WEIGHT_GRAD_KINDS
-from rrfp.arbiter import Arbiter, check_deadlock_free
-from rrfp.hints import build_hint, HINT_NAMES
-from rrfp.limits import MemoryLimits, resolve_buffer_limits
-from rrfp.policy import make_policy, POLICIES
+from rrfp.core.actions import _Action, B, Edge, F, I, INPUT_GRAD_KINDS, W, WEIGHT_GRAD_KINDS
+from rrfp.core.arbiter import Arbiter, check_deadlock_free
+from rrfp.core.hints import build_hint, HINT_NAMES
+from rrfp.core.limits import MemoryLimits, resolve_buffer_limits
+from rrfp.core.policy import make_policy, POLICIES
 from rrfp.sim.engine import simulate
 from rrfp.testing.probes import held_from_order
 from tests.test_hints import microbatches_of
@@ -184,7 +184,7 @@ def test_no_deadlock_and_memory_bound_under_random_timings(name):
 
 
 def test_the_log_says_what_the_limit_allows_and_where_the_gains_are():
-    from rrfp.limit_plan import GAINS_PAGE, limit_summary
+    from rrfp.runtime.limit_plan import GAINS_PAGE, limit_summary
 
     hint = build_hint("1F1B", num_ranks=4, num_stages=4, n_microbatches=8)
     for spec, says in (("hint", "allows no activation memory beyond the fixed schedule's (4 "
@@ -205,18 +205,18 @@ def test_policies_depend_on_the_arbiter_never_the_other_way():
     import ast
     import pathlib
 
-    root = pathlib.Path(__file__).resolve().parents[1] / "rrfp"
+    root = pathlib.Path(__file__).resolve().parents[1] / "rrfp" / "core"
     modules = ("settings", "hints", "arbiter", "graph", "policy")
 
     def imports(name: str) -> set[str]:
         tree = ast.parse((root / f"{name}.py").read_text())
         found = set()
         for node in ast.walk(tree):
-            if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("rrfp."):
-                found.add(node.module.split(".")[1])
+            if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("rrfp.core."):
+                found.add(node.module.split(".")[2])
             elif isinstance(node, ast.Import):
-                found.update(a.name.split(".")[1] for a in node.names
-                             if a.name.startswith("rrfp."))
+                found.update(a.name.split(".")[2] for a in node.names
+                             if a.name.startswith("rrfp.core."))
         return found & set(modules)
 
     graph = {m: imports(m) for m in modules}
@@ -250,6 +250,6 @@ def test_busiest_gives_every_rank_the_busiest_ranks_peak_and_no_more():
 ])
 def test_default_policy_leaves_lookahead_only_with_slack_on_every_rank(
         name, per_rank, limit, expected):
-    from rrfp.policy import default_policy
+    from rrfp.core.policy import default_policy
     hint = _hint(name, 8, per_rank, 32, layout="v" if name.endswith("V") else "loop")
     assert default_policy(hint, resolve_buffer_limits(limit, hint)) == expected

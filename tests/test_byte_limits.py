@@ -9,10 +9,10 @@ from types import SimpleNamespace
 import pytest
 
 from rrfp import ScheduleRRFP
-from rrfp.limits import fixed_peak_bytes, limits_within_bytes, resolve_buffer_limits
-from rrfp.hints import build_hint
-from rrfp.platform import free_device_bytes
-from rrfp.settings import parse_buffer_limit
+from rrfp.core.hints import build_hint
+from rrfp.core.limits import fixed_peak_bytes, limits_within_bytes, resolve_buffer_limits
+from rrfp.core.settings import parse_buffer_limit
+from rrfp.devices.platform import free_device_bytes
 from rrfp.testing.byte_limits_world import byte_limits_world, UNIT
 from rrfp.testing.chains import (bitwise_equal, build_stages, loss_fn, make_batch, make_chain,
                                  run_steps, torch_schedule)

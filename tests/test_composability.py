@@ -15,7 +15,7 @@ import torch.distributed as dist
 from torch.distributed.pipelining import PipelineStage
 
 from rrfp import ScheduleRRFP
-from rrfp.device import EmulatedDevice
+from rrfp.devices.device import EmulatedDevice
 from rrfp.testing.chains import (BATCH_PER_MICROBATCH, bitwise_equal, build_stages,
                                  coordinated_runs, DIM, local_stage_indices, loss_fn, make_batch,
                                  make_chain, MLPBlock, reference_steps, run_steps, torch_schedule)
@@ -194,10 +194,10 @@ def agree_when_policies_differ(rank: int, world_size: int) -> dict:
     """Two ranks of a coordination group whose policies rank the same two ready actions
     (pipeline rank 1 of 1F1B after its first forward: B0, and F1 whose input is here)
     oppositely: they must still settle on one action, the hint's next."""
-    from rrfp.arbiter import Arbiter
-    from rrfp.coordination import AgreeOnProposals
-    from rrfp.actions import Edge
-    from rrfp.hints import build_hint
+    from rrfp.core.arbiter import Arbiter
+    from rrfp.comm.coordination import AgreeOnProposals
+    from rrfp.core.actions import Edge
+    from rrfp.core.hints import build_hint
 
     class Opposite:
         name = "opposite"
@@ -374,7 +374,7 @@ def test_data_parallel_set_ups_rrfp_cannot_keep_in_lockstep_are_refused(case, ex
 
 
 def test_ddp_gradients_are_reduced_in_buckets_of_at_most_the_cap():
-    from rrfp.data_parallel import gradient_buckets
+    from rrfp.runtime.data_parallel import gradient_buckets
 
     grads = [torch.zeros(n) for n in (10, 20, 30, 100, 5, 5)]  # float32: 4 bytes each
     buckets = gradient_buckets(grads, cap_bytes=160)

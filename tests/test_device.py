@@ -13,13 +13,14 @@ import time
 import pytest
 import torch
 
-from rrfp.arbiter import Arbiter
-from rrfp.limits import resolve_buffer_limits
-from rrfp.device import CudaDevice, EmulatedDevice, HostDevice, Wakeup
-from rrfp.actions import _Action, F
-from rrfp.hints import build_hint
-from rrfp.loop import StepLoop
-from rrfp.policy import make_policy
+from rrfp.core.actions import _Action, F
+from rrfp.core.arbiter import Arbiter
+from rrfp.core.hints import build_hint
+from rrfp.core.limits import resolve_buffer_limits
+from rrfp.core.loop import StepLoop
+from rrfp.core.policy import make_policy
+from rrfp.core.wakeup import Wakeup
+from rrfp.devices.device import CudaDevice, EmulatedDevice, HostDevice
 
 NO_CUDA = "CudaDevice needs a CUDA device; torch.cuda.is_available() is False on this machine"
 
@@ -215,7 +216,7 @@ class _FakeCuda:
 def test_cuda_device_times_are_placed_on_the_host_timeline():
     """Spans, arrivals and waits share one clock: device event times are anchored at the
     host time the step-start event was seen complete, not at the device's own zero."""
-    from rrfp.device import CudaDevice
+    from rrfp.devices.device import CudaDevice
 
     clock = {"device": 99.0, "queued_until": 100.5}  # earlier work queued until t=100.5
     device = CudaDevice(torch.device("cuda", 0), cuda=_FakeCuda(clock))

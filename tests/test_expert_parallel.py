@@ -138,7 +138,7 @@ def expert_tensor_parallel_detected(rank: int, world_size: int) -> dict:
     and whether a group of the EP ranks alone, or of all four, covers them."""
     from torch.distributed.device_mesh import init_device_mesh
 
-    from rrfp.coordination import uncovered_sharded_parameter
+    from rrfp.comm.coordination import uncovered_sharded_parameter
 
     use_cpu_moe_paths()
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("ep", "etp"))

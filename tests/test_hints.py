@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 from torch.distributed.pipelining.schedules import _Action, ScheduleInterleaved1F1B
 
-from rrfp.actions import B, Edge, F, I, REDUCE_GRAD, W
-from rrfp.hints import build_hint, HINT_NAMES, _torch_1f1b_order
+from rrfp.core.actions import B, Edge, F, I, REDUCE_GRAD, W
+from rrfp.core.hints import build_hint, HINT_NAMES, _torch_1f1b_order
 
 FITTING = {  # hint -> (stages per rank, placement) it needs
     "1F1B": (1, "loop"), "GPipe": (1, "loop"), "Interleaved1F1B": (2, "loop"),

@@ -1,6 +1,6 @@
 """The whole job, not one pipeline: a failure reaches every rank of every pipeline and
 their replicas, a stall gets one report, and settings that differ between ranks are
-refused before any step (``rrfp.job``, ``rrfp.hang_report``). Worlds of 4 processes on
+refused before any step (``rrfp.failure.job``, ``rrfp.failure.hang_report``). Worlds of 4 processes on
 gloo, or on NCCL-like channels and groups (``rrfp.testing.nccl_like``,
 ``rrfp.testing.nccl_like_collectives``)."""
 
@@ -20,15 +20,16 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.pipelining import PipelineStage
 
 from rrfp import PipelineStallError, ScheduleRRFP
-from rrfp.device import EmulatedDevice
-from rrfp.hang_report import find_holder, HANG_REPORT_WAIT_S, report_text, SILENT, UNSENT
-from rrfp.job import agree_on_settings, JobScope
+from rrfp.comm.board import JobScope
+from rrfp.comm.transport import Transport
+from rrfp.devices.device import EmulatedDevice
+from rrfp.failure.hang_report import find_holder, HANG_REPORT_WAIT_S, report_text, SILENT, UNSENT
+from rrfp.failure.job import agree_on_settings
 from rrfp.testing import nccl_like_collectives
 from rrfp.testing.chains import loss_fn, make_batch, make_chain, MLPBlock, run_steps
 from rrfp.testing.nccl_like import use_channels
 from rrfp.testing.probes import error_chain, rrfp_threads
 from rrfp.testing.worlds import run_local_world
-from rrfp.transport import Transport
 
 M = 4
 COLLECTIVE_TIMEOUT = datetime.timedelta(seconds=300)
@@ -177,7 +178,7 @@ def _groups(rank: int, parallel: str, kind: str):
 def _say_when_reducing(key: str) -> None:
     """From now on, this rank's stages say ``key`` in the test store as they start their
     gradient reduction (a data-parallel collective)."""
-    from rrfp.data_parallel import DataParallel
+    from rrfp.runtime.data_parallel import DataParallel
 
     reduce = DataParallel.reduce
 

@@ -10,7 +10,7 @@ import weakref
 import pytest
 import torch
 
-from rrfp.memory import ActivationMeter
+from rrfp.runtime.meter import ActivationMeter
 
 FLOAT = 4
 ROWS, WIDTH = 64, 256
@@ -155,8 +155,8 @@ def test_a_graph_dropped_before_its_backward_frees_what_the_meter_saw_saved():
 def test_a_pending_send_keeps_the_data_it_sends_not_the_graph_behind_it():
     """Until a send completes its tensor's data must stay alive, but not the graph that
     made it: after a failed step NCCL sends are never waited for."""
-    from rrfp.actions import Edge
-    from rrfp.transport import _SendCompletion
+    from rrfp.core.actions import Edge
+    from rrfp.comm.transport import _SendCompletion
 
     class NotYetCompleted:
         def is_completed(self) -> bool:
@@ -196,8 +196,8 @@ def test_an_in_place_change_to_a_saved_tensor_fails_backward_as_without_the_mete
 def test_on_gloo_a_sent_tensor_is_let_go_once_its_send_completes():
     """gloo's path: a thread waits for the sends in issue order; until a send's wait
     returns its data stays alive, and then nothing keeps it."""
-    from rrfp.actions import Edge
-    from rrfp.transport import _SendCompletion
+    from rrfp.core.actions import Edge
+    from rrfp.comm.transport import _SendCompletion
 
     class Blocking:
         def __init__(self):

@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from rrfp import ScheduleRRFP
-from rrfp.device import EmulatedDevice
-from rrfp.hints import build_hint
+from rrfp.core.hints import build_hint
+from rrfp.devices.device import EmulatedDevice
 from rrfp.testing.chains import (BATCH_PER_MICROBATCH, bitwise_equal, build_stages, DIM,
                                  local_stage_indices, loss_fn, make_batch, make_chain, run_steps,
                                  torch_schedule)
@@ -50,19 +50,19 @@ MEMORY_PER_MICROBATCH = MEMORY_BATCH * MEMORY_DIM * 8
 
 
 class StageMeters:
-    """A byte meter per stage of one rank (``rrfp.memory.ActivationMeter``), and the
+    """A byte meter per stage of one rank (``rrfp.runtime.meter.ActivationMeter``), and the
     rank's peak: the most bytes its stages' meters hold together after any forward (when
     saved bytes peak: they only grow during forwards)."""
 
     def __init__(self) -> None:
-        from rrfp.memory import ActivationMeter
+        from rrfp.runtime.meter import ActivationMeter
 
         self.meters: dict[int, ActivationMeter] = {}
         self._parameters: dict[int, list[torch.Tensor]] = {}
         self.rank_peak = 0
 
     def wrap(self, stage: int, block: torch.nn.Module) -> torch.nn.Module:
-        from rrfp.memory import ActivationMeter
+        from rrfp.runtime.meter import ActivationMeter
 
         meter = self.meters[stage] = ActivationMeter()
         self._parameters[stage] = list(block.parameters())

@@ -13,10 +13,10 @@ def test_every_mutation_finds_its_target_text_once_and_its_tests():
 
 
 def test_a_target_that_is_gone_is_reported():
-    gone = Mutation("gone", "a feature", "rrfp/loop.py", "text that is not in the loop", "x", ())
+    gone = Mutation("gone", "a feature", "rrfp/core/loop.py", "text that is not in the loop", "x", ())
     moved = Mutation("moved", "a feature", "rrfp/no_such_module.py", "x", "y", ())
     assert target_problems([gone, moved]) == [
-        "gone: the text to mutate occurs 0 times in rrfp/loop.py (expected once)",
+        "gone: the text to mutate occurs 0 times in rrfp/core/loop.py (expected once)",
         "moved: rrfp/no_such_module.py does not exist"]
 
 

@@ -15,7 +15,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 STEP = """
 import json
-from rrfp.hints import build_hint
+from rrfp.core.hints import build_hint
 from rrfp.sim.engine import simulate
 hint = build_hint("1F1B", num_ranks=2, num_stages=2, n_microbatches=4)
 result = simulate(hint, lambda action: 1.0, policy="hint")

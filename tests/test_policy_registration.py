@@ -6,12 +6,12 @@ from collections.abc import Sequence
 
 import pytest
 
-from rrfp.arbiter import ArbiterView
-from rrfp.hints import build_hint
-from rrfp.limits import resolve_buffer_limits
-from rrfp.plan import Node
-from rrfp.policy import make_policy, register_policy
-from rrfp.settings import parse_policy, policy_names
+from rrfp.core.arbiter import ArbiterView
+from rrfp.core.hints import build_hint
+from rrfp.core.limits import resolve_buffer_limits
+from rrfp.core.plan import Node
+from rrfp.core.policy import make_policy, register_policy
+from rrfp.core.settings import parse_policy, policy_names
 from rrfp.sim.engine import simulate
 
 NAME = "Newest-First"

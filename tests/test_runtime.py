@@ -15,8 +15,8 @@ import torch.distributed as dist
 from torch.distributed.pipelining.schedules import ScheduleInterleavedZeroBubble
 
 from rrfp import ScheduleRRFP
-from rrfp.device import EmulatedDevice
-from rrfp.loop import DEFAULT_LAUNCH_DEPTH
+from rrfp.core.loop import DEFAULT_LAUNCH_DEPTH
+from rrfp.devices.device import EmulatedDevice
 from rrfp.testing.chains import (BATCH_PER_MICROBATCH, bitwise_equal, build_stages, DIM,
                                  local_stage_indices, loss_fn, make_batch, make_chain,
                                  reference_steps, run_steps, torch_schedule)

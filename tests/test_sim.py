@@ -7,9 +7,9 @@ import re
 
 import pytest
 
-from rrfp.limits import resolve_buffer_limits
-from rrfp.actions import F, REDUCE_GRAD
-from rrfp.hints import build_hint, HINT_NAMES
+from rrfp.core.actions import F, REDUCE_GRAD
+from rrfp.core.hints import build_hint, HINT_NAMES
+from rrfp.core.limits import resolve_buffer_limits
 from rrfp.sim.engine import simulate
 from rrfp.testing.stats import made_up_stats
 from tests.test_arbiter import FITTING
@@ -118,7 +118,7 @@ def test_widened_workloads_have_the_shape_they_name():
 def test_replay_file_round_trip_and_trace_conversion(tmp_path):
     from rrfp.sim.replay import timing_from_trace
     from rrfp.sim.workloads import make_timing, Timing
-    from rrfp.stats import merge_chrome_traces, Span, write_chrome_trace
+    from rrfp.core.stats import merge_chrome_traces, Span, write_chrome_trace
 
     timing = make_timing("latency", 2, 3, 0)
     timing.save(tmp_path / "t.json")
@@ -157,7 +157,7 @@ def test_replay_file_round_trip_and_trace_conversion(tmp_path):
 def test_resample_draws_whole_measured_cells_and_real_latencies(tmp_path):
     from rrfp.sim.replay import main as replay_main, resample
     from rrfp.sim.workloads import make_timing, Timing
-    from rrfp.stats import Span, write_chrome_trace
+    from rrfp.core.stats import Span, write_chrome_trace
 
     def measured_step(seed):  # jittered compute and random link latencies
         compute, links = make_timing("jitter", 2, 4, seed), make_timing("latency", 2, 4, seed)
@@ -200,7 +200,7 @@ def test_trace_links_each_send_to_its_receive_with_a_flow(tmp_path):
     Perfetto binds it there), in one trace of the ranks' steps."""
     import json
 
-    from rrfp.stats import MESSAGE_TRACK, Span, write_chrome_trace
+    from rrfp.core.stats import MESSAGE_TRACK, Span, write_chrome_trace
 
     # Two steps of two ranks, in one file: each step's messages have flows of their own.
     messages = {0: dict(sends=[(0, 1, 0, 0.2), (0, 1, 1, 0.3)], arrivals=[(1, 0, 0, 0.65)]),
@@ -519,7 +519,7 @@ def test_clairvoyant_yardstick_runs_a_backward_early_only_where_it_ends_before_t
     """At the hint's memory under latency spikes the simulator-only yardstick must deviate
     (lookahead's rule without foresight, on a first step, cannot), and each deviation must
     end before the postponed forward's input came, so it never loses."""
-    from rrfp.actions import Edge
+    from rrfp.core.actions import Edge
     from rrfp.sim.study import compare, timing_for
 
     hint = build_hint("1F1B", num_ranks=8, num_stages=8, n_microbatches=32)
@@ -594,7 +594,7 @@ def test_informed_yardstick_is_clairvoyant_without_latency_and_not_with_it(monke
 
 
 def test_history_durations_are_step_means_that_earlier_steps_temper():
-    from rrfp.policy import History
+    from rrfp.core.policy import History
 
     history = History()
     history.record_durations([(0, "F", 1.0), (0, "F", 1.0), (0, "F", 1.0), (0, "F", 3.0),
@@ -606,8 +606,8 @@ def test_history_durations_are_step_means_that_earlier_steps_temper():
 
 
 def test_critical_priorities_follow_measured_costs_and_keep_them_while_they_stay_close():
-    from rrfp.arbiter import Arbiter
-    from rrfp.policy import History, make_policy
+    from rrfp.core.arbiter import Arbiter
+    from rrfp.core.policy import History, make_policy
     hint = build_hint("1F1B", num_ranks=4, num_stages=4, n_microbatches=8)
     limits = resolve_buffer_limits("hint+2", hint)
     history = History()
@@ -643,8 +643,8 @@ def test_informed_critical_costs_the_chains_by_the_forwards_that_have_ended():
     """The yardstick re-costs its chains when a forward ends: that microbatch's actions on
     that stage cost the forward's duration times their kind's cost, all others the kind's
     cost, as critical's first step does."""
-    from rrfp.graph import step_graph
-    from rrfp.policy import DEFAULT_COSTS
+    from rrfp.core.graph import step_graph
+    from rrfp.core.policy import DEFAULT_COSTS
     from rrfp.sim.foresight import informed_chains
 
     hint = build_hint("1F1B", num_ranks=4, num_stages=4, n_microbatches=8)

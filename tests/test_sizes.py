@@ -9,9 +9,9 @@ import statistics
 
 import pytest
 
-from rrfp.hints import build_hint
-from rrfp.limits import resolve_buffer_limits
-from rrfp.sizes import DurationFit, DurationModels, fit_durations, MicrobatchSize
+from rrfp.core.hints import build_hint
+from rrfp.core.limits import resolve_buffer_limits
+from rrfp.core.sizes import DurationFit, DurationModels, fit_durations, MicrobatchSize
 
 # Sizes, fits and policies in the simulator: torch enters only through the hints (see
 # tests/test_sim.py).
@@ -68,7 +68,7 @@ def test_models_fit_a_window_of_recent_steps_and_keep_their_own_over_shared_fits
 
 
 def test_the_prediction_error_is_per_stage_the_median_relative_error_before_learning():
-    from rrfp.history import History
+    from rrfp.core.history import History
 
     history = History()
     sizes = [MicrobatchSize(tokens=t) for t in (1, 2, 4)]
@@ -97,8 +97,8 @@ def test_a_size_that_is_not_a_finite_non_negative_number_is_refused(bad):
 
 
 def test_lookahead_expects_the_duration_a_microbatch_size_predicts():
-    from rrfp.arbiter import Arbiter
-    from rrfp.policy import History, Lookahead
+    from rrfp.core.arbiter import Arbiter
+    from rrfp.core.policy import History, Lookahead
 
     hint = build_hint("1F1B", num_ranks=2, num_stages=2, n_microbatches=4)
     history = History()
@@ -119,8 +119,8 @@ def test_critical_ranks_by_the_sizes_of_the_step_on_every_stage():
     the other ranks shared). With the big microbatch last, B(0, 0) leads: the backwards
     free the memory microbatch 7's forward waits for, and its chain is the longest; with
     the big microbatch first (whose own backward is B(0, 0)), F(0, 5)'s chain is longer."""
-    from rrfp.arbiter import Arbiter
-    from rrfp.policy import History, make_policy
+    from rrfp.core.arbiter import Arbiter
+    from rrfp.core.policy import History, make_policy
 
     hint = build_hint("1F1B", num_ranks=4, num_stages=4, n_microbatches=8)
     limits = resolve_buffer_limits("hint+2", hint)
@@ -146,8 +146,8 @@ def test_critical_costs_an_action_halfway_from_its_stage_mean_to_its_size_predic
     """Stage 0's forwards take twice stage 1's, each in proportion to tokens (1..8, mean
     4.5): an action costs, in mean forwards of the stages, SIZE_WEIGHT of the way from its
     stage and kind's mean to its size's prediction."""
-    from rrfp.policy import _predicted_costs, History, SIZE_WEIGHT
-    from rrfp.actions import _Action, F
+    from rrfp.core.policy import _predicted_costs, History, SIZE_WEIGHT
+    from rrfp.core.actions import _Action, F
 
     hint = build_hint("1F1B", num_ranks=2, num_stages=2, n_microbatches=8)
     sizes = [MicrobatchSize(tokens=t) for t in range(1, 9)]
@@ -169,8 +169,8 @@ def test_the_simulated_policy_is_told_sizes_and_predicts_from_earlier_steps_only
     """Every rank predicts every stage's durations from the step's sizes and the fits of
     earlier steps (its own stages' and those the other ranks shared); never from the
     durations of the step it is deciding."""
-    from rrfp.policy import HintOrder, register_policy
-    from rrfp.settings import policy_names
+    from rrfp.core.policy import HintOrder, register_policy
+    from rrfp.core.settings import policy_names
     from rrfp.sim.engine import simulate
     from rrfp.sim.workloads import make_timing
 

@@ -7,8 +7,8 @@ from __future__ import annotations
 import math
 
 from rrfp import ScheduleRRFP
-from rrfp.fit_sharing import decode_fits, encode_fits
-from rrfp.sizes import DurationFit
+from rrfp.comm.fit_sharing import decode_fits, encode_fits
+from rrfp.core.sizes import DurationFit
 from rrfp.testing.chains import build_stages, loss_fn, make_batch, make_chain
 from rrfp.testing.sized_world import BACKWARD_PER_FORWARD, sized_steps, TOKENS
 from rrfp.testing.worlds import run_local_world

@@ -13,7 +13,7 @@ import torch.distributed as dist
 
 from rrfp import PipelineStallError, ScheduleRRFP
 from rrfp._torch_compat import forward_states_held
-from rrfp.device import EmulatedDevice
+from rrfp.devices.device import EmulatedDevice
 from rrfp.testing.chains import (bitwise_equal, build_stages, local_stage_indices, loss_fn,
                                  make_batch, make_chain, run_steps, torch_schedule)
 from rrfp.testing.emulation import EmulatedDeviceTime
@@ -234,7 +234,7 @@ def failure_reaches_every_rank(rank: int, world_size: int, kind: str, how: str) 
     an error, on gloo the send call raises). Channels: ``kind`` (``use_channels``). Every
     rank records what it raised and when; then each builds a new schedule in the same
     process, whose step must be bitwise torch's GPipe."""
-    from rrfp.channels import Channel
+    from rrfp.comm.channels import Channel
 
     M = 6
     failing = {"forward": 0, "loss": world_size - 1, "send": 1}[how]
@@ -384,14 +384,14 @@ def sends_and_breaks_around_a_failure(rank: int, world_size: int) -> dict:
     runs a 1.2 s forward (microbatch 2), so its sender thread issues microbatch 1's
     activation after rank 1's failure. Each rank records when it issued each send and
     when it broke each gloo channel (``time.time()``)."""
-    import rrfp.channels
-    from rrfp.channels import Channel
+    import rrfp.comm.channels
+    from rrfp.comm.channels import Channel
 
     M = 4
     chain = make_chain(world_size)
     x, y = make_batch(M)
     events: list[tuple[str, float, int, int]] = []
-    real_send, real_break = Channel.send, rrfp.channels.break_gloo_group
+    real_send, real_break = Channel.send, rrfp.comm.channels.break_gloo_group
 
     def send(self, tensor):
         if tensor.numel() > 1:  # not the connection's token
@@ -409,11 +409,11 @@ def sends_and_breaks_around_a_failure(rank: int, world_size: int) -> dict:
                             send_delay=lambda edge, mb: {0: 0.2, 1: 0.9}.get(mb, 0.0))
     run_steps(schedule, stages, blocks, x, y, 1)
     failing_loss.armed, failing_loss.calls = rank == 1, 0
-    Channel.send, rrfp.channels.break_gloo_group = send, break_group
+    Channel.send, rrfp.comm.channels.break_gloo_group = send, break_group
     try:
         error, elapsed = armed_step(schedule, stages, blocks, x, y)
     finally:
-        Channel.send, rrfp.channels.break_gloo_group = real_send, real_break
+        Channel.send, rrfp.comm.channels.break_gloo_group = real_send, real_break
     return {"error": error, "elapsed": elapsed, "events": events,
             "threads": rrfp_threads()}
 

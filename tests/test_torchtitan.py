@@ -24,9 +24,9 @@ import torchtitan  # noqa: F401
 
 from torchtitan_ext.common.log_ranks import log_ranks, print_only_on, warn_if_loss_hidden  # noqa: E402
 from rrfp import ScheduleRRFP  # noqa: E402
-from rrfp.hints import HINT_NAMES  # noqa: E402
-from rrfp.settings import BufferLimit, parse_buffer_limit  # noqa: E402
-from rrfp.stats import StepStats  # noqa: E402
+from rrfp.core.hints import HINT_NAMES  # noqa: E402
+from rrfp.core.settings import BufferLimit, parse_buffer_limit  # noqa: E402
+from rrfp.core.stats import StepStats  # noqa: E402
 from rrfp.testing.chains import build_stages, loss_fn, make_chain  # noqa: E402
 from rrfp.testing.stats import made_up_stats  # noqa: E402
 from rrfp.testing.worlds import run_local_world  # noqa: E402
@@ -261,7 +261,7 @@ def test_every_rrfp_setting_is_checked_before_anything_is_built():
     checks ScheduleRRFP makes of its device: 'auto' reads a CUDA device's free memory."""
     import dataclasses
 
-    from rrfp.hints import build_hint
+    from rrfp.core.hints import build_hint
     from torchtitan_ext.config import RRFP
     from torchtitan_ext.common.schedules import check_settings
 
@@ -436,7 +436,7 @@ def test_each_setting_means_the_same_from_python_toml_and_the_simulator(tmp_path
 
     from torchtitan.config import ConfigManager
 
-    from rrfp.hints import build_hint
+    from rrfp.core.hints import build_hint
     from rrfp.sim.__main__ import build_parser
     from rrfp.sim.study import compare
 

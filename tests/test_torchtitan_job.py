@@ -33,7 +33,7 @@ import torch
 import torch.distributed as dist
 
 from rrfp import ScheduleRRFP
-from rrfp.executor import StageExecutor
+from rrfp.runtime.executor import StageExecutor
 from rrfp.testing.probes import rrfp_threads
 
 from tests.test_torchtitan import (dump_args, failure_excerpt, job_args, LOSS, logged_losses,

@@ -20,14 +20,14 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from rrfp import channels as channels_module, ScheduleRRFP
-from rrfp.device import Wakeup
-from rrfp.actions import Edge
-from rrfp.channels import Channel, ChannelMap, make_channel_group
-from rrfp.errors import PeerFailedError
-from rrfp.failures import FailureBoard
-from rrfp.platform import ReceiveStreams
-from rrfp.transport import Transport
+from rrfp.comm import channels as channels_module, ScheduleRRFP
+from rrfp.comm.board import FailureBoard
+from rrfp.comm.channels import Channel, ChannelMap, make_channel_group
+from rrfp.comm.transport import Transport
+from rrfp.core.actions import Edge
+from rrfp.core.errors import PeerFailedError
+from rrfp.core.wakeup import Wakeup
+from rrfp.devices.platform import ReceiveStreams
 from rrfp.testing import nccl_like
 from rrfp.testing.chains import (bitwise_equal, build_stages, loss_fn, make_batch, make_chain,
                                  run_steps, torch_schedule)
@@ -154,7 +154,7 @@ def test_a_healthy_close_whose_send_does_not_complete_aborts_and_says_which():
 def test_a_closed_delayed_sender_issues_none_of_the_messages_it_still_held():
     """Emulated link latency: a message held when its sender closes (after a failure) is
     never sent, so that a rank that said it stopped sending does not send."""
-    from rrfp.link_latency import DelayedSender
+    from rrfp.comm.link_latency import DelayedSender
 
     sent, watched = [], []
 
@@ -222,7 +222,7 @@ def test_stopping_to_send_waits_for_the_peers_that_say_so_and_no_longer_than_its
     waited = time.perf_counter() - start
     assert 0.3 <= waited < 10.0, waited  # until rank 1 said it, not its 30 s bound
     start = time.perf_counter()
-    with caplog.at_level("WARNING", logger="rrfp.failures"):
+    with caplog.at_level("WARNING", logger="rrfp.comm.board"):
         quick.stop_sending([1, 2], 0.5)  # rank 2 never says it
     assert 0.5 <= time.perf_counter() - start < 10.0
     assert "global ranks [2] did not say within 0.5 s" in caplog.text
@@ -405,7 +405,7 @@ def _gloo_io_threads() -> int:
 _MAKE_CHANNELS = """
 import datetime, os, sys, threading, time
 import torch.distributed as dist
-from rrfp.channels import make_channel_group
+from rrfp.comm.channels import make_channel_group
 from tests.test_transport import _gloo_io_threads
 if sys.argv[1] == "world":
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
@@ -506,13 +506,13 @@ def lazily_connected_channels(rank: int, world_size: int, connect: bool) -> dict
     connection step (one exchange per channel, in one order, at construction)."""
     import functools
 
-    import rrfp.schedule
-    from rrfp.channels import create_channels
+    import rrfp.runtime.schedule
+    from rrfp.comm.channels import create_channels
 
     def lazy(name, store, channel_rank, timeout, **naming):
         return LazilyConnectedGroup(store, channel_rank, timeout_s=3.0)
 
-    rrfp.schedule.create_channels = functools.partial(create_channels, group_factory=lazy,
+    rrfp.runtime.schedule.create_channels = functools.partial(create_channels, group_factory=lazy,
                                                       connect=connect)
     M = 4
     chain = make_chain(world_size)

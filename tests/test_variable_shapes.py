@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 
 from rrfp import ScheduleRRFP
-from rrfp.device import EmulatedDevice
+from rrfp.devices.device import EmulatedDevice
 from rrfp.testing.chains import (BATCH_PER_MICROBATCH, bitwise_equal, build_stages, DIM,
                                  local_stage_indices, loss_fn, make_batch, make_chain)
 from rrfp.testing.nccl_like import use_channels
@@ -153,8 +153,8 @@ def messages_per_step(rank: int, world_size: int, variable: bool) -> dict:
     report it."""
     import functools
 
-    import rrfp.schedule
-    from rrfp.channels import create_channels, make_channel_group
+    import rrfp.runtime.schedule
+    from rrfp.comm.channels import create_channels, make_channel_group
 
     sends: list = []
 
@@ -162,7 +162,7 @@ def messages_per_step(rank: int, world_size: int, variable: bool) -> dict:
         return CountingGroup(make_channel_group(name, store, channel_rank, timeout, **naming),
                              sends)
 
-    rrfp.schedule.create_channels = functools.partial(create_channels, group_factory=counting)
+    rrfp.runtime.schedule.create_channels = functools.partial(create_channels, group_factory=counting)
     M = 4
     chain = make_chain(world_size)
     x, y = make_batch(M)

@@ -5,8 +5,8 @@ custom_config_module = "torchtitan_ext.config"``), the ``rrfp`` field of
 
 from dataclasses import dataclass, field
 
-from rrfp.loop import DEFAULT_LAUNCH_DEPTH
-from rrfp.memory import DEFAULT_METER_EVERY
+from rrfp.core.loop import DEFAULT_LAUNCH_DEPTH
+from rrfp.runtime.meter import DEFAULT_METER_EVERY
 
 
 @dataclass
@@ -18,7 +18,7 @@ class RRFP:
     an integer (``4`` or ``"4"`` in TOML, ``--rrfp.buffer_limit 4`` on the command line) in
     microbatches; ``"busiest"``, a per-rank budget (``"12GiB"``) or ``"auto"`` (CUDA) in
     bytes, from the first step's measured bytes per microbatch. Parsed as ScheduleRRFP
-    parses it: ``rrfp.settings.BUFFER_LIMIT_HELP``. The default stays ``"hint"``, with
+    parses it: ``rrfp.core.settings.BUFFER_LIMIT_HELP``. The default stays ``"hint"``, with
     activation checkpointing too: docs/guide/choosing.md gives the measurements and why."""
 
     policy: str = ""

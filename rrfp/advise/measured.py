@@ -19,11 +19,11 @@ import statistics
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-from rrfp.hints import build_hint, Hint, HINT_NAMES
-from rrfp.limits import MemoryLimits
+from rrfp.core.hints import build_hint, Hint, HINT_NAMES
+from rrfp.core.limits import MemoryLimits
+from rrfp.core.stats import Span, STEP_METADATA
 from rrfp.sim.replay import timing_from_trace
 from rrfp.sim.workloads import Timing
-from rrfp.stats import Span, STEP_METADATA
 
 TRACE_FILE = re.compile(r"step(\d+)\.json")
 """How torchtitan_ext names a step's trace."""

@@ -8,8 +8,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from rrfp.advise.report import Advice, size
+from rrfp.core.stats import Span
 from rrfp.sim.plot import plot_timelines, pyplot
-from rrfp.stats import Span
 
 SHOWN = 20
 """Settings on the chart (the best predicted)."""

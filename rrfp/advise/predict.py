@@ -21,11 +21,11 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 from rrfp.advise.measured import MeasuredRun
-from rrfp.hints import build_hint, Hint, HINT_NAMES
-from rrfp.limits import (byte_budgets, fixed_peak_bytes, limits_within_bytes, MemoryLimits,
-                         most_bytes_allowed, peak_bytes_held, resolve_buffer_limits)
-from rrfp.policy import default_policy
-from rrfp.settings import parse_buffer_limit
+from rrfp.core.hints import build_hint, Hint, HINT_NAMES
+from rrfp.core.limits import (byte_budgets, fixed_peak_bytes, limits_within_bytes, MemoryLimits,
+                              most_bytes_allowed, peak_bytes_held, resolve_buffer_limits)
+from rrfp.core.policy import default_policy
+from rrfp.core.settings import parse_buffer_limit
 from rrfp.sim.engine import simulate, SimResult
 
 MICROBATCH_LIMITS = ("hint", "hint+1", "hint+2", "2x hint")

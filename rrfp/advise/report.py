@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 
 from rrfp.advise.measured import MeasuredRun
 from rrfp.advise.predict import Prediction, predictions, Replay, variability
-from rrfp.limits import fixed_peak_bytes
+from rrfp.core.limits import fixed_peak_bytes
 
 MIN_STEPS = 3
 """Fewer measured training steps than this are too few to predict from."""

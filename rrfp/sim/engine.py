@@ -1,6 +1,6 @@
 """Discrete-event simulation of one training step, driving the runtime's own step loop.
 
-Each rank runs ``rrfp.loop.StepLoop`` (the very loop ``ScheduleRRFP`` runs) on a simulated
+Each rank runs ``rrfp.core.loop.StepLoop`` (the very loop ``ScheduleRRFP`` runs) on a simulated
 device: launched actions run one at a time in launch order for their durations; a launch
 may cost CPU time (``launch_cost``), during which the rank decides nothing; messages
 arrive after a per-message latency. The fixed schedule is the same loop with the
@@ -15,19 +15,19 @@ import heapq
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 
-from rrfp.actions import _Action, Edge, F
-from rrfp.arbiter import Arbiter
-from rrfp.hints import Hint
-from rrfp.limits import MemoryLimits
-from rrfp.loop import Arrival, Completion, DEFAULT_LAUNCH_DEPTH, StepLoop
-from rrfp.history import History
-from rrfp.policy import make_policy, Policy, POLICIES
-from rrfp.sim.foresight import (
-    ClairvoyantFit, EstimatedChains, EstimatedCritical, FORESIGHT_CRITICAL, foresight_chains,
-    INFORMED_CRITICAL, informed_chains, InformedFit, median_transit, Transit)
-from rrfp.graph import step_graph
-from rrfp.sizes import StepSizes
-from rrfp.stats import Span
+from rrfp.core.actions import _Action, Edge, F
+from rrfp.core.arbiter import Arbiter
+from rrfp.core.graph import step_graph
+from rrfp.core.hints import Hint
+from rrfp.core.history import History
+from rrfp.core.limits import MemoryLimits
+from rrfp.core.loop import Arrival, Completion, DEFAULT_LAUNCH_DEPTH, StepLoop
+from rrfp.core.policy import make_policy, Policy, POLICIES
+from rrfp.core.sizes import StepSizes
+from rrfp.core.stats import Span
+from rrfp.sim.foresight import (ClairvoyantFit, EstimatedChains, EstimatedCritical,
+                                FORESIGHT_CRITICAL, foresight_chains, INFORMED_CRITICAL,
+                                informed_chains, InformedFit, median_transit, Transit)
 
 SIM_POLICIES = (*POLICIES, ClairvoyantFit.name, InformedFit.name, FORESIGHT_CRITICAL,
                 INFORMED_CRITICAL)
@@ -213,7 +213,7 @@ class _Completing:
 
 
 class _SimDevice:
-    """One rank's device in simulated time (the ``rrfp.loop.Device`` interface)."""
+    """One rank's device in simulated time (the ``rrfp.core.loop.Device`` interface)."""
 
     def __init__(self, sim: _Simulation, rank: int):
         self._sim, self._rank = sim, rank
@@ -256,7 +256,7 @@ def simulate(
     sizes: StepSizes | None = None,
 ) -> SimResult:
     """Simulate one step of ``hint`` under ``policy`` ("fixed" is the fixed schedule), one
-    name for every rank or a name per rank (as ``rrfp.policy.default_policy`` picks them).
+    name for every rank or a name per rank (as ``rrfp.core.policy.default_policy`` picks them).
 
     ``histories``: per rank, what earlier steps showed (``SimResult.histories`` of the
     previous step), for the ``"lookahead"`` and ``"critical"`` policies. ``policy`` may

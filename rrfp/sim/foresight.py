@@ -7,15 +7,15 @@ import statistics
 from collections.abc import Callable, Hashable, Iterable, Mapping
 from typing import TYPE_CHECKING
 
-from rrfp.graph import Latency, step_graph, StepGraph
-from rrfp.actions import _Action, Edge, F
-from rrfp.policy import CriticalPath, DEFAULT_COSTS, Lookahead
+from rrfp.core.actions import _Action, Edge, F
+from rrfp.core.graph import Latency, step_graph, StepGraph
+from rrfp.core.policy import CriticalPath, DEFAULT_COSTS, Lookahead
 
 if TYPE_CHECKING:
-    from rrfp.arbiter import ArbiterView
-    from rrfp.limits import MemoryLimits
-    from rrfp.plan import Node
-    from rrfp.hints import Hint
+    from rrfp.core.arbiter import ArbiterView
+    from rrfp.core.limits import MemoryLimits
+    from rrfp.core.plan import Node
+    from rrfp.core.hints import Hint
 
 Transit = Callable[[tuple[Edge, int], float], float]
 """When a message sent at the given time arrives."""

@@ -16,10 +16,10 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from rrfp.actions import _Action
-from rrfp.graph import Latency, step_graph
-from rrfp.hints import Hint
-from rrfp.limits import MemoryLimits
+from rrfp.core.actions import _Action
+from rrfp.core.graph import Latency, step_graph
+from rrfp.core.hints import Hint
+from rrfp.core.limits import MemoryLimits
 from rrfp.sim.engine import lower_bounds, simulate
 
 SCALE = 1000

@@ -7,8 +7,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
+from rrfp.core.stats import Span
 from rrfp.sim.study import Comparison
-from rrfp.stats import Span
 
 COLOURS = {"F": "#4C72B0", "B": "#55A868", "I": "#DD8452", "W": "#8172B3"}
 

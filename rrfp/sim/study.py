@@ -6,10 +6,10 @@ import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from rrfp.limits import MemoryLimits, resolve_buffer_limits
-from rrfp.hints import Hint
-from rrfp.loop import DEFAULT_LAUNCH_DEPTH
-from rrfp.policy import default_policy
+from rrfp.core.hints import Hint
+from rrfp.core.limits import MemoryLimits, resolve_buffer_limits
+from rrfp.core.loop import DEFAULT_LAUNCH_DEPTH
+from rrfp.core.policy import default_policy
 from rrfp.sim.engine import lower_bounds, LowerBounds, simulate, SimResult
 from rrfp.sim.workloads import make_timing, Timing, WorkloadParams
 

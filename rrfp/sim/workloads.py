@@ -15,8 +15,8 @@ import random
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 
-from rrfp.actions import _Action, B, Edge, F, I, REDUCE_GRAD, W
-from rrfp.sizes import MicrobatchSize
+from rrfp.core.actions import _Action, B, Edge, F, I, REDUCE_GRAD, W
+from rrfp.core.sizes import MicrobatchSize
 
 SIZE_WORKLOADS = ("documents", "documents-latency", "multimodal-unpacked",
                   "multimodal-unpacked-latency")

@@ -11,10 +11,10 @@ import time
 import torch
 
 from rrfp import ScheduleRRFP
-from rrfp.device import EmulatedDevice
-from rrfp.actions import Edge
-from rrfp.memory import ActivationMeter, MeteredModule
-from rrfp.stats import StepStats
+from rrfp.core.actions import Edge
+from rrfp.core.stats import StepStats
+from rrfp.devices.device import EmulatedDevice
+from rrfp.runtime.meter import ActivationMeter, MeteredModule
 from rrfp.testing.chains import build_stages, loss_fn, torch_schedule
 from rrfp.testing.emulation import EmulatedDeviceTime
 from rrfp.testing.probes import held_from_order

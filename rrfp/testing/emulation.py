@@ -5,7 +5,7 @@ are real and comparable), and each microbatch additionally sleeps as if a kernel
 the given time. Sleeping releases the CPU, so several ranks on few cores measure the
 schedule rather than core contention. Any figure obtained this way is *emulated*.
 
-Run it under ``ScheduleRRFP(..., device=rrfp.device.EmulatedDevice())`` to emulate an
+Run it under ``ScheduleRRFP(..., device=rrfp.devices.device.EmulatedDevice())`` to emulate an
 asynchronous accelerator: the compute (and so the sleep) then happens on the emulated
 device's thread, after the launch returned, as a CUDA kernel would. Under torch's own
 schedules (or RRFP's synchronous CPU device) it happens on the calling thread.

@@ -196,7 +196,7 @@ class StoreP2PGroup:
 
 
 def factory(blocking_abort: bool = False, fail_send_at: dict | None = None):
-    """A ``group_factory`` for ``rrfp.channels.create_channels`` making these groups;
+    """A ``group_factory`` for ``rrfp.comm.channels.create_channels`` making these groups;
     ``fail_send_at``: ``{(global src, global dst): n}`` plants a send error on a channel."""
     made: list[StoreP2PGroup] = []
 
@@ -216,16 +216,16 @@ def use_channels(kind: str, **fake):
     ``"nccl-like"`` (these groups: polled, local abort, sends that complete only once the
     peer receives). Returns the fake factory (or None)."""
 
-    import rrfp.schedule
-    from rrfp.channels import create_channels
+    import rrfp.runtime.schedule
+    from rrfp.comm.channels import create_channels
 
     if kind == "gloo":
-        rrfp.schedule.create_channels = create_channels
+        rrfp.runtime.schedule.create_channels = create_channels
         return None
     made = factory(**fake)
 
     def nccl_like_channels(hint, group, device, backend, **options):
         return create_channels(hint, group, device, "nccl", group_factory=made, **options)
 
-    rrfp.schedule.create_channels = nccl_like_channels
+    rrfp.runtime.schedule.create_channels = nccl_like_channels
     return made

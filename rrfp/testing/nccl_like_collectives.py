@@ -1,4 +1,4 @@
-"""A process group whose collectives behave as NCCL's where ``rrfp.job`` depends on them,
+"""A process group whose collectives behave as NCCL's where ``rrfp.failure.job`` depends on them,
 for CPU tests (there is no GPU or NCCL here; ``rrfp.testing.nccl_like`` fakes the channels).
 
 As torch's ``ProcessGroupNCCL`` (``torch/csrc/distributed/c10d/ProcessGroupNCCL.cpp``):
@@ -6,7 +6,7 @@ As torch's ``ProcessGroupNCCL`` (``torch/csrc/distributed/c10d/ProcessGroupNCCL.
 * **A collective completes only once every rank of the group has called it**: its kernel
   spins on the device until the peers join. ``wait()`` returns then: on CUDA the stream
   waits and the host blocks at its next synchronisation; on the emulated device
-  (``rrfp.device.EmulatedDevice``) the device thread is the stream, and it is the one that
+  (``rrfp.devices.device.EmulatedDevice``) the device thread is the stream, and it is the one that
   blocks, not the step loop.
 * **``abort()`` is local** (``ncclCommAbort``): this rank's pending collectives end with an
   error; the peers' stay pending, to be aborted by their own ranks.

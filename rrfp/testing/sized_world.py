@@ -17,12 +17,12 @@ import torch
 import torch.distributed as dist
 
 from rrfp import ScheduleRRFP
-from rrfp.device import EmulatedDevice
-from rrfp.hints import build_hint
-from rrfp.limits import resolve_buffer_limits
+from rrfp.core.hints import build_hint
+from rrfp.core.limits import resolve_buffer_limits
+from rrfp.core.sizes import MicrobatchSize
+from rrfp.devices.device import EmulatedDevice
 from rrfp.sim.engine import simulate
 from rrfp.sim.workloads import Timing
-from rrfp.sizes import MicrobatchSize
 from rrfp.testing.ab import in_alternating_order
 from rrfp.testing.chains import build_stages, loss_fn, make_batch, make_chain, torch_schedule
 from rrfp.testing.emulation import EmulatedDeviceTime

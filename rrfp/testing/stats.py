@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from rrfp.stats import StepStats
+from rrfp.core.stats import StepStats
 
 
 def made_up_stats(rank: int, **fields) -> StepStats:

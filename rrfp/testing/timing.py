@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import random
 
-from rrfp.actions import Edge
+from rrfp.core.actions import Edge
 from rrfp.testing.emulation import EmulatedDeviceTime
 
 

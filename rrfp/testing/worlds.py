@@ -87,7 +87,7 @@ def run_local_world(world_size: int, fn: Callable[..., Any], *args: Any, timeout
     return [outcomes[r][1] for r in range(world_size)]
 
 
-PRELOAD = ["torch", "torch.distributed", "torch.distributed.pipelining", "rrfp.schedule"]
+PRELOAD = ["torch", "torch.distributed", "torch.distributed.pipelining", "rrfp.runtime.schedule"]
 """Imported once by the fork server: each world's ranks fork from it, already importing
 torch, instead of spending seconds each on a fresh interpreter (as spawn would)."""
 

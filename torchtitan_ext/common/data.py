@@ -29,7 +29,7 @@ from torch.utils.data import IterableDataset
 from torchtitan.components.dataloader import ParallelAwareDataloader
 from torchtitan.components.loss import IGNORE_INDEX
 
-from rrfp.sizes import MicrobatchSize
+from rrfp.core.sizes import MicrobatchSize
 
 from torchtitan_ext.common.assets import arithmetic_corpus
 

@@ -39,7 +39,7 @@ def print_only_on(ranks: set[int], rank: int) -> None:
     """Keep this process's log handlers to errors unless ``rank`` is one of ``ranks``.
 
     Call once torchtitan's logger is set up: the filter goes on its handlers, so it also
-    covers records of child loggers (``rrfp.schedule``) that propagate to them.
+    covers records of child loggers (``rrfp.runtime.schedule``) that propagate to them.
     """
     if rank in ranks:
         return

@@ -36,7 +36,7 @@ import rrfp
 from rrfp import ScheduleRRFP, StepStats
 from rrfp.advise import ab_speedups, lower_priority
 from rrfp.advise.report import MIN_STEPS, size, spread
-from rrfp.limits import fixed_peak_bytes
+from rrfp.core.limits import fixed_peak_bytes
 from torchtitan.tools.logging import logger
 
 FIRST_VERDICT_AFTER = MIN_STEPS

@@ -25,13 +25,13 @@ from torch.distributed.pipelining.schedules import PipelineScheduleSingle
 from torch.distributed.tensor import DTensor
 
 from rrfp import ScheduleRRFP
-from rrfp.coordination import COORDINATIONS
-from rrfp.hints import build_hint, Hint, HINT_NAMES, rule_reference, RULE_NAMES
-from rrfp.limit_plan import LimitPlan
-from rrfp.limits import first_step_limits
-from rrfp.platform import platform_for
-from rrfp.settings import (check_limit_can_be_measured, parse_launch_depth, parse_meter_every,
-                           parse_policy, parse_stall_timeout)
+from rrfp.comm.coordination import COORDINATIONS
+from rrfp.core.hints import build_hint, Hint, HINT_NAMES, rule_reference, RULE_NAMES
+from rrfp.core.limits import first_step_limits
+from rrfp.core.settings import (check_limit_can_be_measured, parse_launch_depth, parse_meter_every,
+                                parse_policy, parse_stall_timeout)
+from rrfp.devices.platform import platform_for
+from rrfp.runtime.limit_plan import LimitPlan
 from torchtitan_ext.config import RRFP
 
 PREFIX = "RRFP"
@@ -199,7 +199,7 @@ def check_settings(settings: RRFP, hint: Hint, device_type: str) -> None:
     """ValueError naming the first ``rrfp`` setting that ScheduleRRFP would refuse over
     ``hint`` on ``device_type`` stages, or that is not of its field's type (TOML values are
     not converted), with what it accepts. ScheduleRRFP is given the values as written and
-    parses them with the same parsers (``rrfp.settings``): run here, a bad one stops before
+    parses them with the same parsers (``rrfp.core.settings``): run here, a bad one stops before
     anything is built."""
     checks = {
         "variable_shapes": lambda: a_flag("variable_shapes", settings.variable_shapes),

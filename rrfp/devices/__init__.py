@@ -1,0 +1,1 @@
+"""What differs by device type: the step loop's devices and each platform's streams."""

@@ -1,0 +1,193 @@
+"""The job around one pipeline: every rank of every pipeline, with their data-parallel and
+tensor/expert-parallel replicas (the default group's ranks).
+
+* **Its board** (``JobScope``): a prefix in the default store that every rank of the job
+  agrees on without talking, also after torchrun restarts the workers:
+  ``rrfp/attempt-<TORCHELASTIC_RESTART_COUNT>/job/<generation>/``, a generation per
+  ``ScheduleRRFP`` this process built (every rank of the job builds as many as the
+  others, as the ranks of a pipeline do for its channels). A failure published there
+  (``rrfp.comm.board``) reaches every rank; nothing of an earlier generation or attempt is
+  read by a later one.
+* **Its groups** (``JobGroups``): the process groups that the stages' collectives use
+  beside the pipeline: data parallel (DDP's group, the mesh of FSDP's sharded
+  parameters), tensor and expert parallel (the meshes of DTensor parameters), the
+  coordination group and rrfp's private twin of it. A rank blocked in a collective on
+  one of them waits for peers that may never come: its replicas in a pipeline that
+  failed.
+* **Aborting them**: NCCL: ``ProcessGroup.abort`` (``ncclCommAbort`` on each of the
+  group's communicators: what torch's ``_abort_process_group`` runs for one group, here
+  without unregistering the group from a thread that is not the one using it). An NCCL
+  abort is local, so every rank aborts its own groups once it learns of a failure: the
+  failed rank at once, the others through their watch. gloo has no abort
+  (``rrfp.comm.channels.break_gloo_group`` closes the group's connections, failing what is
+  pending here and at the peers). The groups are aborted concurrently with a bounded
+  wait (an ``ncclCommAbort`` can block while another communicator's kernel spins,
+  pytorch#119797). Aborted groups cannot be used again: the job restarts
+  (``torchrun --max-restarts``) or builds new ones.
+* **The watch** (``JobWatch``): a thread per schedule reads the job's failure key every
+  ``FAILURE_POLL_S`` (one store read); when another rank failed it aborts this rank's
+  job groups, which makes a collective blocked in them raise, and wakes the step loop.
+* **Its settings** (``agree_on_settings``): every rank says the settings that must be the
+  same everywhere (hint, limit, microbatches, ...) before any channel is built; a
+  disagreement is refused on every rank with one message.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import logging
+import threading
+from collections.abc import Callable, Iterable
+
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor
+
+from rrfp.comm.board import FAILURE_POLL_S, FailureBoard, JobScope
+from rrfp.comm.channels import break_gloo_group, concurrently
+from rrfp.core.wakeup import Wakeup
+
+logger = logging.getLogger(__name__)
+
+ABORT_TIMEOUT_S = 10.0
+"""How long aborting the job's groups may take before the rank goes on without them."""
+
+
+class JobGroups:
+    """The process groups of the stages' collectives beside the pipeline, aborted at most
+    once (see the module docstring)."""
+
+    def __init__(self, groups: Iterable[dist.ProcessGroup]):
+        default = dist.distributed_c10d._get_default_group() if dist.is_initialized() else None
+        unique: dict[int, dist.ProcessGroup] = {}
+        for group in groups:
+            # The default group is torchrun's and the trainer's, not the stages'.
+            if group is not None and group is not default:
+                unique.setdefault(id(group), group)
+        self.groups = list(unique.values())
+        self._lock = threading.Lock()
+        self.aborted = False
+
+    def __len__(self) -> int:
+        return len(self.groups)
+
+    def describe(self) -> str:
+        return ", ".join(_group_name(g) for g in self.groups) or "none"
+
+    def abort(self, timeout: float = ABORT_TIMEOUT_S) -> list[threading.Thread]:
+        """Abort every group, concurrently, once; return the abort threads still running
+        after ``timeout`` seconds."""
+        with self._lock:
+            if self.aborted or not self.groups:
+                self.aborted = True
+                return []
+            self.aborted = True
+        return concurrently({f"rrfp-abort-{_group_name(g)}": functools.partial(abort_group, g)
+                             for g in self.groups}, timeout)
+
+
+def abort_group(group: dist.ProcessGroup) -> None:
+    """Abort ``group`` at this rank: its NCCL communicators (``ProcessGroup.abort``, local)
+    and its gloo connections (``break_gloo_group``, here and at the peers)."""
+    group.abort()
+    if _has_gloo(group) and group.size() > 1:
+        break_gloo_group(group, 1 if group.rank() == 0 else 0)
+
+
+def _has_gloo(group: dist.ProcessGroup) -> bool:
+    try:
+        return isinstance(group._get_backend(torch.device("cpu")), dist.ProcessGroupGloo)
+    except (RuntimeError, ValueError):  # no CPU backend, or a backend of its own in Python
+        return False
+
+
+def _group_name(group: dist.ProcessGroup) -> str:
+    try:
+        name = group.group_name
+    except RuntimeError:  # a group built in Python has none
+        name = type(group).__name__
+    return f"group {name} of {group.size()} ranks"
+
+
+def collective_groups(modules: Iterable[torch.nn.Module]) -> list[dist.ProcessGroup]:
+    """The groups of the meshes of ``modules``' DTensor parameters (FSDP's shards, tensor
+    and expert parallel weights): call before FSDP unshards them."""
+    groups = []
+    for module in modules:
+        for p in module.parameters():
+            if isinstance(p, DTensor) and p.device_mesh.size() > 1:
+                groups.extend(p.device_mesh.get_all_groups())
+    return groups
+
+
+class JobWatch:
+    """A thread that reads the job's failure key every ``interval`` seconds; when another
+    rank failed it aborts ``groups``, wakes the step loop (``wakeup``) and calls
+    ``told(rank, message)``, then ends."""
+
+    def __init__(self, board: FailureBoard, groups: JobGroups, wakeup: Wakeup,
+                 told: Callable[[int, str], None], interval: float = FAILURE_POLL_S):
+        self._board, self._groups, self._wakeup, self._told = board, groups, wakeup, told
+        self._interval = interval
+        self._stop = threading.Event()
+        self.thread = threading.Thread(target=self._run, name="rrfp-job-watch", daemon=True)
+        self.thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.wait(self._interval):
+            failure = self._board.failure(job_only=True)
+            if failure is None:
+                continue
+            rank, message = failure
+            if rank != self._board.me:
+                logger.error("rrfp: global rank %d of the job failed (%s); global rank %d "
+                             "aborts its groups beside the pipeline (%s)", rank,
+                             message.splitlines()[0] if message else "", self._board.me,
+                             self._groups.describe())
+                self._groups.abort()
+                self._wakeup.notify()
+                self._told(rank, message)
+            return
+
+    def close(self, timeout: float) -> list[threading.Thread]:
+        """Stop the watch; return its thread if it is still running after ``timeout``."""
+        self._stop.set()
+        if self.thread is not threading.current_thread():
+            self.thread.join(timeout)
+        return [self.thread] if self.thread.is_alive() else []
+
+
+def agree_on_settings(job: JobScope, settings: dict[str, str], timeout: float) -> None:
+    """Every rank of the job says ``settings``; if any differ, every rank raises the same
+    ``ValueError`` naming each setting that differs and which ranks have which value
+    (before any channel is built or step runs). Waits at most ``timeout`` seconds for the
+    others (then ``PipelineStallError`` names the ranks that said nothing)."""
+    board = FailureBoard(None, dist.get_rank() if dist.is_initialized() else 0,
+                         job_store=job.store, job_ranks=job.ranks)
+    said = board.gather("settings", json.dumps(settings, sort_keys=True), timeout, job=True)
+    if len(set(said.values())) <= 1:
+        return
+    by_rank = {rank: json.loads(value) for rank, value in sorted(said.items())}
+    differences = []
+    for name in sorted({name for values in by_rank.values() for name in values}):
+        holders: dict[str, list[int]] = {}
+        for rank, values in by_rank.items():
+            holders.setdefault(str(values.get(name)), []).append(rank)
+        if len(holders) > 1:
+            differences.append(f"{name} is " + " but ".join(
+                f"{value} on global ranks {_ranges(ranks)}" for value, ranks in holders.items()))
+    raise ValueError(
+        "the ranks of this job disagree on RRFP's settings (a configuration edited on one "
+        f"node?): {'; '.join(differences)}. Give every rank the same settings")
+
+
+def _ranges(ranks: list[int]) -> str:
+    """``[0, 1, 2, 5]`` as ``0-2, 5``."""
+    parts: list[list[int]] = []
+    for rank in ranks:
+        if parts and rank == parts[-1][-1] + 1:
+            parts[-1].append(rank)
+        else:
+            parts.append([rank])
+    return ", ".join(f"{p[0]}-{p[-1]}" if len(p) > 1 else f"{p[0]}" for p in parts)

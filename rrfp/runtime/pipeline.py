@@ -1,0 +1,427 @@
+"""One rank's side of a pipeline across steps: the step's phases, and what a failure does.
+
+``ScheduleRRFP`` keeps torch's API and builds a ``PipelineRuntime`` from its arguments:
+the hint, the platform's device, the transport and receive rings, the memory limits, the
+coordination group's twin, the byte meter. ``run`` is one step, in named phases: settle the
+limits, choose the meter, build the step's arbiter, executor and loop, run the loop to
+its end, and learn from it; a step that fails tells the other ranks (``rrfp.comm.board``),
+aborts the channels and leaves the runtime refusing further steps (DESIGN.md invariant 8).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from dataclasses import dataclass
+from typing import NoReturn
+
+import torch.distributed as dist
+from torch.distributed.pipelining.stage import _PipelineStageBase
+
+from rrfp._torch_compat import clear_after_failure
+from rrfp.comm.board import FAILURE_POLL_S
+from rrfp.comm.coordination import Coordinator, CoordinationGroup, make_coordinator
+from rrfp.comm.fit_sharing import FitSharing
+from rrfp.comm.receives import ReceiveRings
+from rrfp.comm.transport import Transport
+from rrfp.core.actions import describe
+from rrfp.core.arbiter import Arbiter
+from rrfp.core.errors import PeerFailedError, PipelineStallError
+from rrfp.core.hints import Hint
+from rrfp.core.history import History
+from rrfp.core.limits import ByteLimits, MemoryLimits
+from rrfp.core.loop import Arrival, Device, StepLoop
+from rrfp.core.policy import make_policy
+from rrfp.core.sizes import StepSizes
+from rrfp.core.stats import StepStats
+from rrfp.core.wakeup import Wakeup
+from rrfp.devices.platform import Platform
+from rrfp.failure.hang_report import HangReport, rank_state
+from rrfp.failure.job import JobGroups, JobWatch
+from rrfp.runtime.executor import LossFn, Reduction, StageExecutor, StepInputs
+from rrfp.runtime.limit_plan import LimitPlan
+from rrfp.runtime.meter import ActivationMeter
+from rrfp.runtime.step_stats import step_stats
+from rrfp.runtime.torch_interface import CustomFunctions
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class Metering:
+    """When the byte meter runs: the first training step and every ``every``-th."""
+
+    meter: ActivationMeter | None
+    """None: never (``meter_activations=False``)."""
+    every: int
+
+
+@dataclass
+class Coordination:
+    """How the ranks of an intra-stage collective group settle on each action."""
+
+    kind: str
+    """``"leader"`` or ``"agree"`` (``rrfp.comm.coordination.COORDINATIONS``)."""
+    twin: CoordinationGroup | None
+    """The private twin of the group (None: no group of more than one rank)."""
+
+
+class PipelineRuntime:
+    """One rank's pipeline runtime: everything a step needs that outlives the step."""
+
+    def __init__(self, hint: Hint, rank: int, stages: dict[int, _PipelineStageBase], *,
+                 platform: Platform, device: Device, wakeup: Wakeup, transport: Transport,
+                 receives: ReceiveRings, limits: LimitPlan, coordination: Coordination,
+                 metering: Metering, stall_timeout: float, launch_depth: float,
+                 reorder_ahead: bool, job_groups: JobGroups, report: HangReport,
+                 fixed_every: int = 0):
+        self.hint, self.rank, self.stages = hint, rank, stages
+        self._forward_only = hint.forward_only()
+        self.platform, self.device, self.wakeup = platform, device, wakeup
+        self.transport, self.receives, self.limits = transport, receives, limits
+        self.coordination, self.metering = coordination, metering
+        self.stall_timeout, self.launch_depth = stall_timeout, launch_depth
+        self.reorder_ahead = reorder_ahead
+        self.fixed_every = fixed_every
+        """The in-run A/B: every this-many-th training step runs the fixed order (0: none)."""
+        self.history = History()
+        self.fit_sharing = FitSharing(transport.channels.store, dist.get_rank()
+                                      if dist.is_initialized() else 0,
+                                      transport.channels.global_ranks)
+        self.steps_run = 0
+        self.training_steps_run = 0
+        self.last_step_stats: StepStats | None = None
+        self.activation_bytes_per_microbatch: dict[int, int] | None = None
+        """Per local stage, the most bytes one microbatch's forward saved for backward in
+        the last metered training step (None before one)."""
+        self._failure: str | None = None
+        self.job_groups, self.report = job_groups, report
+        self._step: tuple[StepLoop, StageExecutor] | None = None
+        """The step running now, if any."""
+        self._watch = JobWatch(transport.failures, job_groups, wakeup, self._told_by_watch)
+
+    def follow(self, hint: Hint, limits: LimitPlan) -> None:
+        """Rank ready actions by ``hint`` within ``limits`` from the next step on (the same
+        placement: the channels were built for it)."""
+        self.hint, self._forward_only, self.limits = hint, hint.forward_only(), limits
+
+    def refuse_if_failed(self) -> None:
+        if self._failure is not None:
+            raise RuntimeError(
+                f"this ScheduleRRFP cannot run another step ({self._failure}); its channels "
+                "are closed: build a new ScheduleRRFP on every rank of the pipeline, which "
+                "connects fresh ones")
+
+    def run(self, inputs: StepInputs, *, training: bool, loss: LossFn | None,
+            reduction: Reduction, custom: CustomFunctions,
+            pp_group: dist.ProcessGroup | None, sizes: StepSizes | None = None) -> dict:
+        """One step; returns the last stage's losses by microbatch (empty elsewhere).
+        ``sizes``: each microbatch's size, which a training step's policy costs actions by
+        (``rrfp.core.sizes``); None: as without."""
+        if training and self.limits.waiting_for_bytes and (
+                self.activation_bytes_per_microbatch is not None):
+            self.limits.settle(self.activation_bytes_per_microbatch, pp_group,
+                               self.platform.device, self.platform.free_bytes)
+        meter = self._meter_for_this_step()
+        origin = time.perf_counter()
+
+        def clock() -> float:
+            return time.perf_counter() - origin
+
+        def arrivals() -> list[Arrival]:
+            collected = self.transport.collect()
+            if not collected:
+                return []
+            return [Arrival(r.edge, r.microbatch, r.seen - origin)
+                    for r in self.receives.arrived(collected)]
+
+        hint = self.hint if training else self._forward_only
+        self._expect_sizes(sizes if training else None)
+        # The in-run A/B's fixed-order steps launch without bound, as torch's schedules do.
+        fixed = training and self.fixed_every > 0 and (
+            self.training_steps_run % self.fixed_every == self.fixed_every - 1)
+        policy = (make_policy("fixed") if fixed else
+                  make_policy(self.limits.policy, history=self.history, clock=clock)
+                  if training else make_policy("hint"))  # forward only: plain readiness-first
+        arbiter = Arbiter(hint, self.rank, limits=self.limits.limits if training else None,
+                          policy=policy)
+        executor = StageExecutor(self.stages, inputs, loss, reduction, self.transport,
+                                 self.receives, self.platform, custom, clock, meter)
+        coordinator = (make_coordinator(self.coordination.kind, self.coordination.twin,
+                                        self.stall_timeout)
+                       if self.coordination.twin is not None else None)
+        loop = StepLoop(
+            arbiter, self.device, executor,
+            arrivals=arrivals,
+            clock=clock, launch_depth=math.inf if fixed else self.launch_depth,
+            reorder_ahead=self.reorder_ahead,
+            stall_timeout=self.stall_timeout,
+            describe_rank=f"pipeline rank {self.rank} (global rank {dist.get_rank()})",
+            describe_peer=lambda peer: f"global rank {self.transport.channels.global_ranks[peer]}",
+            coordinator=coordinator, block=self.wait)
+        self._step = (loop, executor)
+        prediction_error = None
+        try:
+            self._run_loop(loop, origin, hint, training, coordinator, custom)
+            prediction_error = self.history.prediction_errors(loop.device_runs)
+            if training and meter is not None:
+                self.activation_bytes_per_microbatch = {
+                    s: executor.saved_per_microbatch.get(s, 0) for s in self.stages}
+        finally:
+            self._step = None
+            self.last_step_stats = step_stats(
+                loop, executor, coordinator, clock(), self.transport.take_sent(),
+                rank=self.rank, device=self.device, meter=meter, limits=self.limits,
+                activation_bytes_per_microbatch=self.activation_bytes_per_microbatch,
+                receive_buffer_bytes=self.receives.peak_bytes, step=self.steps_run,
+                size_prediction_error=prediction_error)
+            self.steps_run += 1
+            self.training_steps_run += training
+        if training and not fixed:
+            loop.teach(self.history)
+            if sizes is not None:
+                self.fit_sharing.publish(self.history.models.own_fits())
+        return executor.losses
+
+    def _expect_sizes(self, sizes: StepSizes | None) -> None:
+        """Tell the history the step's sizes; where they tell microbatches apart, take the
+        other ranks' latest fits of their stages first."""
+        self.history.expect_sizes(sizes)
+        if self.history.sizes_tell_apart:
+            self.history.models.adopt(self.fit_sharing.latest())
+
+    def _meter_for_this_step(self) -> ActivationMeter | None:
+        meter = self.metering.meter
+        if meter is None or (self.steps_run % self.metering.every
+                             and self.activation_bytes_per_microbatch is not None):
+            return None
+        meter.reset(p for stage in self.stages.values() for p in stage.submod.parameters())
+        return meter
+
+    def _run_loop(self, loop: StepLoop, origin: float, hint: Hint, training: bool,
+                  coordinator: Coordinator | None, custom: CustomFunctions) -> None:
+        """Run the step's loop to its end, its sends completed; on failure, tell the other
+        ranks (or name the peer whose failure broke this step) and abandon the step, unless
+        it failed before this rank communicated (then it stays usable)."""
+        self.device.begin_step(origin, self.wakeup)
+        self.transport.ledger.start_step(self.transport.channels)
+        operations = self.transport.operations
+        try:
+            self.receives.start(self.transport, hint.plan, self.stages,
+                                self.limits.limits.per_stage, training=training)
+            for timeout in loop.run():
+                self.wait(timeout)
+            if coordinator is not None:
+                coordinator.finish()
+            self.transport.finish_sends(self.stall_timeout)
+            self.receives.finish()
+        except PeerFailedError as e:
+            self._stop_for_peer(e, loop, custom, e)
+        except BaseException as e:
+            if self._usable_after_failure(operations, coordinator, custom):
+                raise
+            # A peer's failure may be what broke this step (a closed gloo connection, an
+            # aborted collective): say so, naming it; otherwise this rank failed first,
+            # and tells the others.
+            try:
+                self.transport.failures.check(force=True)
+            except PeerFailedError as peer:
+                self._stop_for_peer(peer, loop, custom, e)
+            self._fail(e, custom)
+
+    def _stop_for_peer(self, error: PeerFailedError, loop: StepLoop, custom: CustomFunctions,
+                       cause: BaseException) -> NoReturn:
+        """Another rank failed first: tell this rank's state (for a hang report), abandon
+        the step, raise ``error`` saying what this rank was waiting for."""
+        self.report.tell(self._state(error))
+        self._abandon(error, custom)
+        raise PeerFailedError(
+            f"pipeline rank {self.rank} (global rank {dist.get_rank()}) stops its step: "
+            f"{error}\nit was waiting for:\n" + "\n".join(loop.waiting()),
+            error.failed_rank) from cause
+
+    def _fail(self, error: BaseException, custom: CustomFunctions) -> NoReturn:
+        """This rank failed first: tell every rank of the job, naming the action it ran;
+        abandon the step. A stall also gets the job's hang report, written here if this
+        rank's failure is the one the board kept (the others' errors point at it)."""
+        stalled = isinstance(error, (PipelineStallError, TimeoutError))
+        running = self._step[1].running if self._step is not None else None
+        board = self.transport.failures
+        board.publish(
+            f"pipeline rank {self.rank} (global rank {dist.get_rank()}) failed its step"
+            + (f" in {describe(running)}" if running is not None else "")
+            + f": {_with_causes(error)}"
+            + (f"\nhang report: {self.report.path}" if stalled else ""))
+        first = board.failure()
+        state = self._state(error)
+        self.report.tell(state)
+        self._abandon(error, custom)
+        report = ""
+        if stalled and first is not None and first[0] == board.me:
+            report = f"\nhang report: {self.report.write(state)}"
+        elif stalled and first is not None:  # another rank's stall came first: its report
+            report = "".join(f"\n{line} (by global rank {first[0]}, whose failure came first)"
+                             for line in first[1].splitlines()[-1:]
+                             if line.startswith("hang report: "))
+        if isinstance(error, TimeoutError):
+            raise PipelineStallError(f"pipeline rank {self.rank}: {error}{report}") from error
+        if report:
+            raise PipelineStallError(f"{error}{report}") from error
+        raise error
+
+    def _state(self, error: BaseException | None) -> dict:
+        """What this rank tells a hang report now."""
+        return rank_state(rank=dist.get_rank(), pipeline_rank=self.rank,
+                          stages=sorted(self.stages), step=self.steps_run, error=error,
+                          loop=self._step[0] if self._step is not None else None,
+                          transport=self.transport)
+
+    def _told_by_watch(self, rank: int, message: str) -> None:
+        """The watch saw another rank's failure: outside a step nothing else will tell
+        this rank's state (in a step, the step's own failure does)."""
+        if self._step is None:
+            self.report.tell(self._state(None))
+
+    def wait(self, timeout: float) -> None:
+        """Wait up to ``timeout`` for an arrival or a completion; meanwhile check, every
+        ``FAILURE_POLL_S``, whether another rank of the pipeline failed (then raise
+        ``PeerFailedError`` naming it: on NCCL nothing else would tell this rank)."""
+        end = time.perf_counter() + timeout
+        while True:
+            self.transport.failures.check()
+            left = end - time.perf_counter()
+            if left <= 0 or self.wakeup.wait(min(left, FAILURE_POLL_S)):
+                return
+
+    def _usable_after_failure(self, operations: int, coordinator: Coordinator | None,
+                              custom: CustomFunctions) -> bool:
+        """After this rank's step failed: whether it had issued no receive, send or
+        coordination round in it (its transport had issued ``operations`` at the start).
+        Then its channels and its peers are as before the step, and the runtime stays
+        usable, as torch's schedules do after an error raised before their first send or
+        receive: what the step left on the device and in the stages goes, and no failure
+        is told to the peers (they wait, as for a rank that has not stepped yet)."""
+        self.device.close(self.stall_timeout)  # nothing launched runs any more
+        if self.transport.operations != operations or (
+                coordinator is not None and coordinator.rounds):
+            return False
+        self._let_go_of_the_step(custom)
+        return True
+
+    def _abandon(self, error: BaseException, custom: CustomFunctions) -> None:
+        """After a failed step (its failure already published, or a peer's seen): abort
+        the channels, all at once, so that pending receives fail (on gloo the peers' too),
+        and stop the device; free the unfinished microbatches' activations; refuse
+        further steps."""
+        self._failure = f"a step failed with {type(error).__name__} on pipeline rank {self.rank}"
+        # First the groups a replica may be blocked in with this rank (on gloo this fails
+        # their pending collectives at the peers too).
+        self.job_groups.abort()
+        try:
+            self.close(failed=True)
+        except RuntimeError as e:  # the step's own error is the one to raise
+            logger.warning("pipeline rank %d: %s", self.rank, e)
+            return  # a thread still running may read the stages' caches
+        self._let_go_of_the_step(custom)
+
+    def _let_go_of_the_step(self, custom: CustomFunctions) -> None:
+        """After a failed step: unbind its receive buffers, drop its losses and what it left
+        in the stages (their graphs, and what those saved, go now rather than at the
+        stages' next step)."""
+        self.receives.finish()
+        custom.forget_step()
+        for stage in self.stages.values():
+            clear_after_failure(stage)
+
+    def close(self, failed: bool = False, timeout: float = 10.0) -> None:
+        """Stop the threads and close the channels (see ``ScheduleRRFP.close``)."""
+        self._failure = self._failure or "the schedule was closed"
+        try:
+            alive = self.transport.close(timeout, failed=failed,
+                                         send_timeout=self.stall_timeout)
+        finally:
+            device_alive = self.device.close(timeout)
+            watch_alive = self._watch.close(timeout)
+        alive += device_alive + watch_alive
+        if alive:
+            raise RuntimeError(f"threads still running after close(): {[t.name for t in alive]}")
+
+
+def _with_causes(error: BaseException, most: int = 4) -> str:
+    """``error`` and what caused it (torch wraps a stage's error in one that names the
+    stage), each as its type and first line, the full text of the first."""
+    text = f"{type(error).__name__}: {' '.join(str(error).split())}"
+    cause = error.__cause__ or error.__context__
+    for _ in range(most - 1):
+        if cause is None:
+            break
+        line = next((line.strip() for line in str(cause).splitlines() if line.strip()), "")
+        text += f" <- caused by {type(cause).__name__}: {line}"
+        cause = cause.__cause__ or cause.__context__
+    return text
+
+
+class RuntimeReadout:
+    """What users read off a schedule's runtime (``self._runtime``, a ``PipelineRuntime``):
+    the limits and policy of the next step, the last step's stats, what earlier steps
+    taught the policies."""
+
+    _runtime: PipelineRuntime
+
+    @property
+    def history(self) -> History:
+        """What earlier steps showed this rank (device durations per stage and kind,
+        arrival times): what the ``lookahead`` and ``critical`` policies decide by."""
+        return self._runtime.history
+
+    @property
+    def fit_sharing_seconds(self) -> float:
+        """Seconds this rank spent so far sharing duration fits with the others (store
+        round trips; only in steps given sizes: ``ScheduleRRFP.step(mb_sizes=...)``)."""
+        return self._runtime.fit_sharing.seconds
+
+    @property
+    def buffer_limits(self) -> MemoryLimits:
+        """The memory limits of the next training step (``rrfp.core.limits.MemoryLimits``)."""
+        return self._runtime.limits.limits
+
+    @property
+    def byte_limits(self) -> ByteLimits | None:
+        """Where ``buffer_limit`` is in bytes: the microbatch limits derived from the first
+        step's bytes (from the second step on), with the budgets they keep."""
+        return self._runtime.limits.byte_limits
+
+    @property
+    def policy(self) -> str:
+        """The policy of the next training step."""
+        return self._runtime.limits.policy
+
+    @property
+    def limit_summary(self) -> str:
+        """One sentence on what ``buffer_limit`` allows on this rank (as logged)."""
+        return self._runtime.limits.summary
+
+    @property
+    def launch_depth(self) -> float:
+        return self._runtime.launch_depth
+
+    @property
+    def report_folder(self) -> str | None:
+        """Where the job's hang report goes (``ScheduleRRFP``'s ``report_folder``)."""
+        return self._runtime.report.folder
+
+    @report_folder.setter
+    def report_folder(self, folder: str | None) -> None:
+        self._runtime.report.folder = folder
+
+    @property
+    def last_step_stats(self) -> StepStats | None:
+        """What happened in the last step on this rank (``rrfp.core.stats.StepStats``)."""
+        return self._runtime.last_step_stats
+
+    @property
+    def activation_bytes_per_microbatch(self) -> dict[int, int] | None:
+        """Per local stage, the most bytes one microbatch's forward saved for backward in
+        the last metered training step (None before one)."""
+        return self._runtime.activation_bytes_per_microbatch
