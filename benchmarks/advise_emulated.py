@@ -30,12 +30,12 @@ import torch.distributed as dist
 from torch.distributed.pipelining import PipelineStage
 
 from benchmarks.pages import write_page
-from rrfp import ScheduleRRFP
+from rrfp import Settings
 from rrfp.advise import advise, run_from_trace_events
 from rrfp.advise.predict import predict, replay, Setting
-from rrfp.devices.device import EmulatedDevice
 from rrfp.sim.workloads import make_timing
-from rrfp.testing.emulation import EmulatedDeviceTime
+from rrfp.testing.emulation import EmulatedDevice, EmulatedDeviceTime
+from rrfp.testing.study import Study, StudySchedule
 from rrfp.testing.worlds import run_local_world
 
 RANKS, MICROBATCHES, UNIT_S, DIM = 4, 16, 0.01, 16
@@ -58,9 +58,10 @@ def _rank_main(rank: int, world_size: int, buffer_limit: str, policy: str | None
         backward_time=lambda mb: (timing["now"].backward_input[rank][mb]
                                   + timing["now"].backward_weight[rank][mb]) * UNIT_S)
     stage = PipelineStage(timed, rank, world_size, torch.device("cpu"))
-    schedule = ScheduleRRFP(stage, MICROBATCHES, loss_fn=torch.nn.functional.mse_loss,
-                            hint="1F1B", buffer_limit=buffer_limit, policy=policy,
-                            device=EmulatedDevice(), fixed_every=fixed_every)
+    schedule = StudySchedule(stage, MICROBATCHES, loss_fn=torch.nn.functional.mse_loss, hint="1F1B",
+                             settings=Settings(buffer_limit=buffer_limit, policy=policy,
+                                               fixed_every=fixed_every),
+                             study=Study(device=EmulatedDevice()))
     x, y = torch.randn(MICROBATCHES * 2, DIM), torch.randn(MICROBATCHES * 2, DIM)
     steps = 1 + rounds * (fixed_every or 1)
     traces = []

@@ -41,7 +41,7 @@ import torch.distributed as dist
 
 from benchmarks.pages import write_page
 import rrfp.runtime.pipeline
-from rrfp import ScheduleRRFP
+from rrfp import ScheduleRRFP, Settings
 from rrfp.comm.coordination import make_coordinator
 from rrfp.core.arbiter import Arbiter
 from rrfp.core.hints import build_hint
@@ -160,8 +160,9 @@ def _per_step(rank: int, world_size: int, parallel: str, commit: str) -> dict:
     for mode in KINDS:
         s = build(mesh, pp, jitter)
         runs[mode] = (s, ScheduleRRFP(s, M, loss_fn=loss_fn, hint="Interleaved1F1B",
-                                      buffer_limit="hint+1", policy="hint",
-                                      coordination_group=group, coordination=mode.split("@")[0]))
+                                      coordination_group=group,
+                                      settings=Settings(buffer_limit="hint+1", policy="hint",
+                                                        coordination=mode.split("@")[0])))
     if parallel == "tp":
         x, y = torch.randn(M * 2, 64), torch.randn(M * 2, 64)
     else:

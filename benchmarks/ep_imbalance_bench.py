@@ -40,11 +40,12 @@ import torch.distributed as dist
 from torch.distributed._functional_collectives import all_to_all_single_autograd
 
 from benchmarks.pages import result_path, write_page
-from rrfp import ScheduleRRFP, write_chrome_trace
+from rrfp import Settings, write_chrome_trace
 from rrfp.core.hints import build_hint
-from rrfp.devices.device import EmulatedDevice
 from rrfp.sim.replay import resample, timing_from_trace
 from rrfp.sim.study import compare
+from rrfp.testing.emulation import EmulatedDevice
+from rrfp.testing.study import Study, StudySchedule
 from rrfp.testing.worlds import run_local_world
 
 PP, EP = 2, 2
@@ -195,9 +196,11 @@ def _rank_main(rank: int, world_size: int, config: Config, hint: str) -> dict:
     torch_class = Schedule1F1B if per_rank == 1 else ScheduleInterleaved1F1B
     schedules = {
         TORCH: torch_class(built[TORCH][0] if per_rank == 1 else built[TORCH], M, loss_fn=loss_fn),
-        **{name: ScheduleRRFP(built[name], M, loss_fn=loss_fn, hint=hint, device=EmulatedDevice(),
-                              **{"coordination_group": twins[pp], **kwargs})
-           for name, kwargs in RRFP_RUNS.items()},
+        **{name: StudySchedule(built[name], M, loss_fn=loss_fn, hint=hint,
+                               study=Study(device=EmulatedDevice()),
+                               coordination_group=kwargs.pop("coordination_group", twins[pp]),
+                               settings=Settings(**kwargs))
+           for name, kwargs in ((name, dict(run)) for name, run in RRFP_RUNS.items())},
     }
     times = {name: [] for name in SCHEDULES}
     hashes = {name: [] for name in SCHEDULES}

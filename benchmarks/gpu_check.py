@@ -77,9 +77,9 @@ from torch.distributed.pipelining import PipelineStage
 from torch.distributed.pipelining._utils import generate_stage_to_rank_mapping
 from torch.distributed.pipelining.schedules import get_schedule_class, PipelineScheduleSingle
 
-from rrfp import ScheduleRRFP
-from rrfp.devices.device import EmulatedDevice
-from rrfp.testing.emulation import EmulatedDeviceTime
+from rrfp import ScheduleRRFP, Settings
+from rrfp.testing.emulation import EmulatedDevice, EmulatedDeviceTime
+from rrfp.testing.study import Study, StudySchedule
 
 STAGES = 4
 MICROBATCHES = 8
@@ -191,8 +191,8 @@ def single_process(dry_run: bool) -> None:
     fixed_stages = build()
     fixed = get_schedule_class("Interleaved1F1B")(fixed_stages, MICROBATCHES, loss_fn=loss_fn)
     rrfp_stages = build()
-    rrfp = ScheduleRRFP(rrfp_stages, MICROBATCHES, loss_fn=loss_fn, hint="Interleaved1F1B",
-                        device=EmulatedDevice() if dry_run else None)
+    rrfp = StudySchedule(rrfp_stages, MICROBATCHES, loss_fn=loss_fn, hint="Interleaved1F1B",
+                         study=Study(device=EmulatedDevice() if dry_run else None))
     for stages in (fixed_stages, rrfp_stages):
         for stage in stages:
             stage.submod.zero_grad(set_to_none=True)
@@ -453,7 +453,8 @@ def multi_process(device_id: bool = False) -> None:
         fixed_stages, rrfp_stages = build(True), build(True)
         fixed = cls(fixed_stages[0] if issubclass(cls, PipelineScheduleSingle) else fixed_stages,
                     M, loss_fn=loss_fn)
-        rrfp = ScheduleRRFP(rrfp_stages, M, loss_fn=loss_fn, hint=hint, buffer_limit="hint+2")
+        rrfp = ScheduleRRFP(rrfp_stages, M, loss_fn=loss_fn, hint=hint,
+                            settings=Settings(buffer_limit="hint+2"))
         times: dict[str, list[float]] = {"fixed": [], "rrfp": []}
         for step in range(6):
             for name, schedule, stages in (("fixed", fixed, fixed_stages), ("rrfp", rrfp, rrfp_stages)):
@@ -499,7 +500,7 @@ def transport_checks(rank: int, world: int, device: torch.device) -> bool:
     """Checks 4-7 (see the module docstring) between pipeline ranks 0 and 1; the other
     ranks only take part in creating the channels. Prints from rank 1; returns whether
     they passed (the same on every rank)."""
-    from rrfp.devices.device import EmulatedDevice
+    from rrfp.testing.emulation import EmulatedDevice
     from rrfp.core.wakeup import Wakeup
     from rrfp.core.hints import build_hint
     from rrfp.comm.channels import create_channels

@@ -41,13 +41,13 @@ from torch.distributed.pipelining import PipelineStage
 from torch.distributed.pipelining._utils import generate_stage_to_rank_mapping
 
 from benchmarks.pages import write_page
-from rrfp import ScheduleRRFP
+from rrfp import Settings
 from rrfp.core.hints import build_hint
-from rrfp.devices.device import EmulatedDevice
 from rrfp.sim.study import compare
 from rrfp.sim.workloads import make_timing, Timing
 from rrfp.testing.ab import in_alternating_order
-from rrfp.testing.emulation import EmulatedDeviceTime
+from rrfp.testing.emulation import EmulatedDevice, EmulatedDeviceTime
+from rrfp.testing.study import Study, StudySchedule
 from rrfp.testing.worlds import run_local_world
 
 DIM = 16
@@ -104,10 +104,11 @@ def _rank_main(rank: int, world_size: int, config: Config) -> dict:
         runs = {}
         for name, (depth, policy) in variants.items():
             st = stages()
-            runs[name] = (ScheduleRRFP(st, M, loss_fn=loss_fn, hint=config.hint,
-                                       buffer_limit=config.limit, policy=policy,
-                                       launch_depth=depth, reorder_ahead=name == BEFORE,
-                                       device=EmulatedDevice(launch_cost=cost * unit)), st)
+            settings = Settings(buffer_limit=config.limit, policy=policy, launch_depth=depth)
+            study = Study(reorder_ahead=name == BEFORE,
+                          device=EmulatedDevice(launch_cost=cost * unit))
+            runs[name] = (StudySchedule(st, M, loss_fn=loss_fn, hint=config.hint,
+                                        settings=settings, study=study), st)
         for pair in range(config.pairs + 1):  # pair 0 warms up (shape inference, history)
             current["timing"] = _timing(config, pair)
             for name in in_alternating_order(list(runs), pair - 1):  # the first measured in order

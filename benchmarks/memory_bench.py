@@ -28,7 +28,7 @@ from torch.distributed.pipelining._utils import generate_stage_to_rank_mapping
 from torch.distributed.pipelining.schedules import get_schedule_class, PipelineScheduleSingle
 
 from benchmarks.pages import write_page
-from rrfp import ScheduleRRFP
+from rrfp import ScheduleRRFP, Settings
 from rrfp.runtime.meter import ActivationMeter, MeteredModule
 from rrfp.testing.worlds import run_local_world
 
@@ -85,8 +85,8 @@ def _rank_main(rank: int, world: int, hint: str, per_rank: int, M: int) -> dict:
     result = {"torch_receive": _torch_receive_bytes(stages), "torch_activations": meter.peak}
     for limit in ("hint", "hint+2"):
         rrfp = ScheduleRRFP(_stages(rank, world, per_rank, None), M,
-                            loss_fn=torch.nn.functional.mse_loss, hint=hint, buffer_limit=limit,
-                            meter_every=1)
+                            loss_fn=torch.nn.functional.mse_loss, hint=hint,
+                            settings=Settings(buffer_limit=limit, meter_every=1))
         peaks = []
         for _ in range(2):
             run(rrfp, 1)

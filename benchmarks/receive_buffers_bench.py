@@ -30,7 +30,7 @@ from torch.distributed.pipelining import PipelineStage
 from torch.distributed.pipelining.schedules import get_schedule_class, PipelineScheduleSingle
 
 from benchmarks.pages import write_page
-from rrfp import ScheduleRRFP
+from rrfp import ScheduleRRFP, Settings
 from rrfp._torch_compat import TORCH_VERSION
 from rrfp.testing.worlds import run_local_world
 
@@ -93,7 +93,7 @@ def worker(rank: int, world_size: int, hint: str, stages_per_rank: int, M: int) 
     for limit in ("hint", "hint+2"):
         stages = _stages(rank, world_size, stages_per_rank)
         schedule = ScheduleRRFP(stages, M, loss_fn=torch.nn.functional.mse_loss, hint=hint,
-                                buffer_limit=limit)
+                                settings=Settings(buffer_limit=limit))
         for _ in range(2):
             schedule.step(*((x,) if first else ()), target=y)
         result[limit] = schedule.last_step_stats.receive_buffer_bytes

@@ -26,12 +26,12 @@ import torch.distributed as dist
 from torch.distributed.pipelining import PipelineStage
 
 from benchmarks.pages import result_path, write_page
-from rrfp import ScheduleRRFP
+from rrfp import Settings
 from rrfp.core.hints import build_hint
-from rrfp.devices.device import EmulatedDevice
 from rrfp.sim.study import compare
 from rrfp.sim.workloads import make_timing, Timing
-from rrfp.testing.emulation import EmulatedDeviceTime
+from rrfp.testing.emulation import EmulatedDevice, EmulatedDeviceTime
+from rrfp.testing.study import Study, StudySchedule
 from rrfp.testing.worlds import run_local_world
 
 DIM = 16
@@ -73,11 +73,12 @@ def _rank_main(rank: int, world_size: int, config: Config) -> dict:
     loss_fn = torch.nn.functional.mse_loss
     baseline_stage, rrfp_stage = stage("baseline"), stage("rrfp")
     delay = send_delay if latency else None
-    baseline = ScheduleRRFP(baseline_stage, config.microbatches, loss_fn=loss_fn, hint="1F1B",
-                            policy="fixed", launch_depth=None, send_delay=delay,
-                            device=EmulatedDevice())
-    rrfp = ScheduleRRFP(rrfp_stage, config.microbatches, loss_fn=loss_fn, hint="1F1B",
-                        buffer_limit=config.limit, send_delay=delay, device=EmulatedDevice())
+    baseline = StudySchedule(baseline_stage, config.microbatches, loss_fn=loss_fn, hint="1F1B",
+                             settings=Settings(policy="fixed", launch_depth=None),
+                             study=Study(send_delay=delay, device=EmulatedDevice()))
+    rrfp = StudySchedule(rrfp_stage, config.microbatches, loss_fn=loss_fn, hint="1F1B",
+                         settings=Settings(buffer_limit=config.limit),
+                         study=Study(send_delay=delay, device=EmulatedDevice()))
     x = torch.randn(config.microbatches * 2, DIM)
     y = torch.randn(config.microbatches * 2, DIM)
     times: dict[str, list[float]] = {"baseline": [], "rrfp": []}

@@ -61,6 +61,7 @@ from rrfp.testing.worlds import run_local_world
 from torchtitan_ext.common.assets import TOKENIZER_DIR
 from torchtitan_ext.common.data import DocumentDataset, MAX_PATCHES, split_by_content
 from torchtitan_ext.common.version import torchtitan_version
+from rrfp import Settings
 
 TITAN_0_3 = torchtitan_version() == (0, 3)
 
@@ -191,8 +192,10 @@ def _rank_main(rank: int, world: int, multimodal: bool, rounds: int) -> dict:
                                                scale_grads=False)
         else:
             schedule = ScheduleRRFP(stages, MICROBATCHES, loss_fn=_loss, scale_grads=False,
-                                    hint="Interleaved1F1B", variable_shapes=True, meter_every=1,
-                                    policy="fixed" if variant == "RRFP fixed order" else None)
+                                    hint="Interleaved1F1B",
+                                    settings=Settings(
+                                        variable_shapes=True, meter_every=1,
+                                        policy="fixed" if variant == "RRFP fixed order" else None))
         runs[variant] = (schedule, stages, meter)
     times = {v: [] for v in VARIANTS}
     peak = {v: 0 for v in VARIANTS}

@@ -4,7 +4,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.pipelining import PipelineStage
 
-from rrfp import ScheduleRRFP
+from rrfp import ScheduleRRFP, Settings
 
 dist.init_process_group("gloo")
 rank, world = dist.get_rank(), dist.get_world_size()
@@ -14,7 +14,7 @@ blocks = {s: torch.nn.Sequential(torch.nn.Linear(32, 32), torch.nn.ReLU()) for s
 stages = [PipelineStage(blocks[s], s, 2 * world, torch.device("cpu")) for s in (rank, rank + world)]
 
 schedule = ScheduleRRFP(stages, n_microbatches=8, loss_fn=torch.nn.functional.mse_loss,
-                        hint="Interleaved1F1B", buffer_limit="hint", stall_timeout=300.0)
+                        hint="Interleaved1F1B", settings=Settings(buffer_limit="hint"))
 params = [p for s in (rank, rank + world) for p in blocks[s].parameters()]
 optimizer = torch.optim.SGD(params, lr=0.05)
 x, y = torch.randn(64, 32), torch.randn(64, 32)

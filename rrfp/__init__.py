@@ -6,8 +6,9 @@ check_supported()
 
 from rrfp.core.errors import PeerFailedError, PipelineStallError  # noqa: E402
 from rrfp.core.hints import build_hint, Hint, HINT_NAMES  # noqa: E402
-from rrfp.runtime.schedule import ScheduleRRFP  # noqa: E402
+from rrfp.core.settings import Settings  # noqa: E402
 from rrfp.core.stats import merge_chrome_traces, StepStats, write_chrome_trace  # noqa: E402
+from rrfp.runtime.schedule import ScheduleRRFP  # noqa: E402
 
 __all__ = [
     "build_hint",
@@ -17,6 +18,7 @@ __all__ = [
     "PeerFailedError",
     "PipelineStallError",
     "ScheduleRRFP",
+    "Settings",
     "StepStats",
     "write_chrome_trace",
 ]

@@ -23,7 +23,7 @@ from torch.distributed.pipelining.schedules import get_schedule_class, PipelineS
 
 from rrfp import ScheduleRRFP, write_chrome_trace
 from rrfp.core.hints import build_hint, infer_layout, rule_reference
-from rrfp.core.settings import BUFFER_LIMIT_HELP
+from rrfp.core.settings import BUFFER_LIMIT_HELP, Settings
 from rrfp.testing.emulation import EmulatedDeviceTime
 from rrfp.testing.worlds import run_local_world
 
@@ -70,7 +70,7 @@ def _rank_main(rank: int, world_size: int, args):
     # on a microbatch that was never slow before); the rules keep their own policy.
     policy = args.policy or ("hint" if hint.policy == "hint" else hint.policy)
     rrfp = ScheduleRRFP(rrfp_stages, args.microbatches, loss_fn=loss_fn, hint=args.hint,
-                        buffer_limit=args.limit, policy=policy)
+                        settings=Settings(buffer_limit=args.limit, policy=policy))
     times: dict[str, list[float]] = {"fixed": [], "rrfp": []}
     for step in range(args.steps + 1):  # step 0 warms up (shape inference)
         for name, schedule, stages in (("fixed", fixed, fixed_stages), ("rrfp", rrfp, rrfp_stages)):
@@ -118,8 +118,9 @@ def main(argv: list[str] | None = None) -> None:
           f"stage 0 forward of microbatch {args.slow_mb} takes {args.slow_s} s "
           f"(emulated device time; median of {args.steps} steps)")
     print(f"  torch {fixed_name:<28} {fixed_s * 1e3:8.1f} ms")
-    print(f"  ScheduleRRFP(hint={args.hint!r}, buffer_limit={args.limit!r}, policy={policy!r}) "
-          f"{rrfp_s * 1e3:8.1f} ms   speedup {fixed_s / rrfp_s:.2f}x")
+    print(f"  ScheduleRRFP(hint={args.hint!r}, settings=Settings(buffer_limit={args.limit!r}, "
+          f"policy={policy!r}))"
+          f" {rrfp_s * 1e3:8.1f} ms   speedup {fixed_s / rrfp_s:.2f}x")
     for s in stats:
         print("  " + s.summary())
     print(f"trace of the last RRFP step: {os.path.abspath(args.trace)} (open in ui.perfetto.dev)")

@@ -15,7 +15,7 @@ import sys
 import pytest
 import torch.distributed as dist
 
-from rrfp import ScheduleRRFP
+from rrfp import Settings
 from rrfp.advise import ab_speedups, advise, read_run, run_from_trace_events
 from rrfp.advise.__main__ import main
 from rrfp.advise.predict import Setting
@@ -23,12 +23,12 @@ from rrfp.core.hints import build_hint, Hint
 from rrfp.core.limits import resolve_buffer_limits
 from rrfp.core.policy import default_policy
 from rrfp.core.stats import StepStats, write_chrome_trace
-from rrfp.devices.device import EmulatedDevice
 from rrfp.sim.engine import simulate
 from rrfp.sim.workloads import make_timing, Timing
 from rrfp.testing.chains import (bitwise_equal, build_stages, loss_fn, make_batch, make_chain,
                                  run_steps, torch_schedule)
-from rrfp.testing.emulation import EmulatedDeviceTime
+from rrfp.testing.emulation import EmulatedDevice, EmulatedDeviceTime
+from rrfp.testing.study import Study, StudySchedule
 from rrfp.testing.worlds import run_local_world
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -303,9 +303,10 @@ def in_run_ab(rank: int, world_size: int, steps: int, fixed_every: int) -> dict:
                                   lambda mb: backward)
 
     stages, blocks = build_stages(chain, rank, world_size, "loop", wrap=device_time)
-    schedule = ScheduleRRFP(stages, n_microbatches, loss_fn=loss_fn, hint="GPipe",
-                            policy="hint", device=EmulatedDevice(), launch_depth=1,
-                            fixed_every=fixed_every)
+    schedule = StudySchedule(stages, n_microbatches, loss_fn=loss_fn, hint="GPipe",
+                             settings=Settings(policy="hint", launch_depth=1,
+                                               fixed_every=fixed_every),
+                             study=Study(device=EmulatedDevice()))
     traces = []
     history = []
     for _ in range(steps):

@@ -8,7 +8,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from rrfp import ScheduleRRFP
+from rrfp import ScheduleRRFP, Settings
 from rrfp.core.hints import build_hint
 from rrfp.core.limits import fixed_peak_bytes, limits_within_bytes, resolve_buffer_limits
 from rrfp.core.settings import parse_buffer_limit
@@ -128,8 +128,8 @@ def sampled_meter(rank: int, world_size: int, meter_every: int, steps: int) -> d
     stages, blocks = build_stages(chain, rank, world_size, "loop")
     fixed = run_steps(torch_schedule("1F1B", stages, M), stages, blocks, x, y, steps)
     stages, blocks = build_stages(chain, rank, world_size, "loop", wrap=lambda s, b: HookProbe(b))
-    schedule = ScheduleRRFP(stages, M, loss_fn=loss_fn, hint="1F1B", stall_timeout=60,
-                            meter_every=meter_every)
+    schedule = ScheduleRRFP(stages, M, loss_fn=loss_fn, hint="1F1B",
+                            settings=Settings(stall_timeout=60, meter_every=meter_every))
     per_step, history = [], []
     for _ in range(steps):
         before = sum(len(stage.submod.hooked) for stage in stages)
@@ -170,7 +170,8 @@ def refused_settings(rank: int, world_size: int) -> dict[str, str]:
                                                    meter_activations=False),
                          "meter_every 0": dict(meter_every=0)}.items():
         try:
-            ScheduleRRFP(stages, 4, loss_fn=loss_fn, hint="1F1B", **kwargs).close()
+            ScheduleRRFP(stages, 4, loss_fn=loss_fn, hint="1F1B",
+                         settings=Settings(**kwargs)).close()
         except ValueError as e:
             errors[name] = str(e)
     return errors

@@ -14,11 +14,12 @@ import torch
 import torch.distributed as dist
 from torch.distributed.pipelining import PipelineStage
 
-from rrfp import ScheduleRRFP
-from rrfp.devices.device import EmulatedDevice
+from rrfp import ScheduleRRFP, Settings
 from rrfp.testing.chains import (BATCH_PER_MICROBATCH, bitwise_equal, build_stages,
                                  coordinated_runs, DIM, local_stage_indices, loss_fn, make_batch,
                                  make_chain, MLPBlock, reference_steps, run_steps, torch_schedule)
+from rrfp.testing.emulation import EmulatedDevice
+from rrfp.testing.study import Study, StudySchedule
 from rrfp.testing.timing import (random_device_time, random_send_delay, replicas_apart,
                                  SECOND_ACTIVATION_LATE)
 from rrfp.testing.worlds import run_local_world
@@ -66,7 +67,8 @@ def data_parallel(rank: int, world_size: int, wrapper: str, hint: str, reference
         # torch 2.13's own schedules trip an internal assert of DDP's reducer when a stage
         # runs several microbatch backwards ("rebuilt parameter indices size is not same as
         # original"), so the fixed order is run by ScheduleRRFP's "fixed" policy instead.
-        baseline = ScheduleRRFP(stages, M, loss_fn=loss_fn, hint=reference, policy="fixed")
+        baseline = ScheduleRRFP(stages, M, loss_fn=loss_fn, hint=reference,
+                                settings=Settings(policy="fixed"))
     else:
         baseline = torch_schedule(reference, stages, M)
     fixed = local_grads(run_steps(baseline, stages, blocks, x, y, steps))
@@ -80,8 +82,10 @@ def data_parallel(rank: int, world_size: int, wrapper: str, hint: str, reference
         # The first delayed run also makes the replicas interleave differently.
         late = replicas_apart(hint, dp) if seed == delay_seeds[0] else None
         send_delay = None if seed is None else random_send_delay(seed * 7919 + rank, 0.003, late)
-        schedule = ScheduleRRFP(stages, M, loss_fn=loss_fn, hint=hint, buffer_limit="hint+1",
-                                policy="hint", stall_timeout=60, send_delay=send_delay)
+        schedule = StudySchedule(stages, M, loss_fn=loss_fn, hint=hint,
+                                 settings=Settings(buffer_limit="hint+1", policy="hint",
+                                                   stall_timeout=60),
+                                 study=Study(send_delay=send_delay))
         history = local_grads(run_steps(schedule, stages, blocks, x, y, steps))
         runs["plain" if seed is None else f"seed{seed}"] = {
             "bitwise": bitwise_equal(history, fixed),
@@ -149,10 +153,11 @@ def gradient_accumulation(rank: int, world_size: int) -> dict:
     if "finalize_gradients" in inspect.signature(fixed.step).parameters:
         result["torch"] = accumulate(fixed, stage, block)
     stage, block = build(3)
-    rrfp = ScheduleRRFP(stage, M, loss_fn=loss_fn, hint="1F1B", buffer_limit="hint+1",
-                        policy="hint", device=EmulatedDevice(), stall_timeout=60,
-                        send_delay=random_send_delay(3 * 7919 + rank, 0.003,
-                                                     SECOND_ACTIVATION_LATE))
+    rrfp = StudySchedule(stage, M, loss_fn=loss_fn, hint="1F1B",
+                         settings=Settings(buffer_limit="hint+1", policy="hint", stall_timeout=60),
+                         study=Study(device=EmulatedDevice(),
+                                     send_delay=random_send_delay(3 * 7919 + rank, 0.003,
+                                                     SECOND_ACTIVATION_LATE)))
     result["rrfp"] = accumulate(rrfp, stage, block)
     result["out_of_order"] = rrfp.last_step_stats.out_of_hint_order
     rrfp.close()
@@ -305,9 +310,10 @@ def compiled_stages(rank: int, world_size: int, hint: str, reference: str, per_r
     stages, blocks = build_stages(
         chain, rank, world_size, layout,
         wrap=lambda s, b: random_device_time(3, s, M, 0.003)(torch.compile(b, backend="aot_eager")))
-    schedule = ScheduleRRFP(stages, M, loss_fn=loss_fn, hint=hint, buffer_limit="hint+1",
-                            policy="hint",
-                            send_delay=random_send_delay(rank, 0.003, SECOND_ACTIVATION_LATE))
+    schedule = StudySchedule(stages, M, loss_fn=loss_fn, hint=hint,
+                             settings=Settings(buffer_limit="hint+1", policy="hint"),
+                             study=Study(send_delay=random_send_delay(
+                                 rank, 0.003, SECOND_ACTIVATION_LATE)))
     compiled = run_steps(schedule, stages, blocks, x, y, 1)
     after_first = (sum(counters["frames"].values()), sum(counters["recompiles"].values()))
     compiled += run_steps(schedule, stages, blocks, x, y, steps - 1)
@@ -474,10 +480,11 @@ def fsdp_collectives(rank: int, world_size: int) -> dict:
         stages.append(stage)
     # Readiness-first: the default here (lookahead) would let an action pass a late one
     # only if earlier steps' arrival times, noisy on a loaded machine, said it fits.
-    schedule = ScheduleRRFP(stages, M, loss_fn=loss_fn, hint="Interleaved1F1B",
-                            buffer_limit="hint+1", policy="hint", stall_timeout=60,
-                            send_delay=random_send_delay(10 + rank, 0.003,
-                                                         replicas_apart("Interleaved1F1B", dp)))
+    schedule = StudySchedule(stages, M, loss_fn=loss_fn, hint="Interleaved1F1B",
+                             settings=Settings(buffer_limit="hint+1", policy="hint",
+                                               stall_timeout=60),
+                             study=Study(send_delay=random_send_delay(
+                                 10 + rank, 0.003, replicas_apart("Interleaved1F1B", dp))))
     originals = {name: getattr(dist, name)
                  for name in ("all_gather_single", "reduce_scatter_single",
                               "all_gather_into_tensor", "reduce_scatter_tensor", "all_reduce")}
@@ -555,8 +562,9 @@ def tensor_parallel_peer_stops(rank: int, world_size: int, coordination: str) ->
               for s in local]
     stages = [PipelineStage(b, s, num_stages, torch.device("cpu"), group=mesh["pp"].get_group())
               for b, s in zip(blocks, local)]
-    schedule = ScheduleRRFP(stages, M, loss_fn=loss_fn, hint="Interleaved1F1B", stall_timeout=5.0,
-                            coordination_group=mesh["tp"].get_group(), coordination=coordination)
+    schedule = ScheduleRRFP(stages, M, loss_fn=loss_fn, hint="Interleaved1F1B",
+                            coordination_group=mesh["tp"].get_group(),
+                            settings=Settings(stall_timeout=5.0, coordination=coordination))
     run_steps(schedule, stages, blocks, x, y, 1)
     outcome: dict = {}
     if rank != 0:
@@ -607,7 +615,8 @@ def tensor_parallel_without_coordination(rank: int, world_size: int) -> str:
     """PP 2 x TP 2 with DTensor stages but no coordination group: every rank must refuse."""
     mesh, pp, block, x, y = _tensor_parallel_block(local_output=True)
     stage = PipelineStage(block, pp, 2, torch.device("cpu"), group=mesh["pp"].get_group())
-    schedule = ScheduleRRFP(stage, 2, loss_fn=loss_fn, hint="1F1B", stall_timeout=30)
+    schedule = ScheduleRRFP(stage, 2, loss_fn=loss_fn, hint="1F1B",
+                            settings=Settings(stall_timeout=30))
     try:
         run_steps(schedule, [stage], [block], x, y, 1)
     except ValueError as e:
@@ -627,12 +636,13 @@ def dtensor_variable_shapes(rank: int, world_size: int) -> str:
     mesh, pp, block, x, y = _tensor_parallel_block(local_output=None)
     stage = PipelineStage(block, pp, 2, torch.device("cpu"), group=mesh["pp"].get_group(),
                           get_mesh=lambda names, layout: mesh[names])
-    schedule = ScheduleRRFP(stage, 2, loss_fn=loss_fn, hint="1F1B", stall_timeout=5,
-                            variable_shapes=True, coordination_group=mesh["tp"].get_group())
+    schedule = ScheduleRRFP(stage, 2, loss_fn=loss_fn, hint="1F1B",
+                            coordination_group=mesh["tp"].get_group(),
+                            settings=Settings(stall_timeout=5, variable_shapes=True))
     xs, ys = list(x.chunk(2)), list(y.chunk(2))
     try:
-        schedule.step_microbatches([(t,) for t in xs] if pp == 0 else None,
-                                   ys if pp == 1 else None)
+        schedule.step(arg_mbs=[(t,) for t in xs] if pp == 0 else None,
+                      target_mbs=ys if pp == 1 else None)
     except Exception as e:
         return f"{type(e).__name__}: {e}"
     finally:

@@ -20,7 +20,8 @@ from rrfp.core.limits import resolve_buffer_limits
 from rrfp.core.loop import StepLoop
 from rrfp.core.policy import make_policy
 from rrfp.core.wakeup import Wakeup
-from rrfp.devices.device import CudaDevice, EmulatedDevice, HostDevice
+from rrfp.devices.device import CudaDevice, HostDevice
+from rrfp.testing.emulation import EmulatedDevice
 
 NO_CUDA = "CudaDevice needs a CUDA device; torch.cuda.is_available() is False on this machine"
 

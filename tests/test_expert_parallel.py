@@ -24,6 +24,7 @@ pytest.importorskip("torchtitan", reason="the MoE stages are torchtitan's")
 
 from rrfp.testing.moe import (DIM, distribute_parameters, experts_of, make_batch,  # noqa: E402
                               make_moe_block, shard_experts, TORCHTITAN_0_2, use_cpu_moe_paths)
+from rrfp import Settings
 
 
 def _mesh():
@@ -103,8 +104,8 @@ def uncoordinated_expert_parallel(rank: int, world_size: int, case: str) -> dict
         experts_of(block).register_forward_pre_hook(lambda *_: dispatches.append(1))
     group = mesh["pp"].get_group() if case == "pp_group" else None
     stage = PipelineStage(block, pp, 2, torch.device("cpu"), group=mesh["pp"].get_group())
-    schedule = ScheduleRRFP(stage, 2, loss_fn=loss_fn, hint="1F1B", stall_timeout=30,
-                            coordination_group=group)
+    schedule = ScheduleRRFP(stage, 2, loss_fn=loss_fn, hint="1F1B", coordination_group=group,
+                            settings=Settings(stall_timeout=30))
     x, y = make_batch(ep, 2)
     try:
         run_steps(schedule, [stage], [block], x, y, 1)

@@ -19,16 +19,17 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.pipelining import PipelineStage
 
-from rrfp import PipelineStallError, ScheduleRRFP
+from rrfp import PipelineStallError, ScheduleRRFP, Settings
 from rrfp.comm.board import JobScope
 from rrfp.comm.transport import Transport
-from rrfp.devices.device import EmulatedDevice
 from rrfp.failure.hang_report import find_holder, HANG_REPORT_WAIT_S, report_text, SILENT, UNSENT
 from rrfp.failure.job import agree_on_settings
 from rrfp.testing import nccl_like_collectives
 from rrfp.testing.chains import loss_fn, make_batch, make_chain, MLPBlock, run_steps
+from rrfp.testing.emulation import EmulatedDevice
 from rrfp.testing.nccl_like import use_channels
 from rrfp.testing.probes import error_chain, rrfp_threads
+from rrfp.testing.study import Study, StudySchedule
 from rrfp.testing.worlds import run_local_world
 
 M = 4
@@ -222,10 +223,11 @@ def job_failure(rank: int, world_size: int, kind: str, parallel: str, how: str,
         strike = module = Strike(_replicated(block, wrapper, replica_group),
                                  how if rank == 0 else None, 3, waits, say)
     stage = PipelineStage(module, pp, 2, torch.device("cpu"), group=pp_group)
-    schedule = ScheduleRRFP(
-        stage, M, loss_fn=loss_fn, hint="1F1B", stall_timeout=stall_timeout, report_folder=folder,
-        device=EmulatedDevice() if (kind, parallel) == ("nccl-like", "tp") else None,
-        coordination_group=replica_group if parallel == "tp" else None)
+    schedule = StudySchedule(stage, M, loss_fn=loss_fn, hint="1F1B",
+                             coordination_group=replica_group if parallel == "tp" else None,
+                             settings=Settings(stall_timeout=stall_timeout, report_folder=folder),
+                             study=Study(device=EmulatedDevice()
+                                         if (kind, parallel) == ("nccl-like", "tp") else None))
     run_steps(schedule, [stage], [strike], x, y, 1)
     strike.calls, strike.armed = 0, True  # the third forward of step 2: microbatch 2
     if parallel == "dp" and rank in pipelines[1]:
@@ -263,8 +265,8 @@ def planted_stall(rank: int, world_size: int, folder: str) -> dict:
     chain = make_chain(world_size)
     x, y = make_batch(M)
     stage = PipelineStage(copy.deepcopy(chain[rank]), rank, world_size, torch.device("cpu"))
-    schedule = ScheduleRRFP(stage, M, loss_fn=loss_fn, hint="1F1B", stall_timeout=5.0,
-                            report_folder=folder)
+    schedule = ScheduleRRFP(stage, M, loss_fn=loss_fn, hint="1F1B",
+                            settings=Settings(stall_timeout=5.0, report_folder=folder))
     start = time.perf_counter()
     try:
         run_steps(schedule, [stage], [stage.submod], x, y, 1)
@@ -287,7 +289,8 @@ def settings_disagree(rank: int, world_size: int, setting: str) -> dict:
     if replica == 1:
         settings[setting] = {"hint": "GPipe", "buffer_limit": "hint+1"}[setting]
     try:
-        ScheduleRRFP(stage, M, loss_fn=loss_fn, stall_timeout=60, **settings)
+        ScheduleRRFP(stage, M, loss_fn=loss_fn, hint=settings["hint"],
+                     settings=Settings(stall_timeout=60, buffer_limit=settings["buffer_limit"]))
     except ValueError as e:
         return {"error": str(e), "threads": rrfp_threads()}
     return {"error": None}

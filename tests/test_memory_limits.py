@@ -9,14 +9,14 @@ from collections.abc import Callable
 import pytest
 import torch
 
-from rrfp import ScheduleRRFP
+from rrfp import ScheduleRRFP, Settings
 from rrfp.core.hints import build_hint
-from rrfp.devices.device import EmulatedDevice
 from rrfp.testing.chains import (BATCH_PER_MICROBATCH, bitwise_equal, build_stages, DIM,
                                  local_stage_indices, loss_fn, make_batch, make_chain, run_steps,
                                  torch_schedule)
-from rrfp.testing.emulation import EmulatedDeviceTime
+from rrfp.testing.emulation import EmulatedDevice, EmulatedDeviceTime
 from rrfp.testing.probes import held_from_order, HookProbe
+from rrfp.testing.study import Study, StudySchedule
 from rrfp.testing.worlds import run_local_world
 
 
@@ -147,9 +147,10 @@ def bytes_when_i_frees_a_part(rank: int, world_size: int, hint: str, reference: 
         meters = StageMeters()
         stages, blocks = build_stages(chain, rank, world_size, layout,
                                       wrap=memory_delays("slow_head", num_stages, M, meters))
-        schedule = torch_schedule(reference, stages, M) if name == "torch" else ScheduleRRFP(
-            stages, M, loss_fn=loss_fn, hint=hint, device=EmulatedDevice(), stall_timeout=60,
-            meter_activations=False)
+        schedule = torch_schedule(reference, stages, M) if name == "torch" else StudySchedule(
+            stages, M, loss_fn=loss_fn, hint=hint,
+            settings=Settings(stall_timeout=60, meter_activations=False),
+            study=Study(device=EmulatedDevice()))
         memory_steps(schedule, blocks, inputs, y, meters)
         if name == "rrfp":
             schedule.close()
@@ -210,9 +211,10 @@ def memory_world(rank: int, world_size: int, hint: str, reference: str, per_rank
         meters = StageMeters() if metered == "stage" else None
         stages, blocks = build_stages(chain, rank, world_size, layout,
                                       wrap=memory_delays(pattern, num_stages, M, meters))
-        schedule = ScheduleRRFP(stages, M, loss_fn=loss_fn, hint=hint, buffer_limit=limit,
-                                device=EmulatedDevice(), stall_timeout=60,
-                                meter_activations=meters is None, meter_every=1)
+        schedule = StudySchedule(stages, M, loss_fn=loss_fn, hint=hint,
+                                 settings=Settings(buffer_limit=limit, stall_timeout=60,
+                                                   meter_activations=meters is None, meter_every=1),
+                                 study=Study(device=EmulatedDevice()))
         for stage in stages:
             stage.submod.reset()
         grads = memory_steps(schedule, blocks, inputs, y, meters)
@@ -299,8 +301,8 @@ def receive_buffers(rank: int, world_size: int, hint: str, per_rank: int, layout
     for M in (4, 16):
         x, y = make_batch(M)
         stages, blocks = build_stages(chain, rank, world_size, layout)
-        schedule = ScheduleRRFP(stages, M, loss_fn=loss_fn, hint=hint, buffer_limit=limit,
-                                stall_timeout=60)
+        schedule = ScheduleRRFP(stages, M, loss_fn=loss_fn, hint=hint,
+                                settings=Settings(buffer_limit=limit, stall_timeout=60))
         run_steps(schedule, stages, blocks, x, y, 1)
         schedule.close()
         limits = schedule.buffer_limits.per_stage
@@ -358,8 +360,9 @@ def chunked_input_bytes(rank: int, world_size: int, limits: list) -> dict:
     results = {}
     for limit in limits:
         stages, _ = build_stages(chain, rank, world_size, "loop")
-        schedule = ScheduleRRFP(stages, M, loss_fn=loss_fn, hint="1F1B", buffer_limit=limit,
-                                policy="hint", stall_timeout=60, meter_every=1)
+        schedule = ScheduleRRFP(stages, M, loss_fn=loss_fn, hint="1F1B",
+                                settings=Settings(buffer_limit=limit, policy="hint",
+                                                  stall_timeout=60, meter_every=1))
         for _ in range(2):
             schedule.step(*inputs, target=y, return_outputs=False)
         stats = schedule.last_step_stats
@@ -399,8 +402,9 @@ def metered_and_unmetered(rank: int, world_size: int) -> dict:
     for metered in (True, False):
         stages, blocks = build_stages(chain, rank, world_size, "loop",
                                       wrap=lambda s, b: HookProbe(b))
-        schedule = ScheduleRRFP(stages, M, loss_fn=loss_fn, hint="1F1B", stall_timeout=60,
-                                meter_activations=metered, meter_every=1)
+        schedule = ScheduleRRFP(stages, M, loss_fn=loss_fn, hint="1F1B",
+                                settings=Settings(stall_timeout=60, meter_activations=metered,
+                                                  meter_every=1))
         history = run_steps(schedule, stages, blocks, x, y, steps)
         schedule.close()
         results[metered] = {

@@ -14,13 +14,13 @@ import torch
 import torch.distributed as dist
 from torch.distributed.pipelining.schedules import ScheduleInterleavedZeroBubble
 
-from rrfp import ScheduleRRFP
-from rrfp.core.loop import DEFAULT_LAUNCH_DEPTH
-from rrfp.devices.device import EmulatedDevice
+from rrfp import ScheduleRRFP, Settings
+from rrfp.core.settings import DEFAULT_LAUNCH_DEPTH
 from rrfp.testing.chains import (BATCH_PER_MICROBATCH, bitwise_equal, build_stages, DIM,
                                  local_stage_indices, loss_fn, make_batch, make_chain,
                                  reference_steps, run_steps, torch_schedule)
-from rrfp.testing.emulation import EmulatedDeviceTime
+from rrfp.testing.emulation import EmulatedDevice, EmulatedDeviceTime
+from rrfp.testing.study import Study, StudySchedule
 from rrfp.testing.timing import (ACROSS_BOTH_RANKS_LATE, random_device_time, random_send_delay,
                                  SECOND_ACTIVATION_LATE)
 from rrfp.testing.worlds import run_local_world
@@ -109,9 +109,11 @@ def fidelity(rank: int, world_size: int, case: FidelityCase, tmpdir: str) -> dic
             send_delay = random_send_delay(seed * 7919 + rank, case.max_delay_s,
                                            late if i == 1 else None)
         stages, blocks = build_stages(chain, rank, world_size, case.layout, wrap=wrap)
-        schedule = ScheduleRRFP(stages, M, loss_fn=loss_fn, hint=hint, send_delay=send_delay,
-                                buffer_limit=buffer_limit, stall_timeout=60, device=device,
-                                launch_depth=launch_depth, policy="hint" if i == 1 else None)
+        schedule = StudySchedule(stages, M, loss_fn=loss_fn, hint=hint,
+                                 settings=Settings(buffer_limit=buffer_limit, stall_timeout=60,
+                                                   launch_depth=launch_depth,
+                                                   policy="hint" if i == 1 else None),
+                                 study=Study(send_delay=send_delay, device=device))
         history = run_steps(schedule, stages, blocks, x, y, case.steps)
         schedule.close()
         stats = schedule.last_step_stats
@@ -189,11 +191,12 @@ def outputs_and_eval(rank: int, world_size: int, hint: str, reference: str,
         else:  # random delays, a late activation that reorders actions, memory slack
             stages, _ = build_stages(chain, rank, world_size, layout,
                                      wrap=lambda s, b: random_device_time(5, s, M, 0.003)(b))
-            schedule = ScheduleRRFP(stages, M, loss_fn=loss_fn, hint=hint, device=EmulatedDevice(),
-                                    launch_depth=1, stall_timeout=60, buffer_limit="hint+1",
-                                    policy="hint",  # the default at hint+1 follows the hint here
-                                    send_delay=random_send_delay(rank, 0.003,
-                                                                 SECOND_ACTIVATION_LATE))
+            schedule = StudySchedule(stages, M, loss_fn=loss_fn, hint=hint,
+                                     settings=Settings(launch_depth=1, stall_timeout=60,
+                                                       buffer_limit="hint+1", policy="hint"),
+                                     study=Study(device=EmulatedDevice(),
+                                                 send_delay=random_send_delay(
+                                                     rank, 0.003, SECOND_ACTIVATION_LATE)))
         inputs = (x,) if any(s.is_first for s in stages) else ()
         train_losses: list = []
         train_out = schedule.step(*inputs, target=y, losses=train_losses)
@@ -257,7 +260,7 @@ def stages_listed_in_reverse(rank: int, world_size: int) -> dict:
     fixed = run_steps(torch_schedule("Interleaved1F1B", stages, M), stages, blocks, x, y, steps)
     stages, blocks = build_stages(chain, rank, world_size, "loop")
     schedule = ScheduleRRFP(stages[::-1], M, loss_fn=loss_fn, hint="Interleaved1F1B",
-                            stall_timeout=20)
+                            settings=Settings(stall_timeout=20))
     history = run_steps(schedule, stages, blocks, x, y, steps)
     schedule.close()
     return {"bitwise": bitwise_equal(history, fixed),
@@ -299,9 +302,11 @@ def slow_microbatch_comparison(rank: int, world_size: int, hint: str, policy: st
         stages, blocks = build_stages(chain, rank, world_size, "loop", wrap=device_time)
         schedules[kind] = (
             torch_schedule(hint, stages, n_microbatches) if kind == "fixed"
-            else ScheduleRRFP(stages, n_microbatches, loss_fn=loss_fn, hint=hint, policy=policy,
-                              device=None if launch_depth is None else EmulatedDevice(),
-                              launch_depth=launch_depth or DEFAULT_LAUNCH_DEPTH),
+            else StudySchedule(stages, n_microbatches, loss_fn=loss_fn, hint=hint,
+                               settings=Settings(policy=policy,
+                                                 launch_depth=launch_depth or DEFAULT_LAUNCH_DEPTH),
+                               study=Study(device=None if launch_depth is None
+                                           else EmulatedDevice())),
             stages, blocks,
         )
     times: dict[str, list[float]] = {"fixed": [], "rrfp": []}
@@ -402,7 +407,8 @@ def bad_input(rank: int, world_size: int, case: str) -> str:
     chain = make_chain(world_size * per_rank)
     stages, _ = build_stages(chain, rank, world_size, layout)
     try:
-        ScheduleRRFP(stages, n_microbatches, loss_fn=loss_fn, **kwargs)
+        ScheduleRRFP(stages, n_microbatches, loss_fn=loss_fn, hint=kwargs.pop("hint"),
+                     settings=Settings(**kwargs))
     except ValueError as e:
         return str(e)
     raise AssertionError(f"no ValueError for {case}")
@@ -420,8 +426,7 @@ def pre_split(rank: int, world_size: int, hint: str, stages_per_rank: int) -> di
     """torch's pre-split call, ``step(arg_mbs=..., target_mbs=...)``, under RRFP with random
     device and link delays and a late activation that reorders actions, against torch's
     fixed schedule given the same microbatches (torch >= 2.14: pre-split too; 2.13 has no
-    such call: the whole batch, which it splits into the same chunks); and
-    ``step_microbatches`` on the same microbatches."""
+    such call: the whole batch, which it splits into the same chunks)."""
     M, steps = 4, 2
     chain = make_chain(world_size * stages_per_rank)
     x, y = make_batch(M)
@@ -448,39 +453,35 @@ def pre_split(rank: int, world_size: int, hint: str, stages_per_rank: int) -> di
     def whole_batch_call(schedule, stages, losses):
         return schedule.step(*((x,) if first(stages) else ()), target=y, losses=losses)
 
-    def alias_call(schedule, stages, losses):
-        return schedule.step_microbatches(arg_mbs if first(stages) else None,
-                                          target_mbs if last(stages) else None, losses=losses)
-
     stages, blocks = build_stages(chain, rank, world_size, "loop")
     torch_has_pre_split = "arg_mbs" in inspect.signature(
         torch_schedule(hint, stages, M).step).parameters
     fixed, fixed_out = train(torch_schedule(hint, stages, M), stages, blocks,
                              pre_split_call if torch_has_pre_split else whole_batch_call)
     results = {"torch_pre_split": torch_has_pre_split}
-    for name, call in (("step", pre_split_call), ("step_microbatches", alias_call)):
-        wrap = lambda s, b: random_device_time(3, s, M, 0.003)(b)  # noqa: E731
-        stages, blocks = build_stages(chain, rank, world_size, "loop", wrap=wrap)
-        schedule = ScheduleRRFP(stages, M, loss_fn=loss_fn, hint=hint, buffer_limit="hint+1",
-                                policy="hint", device=EmulatedDevice(), stall_timeout=60,
-                                send_delay=random_send_delay(17 + rank, 0.003,
-                                                             SECOND_ACTIVATION_LATE))
-        history, outputs = train(schedule, stages, blocks, call)
-        results[name] = {
-            "bitwise": bitwise_equal(history, fixed),
-            "outputs": all((a is None and b is None) or torch.equal(a, b)
-                           for a, b in zip(outputs, fixed_out)),
-            "out_of_order": schedule.last_step_stats.out_of_hint_order,
-        }
-        errors = []
-        for bad in (dict(arg_mbs=arg_mbs[:-1]), dict(arg_mbs=[t for (t,) in arg_mbs]),
-                    dict(arg_mbs=arg_mbs, target=y)):
-            try:
-                schedule.step(**bad)
-            except (TypeError, ValueError) as e:
-                errors.append(f"{type(e).__name__}: {e}")
-        results[name]["errors"] = errors
-        schedule.close()
+    wrap = lambda s, b: random_device_time(3, s, M, 0.003)(b)  # noqa: E731
+    stages, blocks = build_stages(chain, rank, world_size, "loop", wrap=wrap)
+    schedule = StudySchedule(stages, M, loss_fn=loss_fn, hint=hint,
+                             settings=Settings(buffer_limit="hint+1", policy="hint",
+                                               stall_timeout=60),
+                             study=Study(device=EmulatedDevice(),
+                                         send_delay=random_send_delay(
+                                             17 + rank, 0.003, SECOND_ACTIVATION_LATE)))
+    history, outputs = train(schedule, stages, blocks, pre_split_call)
+    results.update(
+        bitwise=bitwise_equal(history, fixed),
+        outputs=all((a is None and b is None) or torch.equal(a, b)
+                    for a, b in zip(outputs, fixed_out)),
+        out_of_order=schedule.last_step_stats.out_of_hint_order)
+    errors = []
+    for bad in (dict(arg_mbs=arg_mbs[:-1]), dict(arg_mbs=[t for (t,) in arg_mbs]),
+                dict(arg_mbs=arg_mbs, target=y)):
+        try:
+            schedule.step(**bad)
+        except (TypeError, ValueError) as e:
+            errors.append(f"{type(e).__name__}: {e}")
+    results["errors"] = errors
+    schedule.close()
     return results
 
 
@@ -488,18 +489,16 @@ def pre_split(rank: int, world_size: int, hint: str, stages_per_rank: int) -> di
 def test_pre_split_step_is_bitwise_torchs_schedule_on_the_same_microbatches(hint,
                                                                            stages_per_rank):
     """``step(arg_mbs=..., target_mbs=...)`` (torch's pre-split call, on every torch
-    version) and ``step_microbatches``: gradients, losses and outputs bitwise those of
-    torch's fixed schedule, with random delays that reorder actions; bad pre-split inputs
-    are refused saying what is wrong, before any communication."""
+    version): gradients, losses and outputs bitwise those of torch's fixed schedule, with
+    random delays that reorder actions; bad pre-split inputs are refused saying what is
+    wrong, before any communication."""
     ranks = run_local_world(2, pre_split, hint, stages_per_rank, timeout=180)
-    for rank, result in enumerate(ranks):
-        for call in ("step", "step_microbatches"):
-            run = result[call]
-            assert run["bitwise"], (rank, call, "differs from torch's " + hint)
-            assert run["outputs"], (rank, call, "outputs differ from torch's")
-            assert [e.split(":")[0] for e in run["errors"]] == \
-                ["ValueError", "TypeError", "ValueError"], run["errors"]
-    assert sum(r[c]["out_of_order"] for r in ranks for c in ("step", "step_microbatches")) > 0
+    for rank, run in enumerate(ranks):
+        assert run["bitwise"], (rank, "differs from torch's " + hint)
+        assert run["outputs"], (rank, "outputs differ from torch's")
+        assert [e.split(":")[0] for e in run["errors"]] == \
+            ["ValueError", "TypeError", "ValueError"], run["errors"]
+    assert sum(r["out_of_order"] for r in ranks) > 0
 
 
 def device_durations(rank: int, world_size: int, launch_cost: float) -> dict:
@@ -514,8 +513,9 @@ def device_durations(rank: int, world_size: int, launch_cost: float) -> dict:
         chain, rank, world_size, "loop",
         wrap=lambda s, b: EmulatedDeviceTime(b, M, lambda mb: targets["F"],
                                              lambda mb: targets["B"]))
-    schedule = ScheduleRRFP(stages, M, loss_fn=loss_fn, hint="1F1B", launch_depth=2,
-                            device=EmulatedDevice(launch_cost=launch_cost))
+    schedule = StudySchedule(stages, M, loss_fn=loss_fn, hint="1F1B",
+                             settings=Settings(launch_depth=2),
+                             study=Study(device=EmulatedDevice(launch_cost=launch_cost)))
     steps = []
     for _ in range(3):
         run_steps(schedule, stages, blocks, x, y, 1)

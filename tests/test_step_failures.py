@@ -11,14 +11,14 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from rrfp import PipelineStallError, ScheduleRRFP
+from rrfp import PipelineStallError, ScheduleRRFP, Settings
 from rrfp._torch_compat import forward_states_held
-from rrfp.devices.device import EmulatedDevice
 from rrfp.testing.chains import (bitwise_equal, build_stages, local_stage_indices, loss_fn,
                                  make_batch, make_chain, run_steps, torch_schedule)
-from rrfp.testing.emulation import EmulatedDeviceTime
+from rrfp.testing.emulation import EmulatedDevice, EmulatedDeviceTime
 from rrfp.testing.nccl_like import use_channels
 from rrfp.testing.probes import error_chain, rrfp_threads
+from rrfp.testing.study import Study, StudySchedule
 from rrfp.testing.worlds import run_local_world
 
 
@@ -32,7 +32,7 @@ def silent_first_rank(rank: int, world_size: int, stall_timeout: float) -> dict:
     x, y = make_batch(world_size)
     stages, blocks = build_stages(chain, rank, world_size, "loop")
     schedule = ScheduleRRFP(stages, world_size, loss_fn=loss_fn, hint="1F1B",
-                            stall_timeout=stall_timeout)
+                            settings=Settings(stall_timeout=stall_timeout))
     run_steps(schedule, stages, blocks, x, y, steps=1)
     outcome: dict = {}
     if rank > 0:
@@ -87,8 +87,9 @@ def split_backward_failure(rank: int, world_size: int) -> dict:
     failing_loss = FailingLoss(fail_at_call=3)
     stages, blocks = build_stages(chain, rank, world_size, "v")
     failing_loss.armed = any(stage.is_last for stage in stages)
-    schedule = ScheduleRRFP(stages, M, loss_fn=failing_loss, hint="ZBVZeroBubble",
-                            stall_timeout=30, device=EmulatedDevice(), launch_depth=1)
+    schedule = StudySchedule(stages, M, loss_fn=failing_loss, hint="ZBVZeroBubble",
+                             settings=Settings(stall_timeout=30, launch_depth=1),
+                             study=Study(device=EmulatedDevice()))
     error = None
     try:
         run_steps(schedule, stages, blocks, x, y, 1)
@@ -119,8 +120,9 @@ def recovers_as_gpipe(chain, snapshot, rank: int, world_size: int, M: int, x, y)
     for s, saved in zip(local_stage_indices(rank, world_size, world_size, "loop"), snapshot):
         full[s] = saved
     stages, blocks = build_stages(full, rank, world_size, "loop")
-    recovered = ScheduleRRFP(stages, M, loss_fn=loss_fn, hint="GPipe", stall_timeout=300,
-                             device=EmulatedDevice(), launch_depth=1)
+    recovered = StudySchedule(stages, M, loss_fn=loss_fn, hint="GPipe",
+                              settings=Settings(stall_timeout=300, launch_depth=1),
+                              study=Study(device=EmulatedDevice()))
     got = run_steps(recovered, stages, blocks, x, y, 1)
     recovered.close()
     fixed_stages, fixed_blocks = build_stages(full, rank, world_size, "loop")
@@ -172,8 +174,9 @@ def failure_and_recovery(rank: int, world_size: int, failing_rank: int) -> dict:
 
     wrap = (lambda s, b: ArmedThirdForward(b, fail)) if rank == failing_rank == 0 else None
     stages, blocks = build_stages(chain, rank, world_size, "loop", wrap=wrap)
-    schedule = ScheduleRRFP(stages, M, loss_fn=failing_loss, hint="GPipe", stall_timeout=30,
-                            device=EmulatedDevice(), launch_depth=1)
+    schedule = StudySchedule(stages, M, loss_fn=failing_loss, hint="GPipe",
+                             settings=Settings(stall_timeout=30, launch_depth=1),
+                             study=Study(device=EmulatedDevice()))
     run_steps(schedule, stages, blocks, x, y, 1)
     snapshot = [copy.deepcopy(b) for b in blocks]
     failing_loss.armed, failing_loss.calls = rank == failing_rank, 0
@@ -277,9 +280,10 @@ def failure_reaches_every_rank(rank: int, world_size: int, kind: str, how: str) 
 
     wrap = (lambda s, b: Failing(b)) if how == "forward" and rank == failing else None
     stages, blocks = build_stages(chain, rank, world_size, "loop", wrap=wrap)
-    schedule = ScheduleRRFP(stages, M, loss_fn=loss if how == "loss" and rank == failing
-                            else loss_fn, hint="GPipe", stall_timeout=300,
-                            device=EmulatedDevice(), launch_depth=1)
+    schedule = StudySchedule(stages, M, loss_fn=loss if how == "loss" and rank == failing
+                            else loss_fn, hint="GPipe",
+                             settings=Settings(stall_timeout=300, launch_depth=1),
+                             study=Study(device=EmulatedDevice()))
     run_steps(schedule, stages, blocks, x, y, 1)
     snapshot = [copy.deepcopy(b) for b in blocks]
     armed, calls[0] = True, 0
@@ -347,8 +351,9 @@ def clean_close_then_peer_steps(rank: int, world_size: int, kind: str) -> dict:
     wrap = ((lambda s, b: EmulatedDeviceTime(b, M, lambda mb: 0.2, lambda mb: 0.0))
             if rank == 1 else None)
     stages, blocks = build_stages(chain, rank, world_size, "loop", wrap=wrap)
-    schedule = ScheduleRRFP(stages, M, loss_fn=loss_fn, hint="1F1B", stall_timeout=300,
-                            device=EmulatedDevice(), launch_depth=1)
+    schedule = StudySchedule(stages, M, loss_fn=loss_fn, hint="1F1B",
+                             settings=Settings(stall_timeout=300, launch_depth=1),
+                             study=Study(device=EmulatedDevice()))
     run_steps(schedule, stages, blocks, x, y, 1)  # shape inference: torch's blocking P2P
     inputs = (x,) if rank == 0 else ()
     error = None
@@ -405,8 +410,9 @@ def sends_and_breaks_around_a_failure(rank: int, world_size: int) -> dict:
     failing_loss = FailingLoss(fail_at_call=1)
     wrap = (lambda s, b: ArmedThirdForward(b, lambda: time.sleep(1.2))) if rank == 0 else None
     stages, blocks = build_stages(chain, rank, world_size, "loop", wrap=wrap)
-    schedule = ScheduleRRFP(stages, M, loss_fn=failing_loss, hint="GPipe", stall_timeout=30,
-                            send_delay=lambda edge, mb: {0: 0.2, 1: 0.9}.get(mb, 0.0))
+    schedule = StudySchedule(stages, M, loss_fn=failing_loss, hint="GPipe",
+                             settings=Settings(stall_timeout=30),
+                             study=Study(send_delay=lambda edge, mb: {0: 0.2, 1: 0.9}.get(mb, 0.0)))
     run_steps(schedule, stages, blocks, x, y, 1)
     failing_loss.armed, failing_loss.calls = rank == 1, 0
     Channel.send, rrfp.comm.channels.break_gloo_group = send, break_group

@@ -20,7 +20,7 @@ from torch.distributed.pipelining.schedules import (
     ScheduleZBVZeroBubble,
 )
 
-from rrfp import ScheduleRRFP
+from rrfp import ScheduleRRFP, Settings
 from rrfp.testing.chains import (bitwise_equal, build_stages, loss_fn, make_batch, make_chain,
                                  run_steps)
 from rrfp.testing.probes import error_chain
@@ -82,7 +82,8 @@ def fixed_steps_stall_on_a_loaded_hint(rank: int, world_size: int, tmpdir: str) 
                         + "\n")
     dist.barrier()
     stages, _ = build_stages(make_chain(world_size), rank, world_size, "loop")
-    schedule = ScheduleRRFP(stages, M, loss_fn=loss_fn, hint="1F1B", buffer_limit=2, fixed_every=2)
+    schedule = ScheduleRRFP(stages, M, loss_fn=loss_fn, hint="1F1B",
+                            settings=Settings(buffer_limit=2, fixed_every=2))
     try:
         schedule._load_csv(path)
         return None
@@ -216,7 +217,8 @@ def reuse_after_input_error(rank: int, world_size: int, name: str) -> dict:
     for stage in stages:
         stage._runtime_validate = True  # torch's stages check shapes only then
     schedule = (ScheduleGPipe(stages[0], M, loss_fn=loss_fn) if name == "torch" else
-                ScheduleRRFP(stages, M, loss_fn=loss_fn, hint="GPipe", stall_timeout=60))
+                ScheduleRRFP(stages, M, loss_fn=loss_fn, hint="GPipe",
+                             settings=Settings(stall_timeout=60)))
     history = run_steps(schedule, stages, blocks, x, y, 1)
     error = None
     if rank == 0:

@@ -8,6 +8,7 @@ at full precision: torchtitan writes them to TensorBoard as float32.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import re
@@ -23,7 +24,7 @@ import torch.distributed as dist
 import torchtitan  # noqa: F401
 
 from torchtitan_ext.common.log_ranks import log_ranks, print_only_on, warn_if_loss_hidden  # noqa: E402
-from rrfp import ScheduleRRFP  # noqa: E402
+from rrfp import ScheduleRRFP, Settings  # noqa: E402
 from rrfp.core.hints import HINT_NAMES  # noqa: E402
 from rrfp.core.settings import BufferLimit, parse_buffer_limit  # noqa: E402
 from rrfp.core.stats import StepStats  # noqa: E402
@@ -31,7 +32,7 @@ from rrfp.testing.chains import build_stages, loss_fn, make_chain  # noqa: E402
 from rrfp.testing.stats import made_up_stats  # noqa: E402
 from rrfp.testing.worlds import run_local_world  # noqa: E402
 from torchtitan_ext.common.schedules import (  # noqa: E402
-    hint_of, placement_schedule, schedule_arguments, validate)
+    hint_of, placement_schedule, schedule_settings, validate)
 from torchtitan_ext.common.version import torchtitan_version  # noqa: E402
 
 VERSION = torchtitan_version()
@@ -417,7 +418,8 @@ def settings_as_built(rank: int, world_size: int, arguments: list[dict]) -> list
     built = []
     for kwargs in arguments:
         stages, _ = build_stages(chain, rank, world_size, "loop")
-        schedule = ScheduleRRFP(stages, 8, loss_fn=loss_fn, hint="Interleaved1F1B", **kwargs)
+        schedule = ScheduleRRFP(stages, 8, loss_fn=loss_fn, hint="Interleaved1F1B",
+                                settings=Settings(**kwargs))
         schedule.close()
         built.append((dict(schedule.buffer_limits.per_stage), dict(schedule.buffer_limits.per_rank),
                       schedule.policy, schedule.launch_depth))
@@ -449,7 +451,7 @@ def test_each_setting_means_the_same_from_python_toml_and_the_simulator(tmp_path
         config_file.write_text(text.replace('buffer_limit = "hint"\n', lines))
         config = ConfigManager().parse_args(["--job.config_file", str(config_file)])
         validate(config, n_layers(config))
-        toml_arguments.append(schedule_arguments(config.rrfp))
+        toml_arguments.append(dataclasses.asdict(schedule_settings(config.rrfp)))
     python_arguments = [python for python, _, _ in SPELLINGS]
     built = run_local_world(2, settings_as_built, python_arguments + toml_arguments,
                             timeout=120)

@@ -20,6 +20,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from rrfp import Settings
 from rrfp.comm import channels as channels_module, ScheduleRRFP
 from rrfp.comm.board import FailureBoard
 from rrfp.comm.channels import Channel, ChannelMap, make_channel_group
@@ -31,7 +32,9 @@ from rrfp.devices.platform import ReceiveStreams
 from rrfp.testing import nccl_like
 from rrfp.testing.chains import (bitwise_equal, build_stages, loss_fn, make_batch, make_chain,
                                  run_steps, torch_schedule)
+from rrfp.testing.emulation import EmulatedDevice
 from rrfp.testing.probes import error_chain
+from rrfp.testing.study import Study, StudySchedule
 from rrfp.testing.worlds import run_local_world
 
 
@@ -456,15 +459,19 @@ def test_gloo_channels_add_at_most_one_io_thread(world, io_threads):
     assert int(done.stdout.split()[-1]) == io_threads
 
 
-def test_send_delay_is_refused_for_cuda_stages():
-    """``send_delay``'s sender thread has the default stream current, not the compute
-    stream: it could send an output before the compute stream wrote it."""
+@pytest.mark.parametrize("knob", ["send_delay", "device"])
+def test_study_knobs_are_refused_for_cuda_stages(knob):
+    """A send delay's sender thread has the default stream current, not the compute
+    stream: it could send an output before the compute stream wrote it; the emulated
+    device runs CPU work."""
     class CudaStage:  # what the check reads of a stage, before anything else is built
         device = torch.device("cuda", 0)
         stage_index = 0
 
-    with pytest.raises(ValueError, match="send_delay emulates link latency for CPU studies"):
-        ScheduleRRFP([CudaStage()], 4, send_delay=lambda edge, mb: 0.0)
+    study = (Study(send_delay=lambda edge, mb: 0.0) if knob == "send_delay"
+             else Study(device=EmulatedDevice()))
+    with pytest.raises(ValueError, match="the emulated device and send delays run CPU stages"):
+        StudySchedule([CudaStage()], 4, study=study)
 
 
 class LazilyConnectedGroup:
@@ -520,7 +527,8 @@ def lazily_connected_channels(rank: int, world_size: int, connect: bool) -> dict
     stages, blocks = build_stages(chain, rank, world_size, "loop")
     fixed = run_steps(torch_schedule("1F1B", stages, M), stages, blocks, x, y, 2)
     stages, blocks = build_stages(chain, rank, world_size, "loop")
-    schedule = ScheduleRRFP(stages, M, loss_fn=loss_fn, hint="1F1B", stall_timeout=30)
+    schedule = ScheduleRRFP(stages, M, loss_fn=loss_fn, hint="1F1B",
+                            settings=Settings(stall_timeout=30))
     start = time.perf_counter()
     try:
         history = run_steps(schedule, stages, blocks, x, y, 2)

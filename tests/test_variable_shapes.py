@@ -11,12 +11,13 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from rrfp import ScheduleRRFP
-from rrfp.devices.device import EmulatedDevice
+from rrfp import ScheduleRRFP, Settings
 from rrfp.testing.chains import (BATCH_PER_MICROBATCH, bitwise_equal, build_stages, DIM,
                                  local_stage_indices, loss_fn, make_batch, make_chain)
+from rrfp.testing.emulation import EmulatedDevice
 from rrfp.testing.nccl_like import use_channels
 from rrfp.testing.probes import error_chain
+from rrfp.testing.study import Study, StudySchedule
 from rrfp.testing.timing import random_device_time, random_send_delay, SECOND_ACTIVATION_LATE
 from rrfp.testing.worlds import run_local_world
 
@@ -49,17 +50,18 @@ def variable_shapes(rank: int, world_size: int, hint: str, per_rank: int, layout
         # Delayed: also a late activation that reorders actions.
         send_delay = (random_send_delay(delay_seed * 31 + rank, 0.003, SECOND_ACTIVATION_LATE)
                       if delayed else None)
-        schedule = ScheduleRRFP(stages, M, loss_fn=loss_fn, hint=hint, policy=policy,
-                                variable_shapes=True, device=EmulatedDevice(),
-                                buffer_limit="hint+1", stall_timeout=60, send_delay=send_delay)
+        schedule = StudySchedule(stages, M, loss_fn=loss_fn, hint=hint,
+                                 settings=Settings(policy=policy, variable_shapes=True,
+                                                   buffer_limit="hint+1", stall_timeout=60),
+                                 study=Study(device=EmulatedDevice(), send_delay=send_delay))
         optimizer = torch.optim.SGD([p for b in blocks for p in b.parameters()], lr=0.1)
         history = []
         for xs, ys in data:
             optimizer.zero_grad(set_to_none=True)
             losses: list = []
-            schedule.step_microbatches(
-                [(x,) for x in xs] if any(s.is_first for s in stages) else None,
-                ys if any(s.is_last for s in stages) else None, losses=losses)
+            schedule.step(
+                arg_mbs=[(x,) for x in xs] if any(s.is_first for s in stages) else None,
+                target_mbs=ys if any(s.is_last for s in stages) else None, losses=losses)
             history.append(([p.grad.clone() for b in blocks for p in b.parameters()],
                             [loss.detach().clone() for loss in losses]))
             optimizer.step()
@@ -113,14 +115,15 @@ def variable_shape_that_breaks_the_model(rank: int, world_size: int) -> dict:
     M = 2 * world_size
     chain = make_chain(world_size)
     stages, _ = build_stages(chain, rank, world_size, "loop")
-    schedule = ScheduleRRFP(stages, M, loss_fn=loss_fn, hint="1F1B", variable_shapes=True,
-                            stall_timeout=60, device=EmulatedDevice())
+    schedule = StudySchedule(stages, M, loss_fn=loss_fn, hint="1F1B",
+                             settings=Settings(variable_shapes=True, stall_timeout=60),
+                             study=Study(device=EmulatedDevice()))
     xs, ys = variable_batches(M, [3, 5, 4], seed=0)
     xs[2] = torch.randn(2, 4, DIM + 3, dtype=torch.float64)
     start = time.perf_counter()
     try:
-        schedule.step_microbatches([(x,) for x in xs] if rank == 0 else None,
-                                   ys if rank == world_size - 1 else None)
+        schedule.step(arg_mbs=[(x,) for x in xs] if rank == 0 else None,
+                      target_mbs=ys if rank == world_size - 1 else None)
     except Exception as e:
         return {"error": error_chain(e), "elapsed": time.perf_counter() - start}
     return {"error": None}
@@ -167,12 +170,13 @@ def messages_per_step(rank: int, world_size: int, variable: bool) -> dict:
     chain = make_chain(world_size)
     x, y = make_batch(M)
     stages, _ = build_stages(chain, rank, world_size, "loop")
-    schedule = ScheduleRRFP(stages, M, loss_fn=loss_fn, hint="1F1B", variable_shapes=variable)
+    schedule = ScheduleRRFP(stages, M, loss_fn=loss_fn, hint="1F1B",
+                            settings=Settings(variable_shapes=variable))
     xs, ys = list(x.chunk(M)), list(y.chunk(M))
     for _ in range(2):
         sends.clear()  # the connection's token, then the first step's
-        schedule.step_microbatches([(t,) for t in xs] if rank == 0 else None,
-                                   ys if rank == world_size - 1 else None)
+        schedule.step(arg_mbs=[(t,) for t in xs] if rank == 0 else None,
+                      target_mbs=ys if rank == world_size - 1 else None)
     schedule.close()
     stats = schedule.last_step_stats
     return {"counted": len(sends), "counted_bytes": sum(n for n, _ in sends),

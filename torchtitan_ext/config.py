@@ -5,8 +5,7 @@ custom_config_module = "torchtitan_ext.config"``), the ``rrfp`` field of
 
 from dataclasses import dataclass, field
 
-from rrfp.core.loop import DEFAULT_LAUNCH_DEPTH
-from rrfp.runtime.meter import DEFAULT_METER_EVERY
+from rrfp.core.settings import DEFAULT_LAUNCH_DEPTH, DEFAULT_METER_EVERY
 
 
 @dataclass

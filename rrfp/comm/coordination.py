@@ -44,8 +44,8 @@ from rrfp.comm.channels import generation_store, make_channel_group
 from rrfp.core.actions import _Action
 from rrfp.core.arbiter import Arbiter
 from rrfp.core.errors import PipelineStallError
+from rrfp.core.settings import COORDINATIONS
 
-COORDINATIONS = ("leader", "agree")
 _NONE = -1
 
 

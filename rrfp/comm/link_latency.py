@@ -1,6 +1,6 @@
-"""Emulated link latency for CPU studies (``ScheduleRRFP(send_delay=...)``): each message
-of a channel is held for a given time before its send is issued, in FIFO order, by a
-thread per channel."""
+"""Emulated link latency for CPU studies (``rrfp.testing.study.Study(send_delay=...)``):
+each message of a channel is held for a given time before its send is issued, in FIFO
+order, by a thread per channel."""
 
 from __future__ import annotations
 

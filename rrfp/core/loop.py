@@ -32,11 +32,7 @@ from rrfp.core.actions import _Action, describe, Edge
 from rrfp.core.arbiter import Arbiter
 from rrfp.core.errors import PipelineStallError
 from rrfp.core.history import History
-
-
-DEFAULT_LAUNCH_DEPTH = 2
-"""Launched-but-incomplete actions a device may hold by default: one queued behind the
-running one hides the CPU's launch cost; see ``benchmarks/results/launch_depth.md``."""
+from rrfp.core.settings import DEFAULT_LAUNCH_DEPTH
 
 
 @dataclass(frozen=True)

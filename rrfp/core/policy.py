@@ -448,7 +448,7 @@ _FACTORIES: dict[str, PolicyFactory] = {
 
 
 def register_policy(name: str, factory: PolicyFactory) -> None:
-    """Add a policy: ``ScheduleRRFP(policy=name)``, the torchtitan ``policy`` setting and
+    """Add a policy: ``Settings(policy=name)``, the torchtitan ``policy`` setting and
     the simulator accept ``name`` from then on (in every process that registered it), and
     ``make_policy`` builds it from ``factory``. A policy picks among the ready actions the
     arbiter gives it (``rrfp.core.arbiter.Policy``), so it cannot break correctness, only speed."""

@@ -1,9 +1,11 @@
-"""How the user spells each setting: one parser per setting.
+"""What a user chooses of RRFP (``Settings``) and how each setting is spelled: one parser
+per setting.
 
-``ScheduleRRFP``, the torchtitan ``[rrfp]`` section and the simulator's command line all
-parse through these functions, so a value means the same wherever it is written (TOML and
-the command line hand over strings where Python code passes ints or None). The help texts
-are shared for the same reason.
+``ScheduleRRFP(settings=...)``, the torchtitan ``[rrfp]`` section and the simulator's
+command line all parse through these functions, so a value means the same wherever it is
+written (TOML and the command line hand over strings where Python code passes ints or
+None). The help texts are shared for the same reason. ``rrfp.core.checks.check_settings``
+checks a whole ``Settings`` against a hint, in one place.
 """
 
 from __future__ import annotations
@@ -15,6 +17,17 @@ from dataclasses import dataclass, field, replace
 POLICIES = ("hint", "drain", "fixed", "BF", "BFW", "window", "lookahead", "arrival",
             "critical")
 """The arbitration policies ``rrfp.core.policy`` implements."""
+
+COORDINATIONS = ("leader", "agree")
+"""How a coordination group settles on each action (``rrfp.comm.coordination``)."""
+DEFAULT_LAUNCH_DEPTH = 2
+"""Launched-but-incomplete actions a device may hold by default: one queued behind the
+running one hides the CPU's launch cost; see ``benchmarks/results/launch_depth.md``."""
+DEFAULT_METER_EVERY = 100
+"""``ScheduleRRFP`` meters its first training step and every this-many-th step: the meter
+costs CPU time per saved tensor (``benchmarks/results/memory.md``), which a step on real
+compute pays when its CPU launches the work (docs/guide/memory.md has the figures)."""
+DEFAULT_STALL_TIMEOUT_S = 300.0
 
 _REGISTERED: list[str] = []
 """Names of the policies added with ``rrfp.core.policy.register_policy``."""
@@ -32,6 +45,64 @@ def add_policy_name(name: str) -> None:
         raise ValueError(f"policy name {name!r} is empty or already taken: "
                          f"{list(policy_names())}")
     _REGISTERED.append(name.strip())
+
+
+@dataclass(kw_only=True)
+class Settings:
+    """What a user chooses of RRFP, every rank of the job the same
+    (``ScheduleRRFP(settings=Settings(...))``; torchtitan's ``[rrfp]`` section adds its own
+    fields to these). Checked and parsed in one place: ``rrfp.core.checks.check_settings``.
+    Full reference: docs/reference/api.md."""
+
+    buffer_limit: int | str = "hint"
+    """Activations held, from a microbatch's forward until its last backward piece (B, or
+    W under split backward), per stage and per rank: ``"hint"`` (the fixed schedule's own
+    peaks: no more activation memory than the hint), ``"hint+k"``, ``"Nx hint"``, an int n
+    (microbatches); or in bytes: ``"busiest"`` (every rank may hold what the fixed
+    schedule's busiest rank holds, so the job's peak is unchanged), a per-rank budget such
+    as ``"12GiB"``, or ``"auto"`` (CUDA: the free device memory less a margin). A byte
+    setting runs the first training step at ``"hint"`` and then the largest microbatch
+    limits within its bytes."""
+
+    policy: str | None = None
+    """How to pick among ready actions (``rrfp.core.policy``, case-insensitive); None or
+    empty: ``rrfp.core.policy.default_policy`` for the hint and the limits."""
+
+    coordination: str = "leader"
+    """How a coordination group (``ScheduleRRFP``'s ``coordination_group``) settles on
+    each action: ``"leader"`` (its first rank decides) or ``"agree"`` (all-gather
+    proposals, defer on disagreement)."""
+
+    launch_depth: int | str | None = DEFAULT_LAUNCH_DEPTH
+    """Launched actions the device may hold before the rank decides again (None, 0 or
+    ``"none"``: no bound). The rank decides when its device is free, on the latest
+    arrivals; a depth above 1 hides the CPU's launch cost."""
+
+    variable_shapes: bool = False
+    """Microbatches may differ in shape (e.g. in sequence length): each activation is
+    preceded by a small shape header. Feed them pre-split: ``step(arg_mbs=...,
+    target_mbs=...)``."""
+
+    meter_activations: bool = True
+    """Measure the bytes of the activations saved for backward
+    (``StepStats.peak_activation_bytes``) in the first training step and every
+    ``meter_every``-th. A limit in bytes needs it."""
+
+    meter_every: int = DEFAULT_METER_EVERY
+    """Meter every this-many-th step (and the first training step); 1: every step."""
+
+    stall_timeout: float = DEFAULT_STALL_TIMEOUT_S
+    """Seconds without any ready action before the step raises ``PipelineStallError``
+    naming what each stream waits for."""
+
+    fixed_every: int = 0
+    """The in-run A/B: every k-th training step (k >= 2; 0: never) runs the hint's fixed
+    order, launched without bound as torch's (docs/guide/advisor.md)."""
+
+    report_folder: str | None = None
+    """Where the job's hang report goes when a step stalls (None: the current working
+    directory); docs/guide/failures.md."""
+
 
 BUFFER_LIMIT_HELP = (
     "activations held (from a microbatch's forward until its last backward piece), per "

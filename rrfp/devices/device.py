@@ -4,11 +4,8 @@
   two timing events and returns; completion is an event query, never a synchronize.
 * ``HostDevice``: plain CPU tensors. CPU ops are synchronous, so an action is complete
   when its launch returns.
-* ``EmulatedDevice``: an asynchronous device for CPU tests and studies. A launch returns at
-  once (after an optional emulated launch cost, spent on the calling thread); a device
-  thread runs launched work in order and completes it, as a CUDA stream would. Combined
-  with ``rrfp.testing.emulation.EmulatedDeviceTime`` (stage compute that sleeps for a chosen time)
-  it makes schedules measurable on a CPU machine. Figures obtained with it are *emulated*.
+
+Studies add an emulated asynchronous device for CPU stages (``rrfp.testing.emulation``).
 
 All report ``Completion`` s with device start and end times in seconds from the step start:
 those durations, not launch times, feed the policies' history, the stats and the traces.
@@ -16,7 +13,6 @@ those durations, not launch times, feed the policies' history, the stats and the
 
 from __future__ import annotations
 
-import queue
 import threading
 import time
 from collections import deque
@@ -54,106 +50,6 @@ class HostDevice:
 
     def close(self, timeout: float) -> list[threading.Thread]:
         return []
-
-
-_STOP = object()
-
-
-class EmulatedDevice:
-    """An asynchronous device emulated on the CPU: a thread runs launched work in order.
-
-    ``launch_cost``: seconds each launch takes on the calling thread before it returns (the
-    CPU cost of enqueueing an action's kernels on a real accelerator). Launched work runs
-    with the grad mode of the launching thread. A failure in launched work is raised by
-    the next ``completed`` call; later work is skipped, as on a faulted stream.
-    """
-
-    def __init__(self, launch_cost: float = 0.0):
-        if not launch_cost >= 0:
-            raise ValueError(f"launch_cost must be >= 0 seconds, got {launch_cost}")
-        self.launch_cost = float(launch_cost)
-        self._origin = time.perf_counter()
-        self._wakeup: Wakeup | None = None
-        self._work: queue.SimpleQueue = queue.SimpleQueue()
-        self._done: queue.SimpleQueue = queue.SimpleQueue()
-        self._outstanding = 0
-        self._error: tuple[_Action, BaseException] | None = None
-        self._skip = False
-        self._thread: threading.Thread | None = None
-        self.most_behind = 0
-        """Most launched actions not yet reported complete that a launch of this step
-        found (``outstanding`` at the launch): the step loop keeps it below its
-        ``launch_depth``."""
-
-    @property
-    def outstanding(self) -> int:
-        return self._outstanding
-
-    def begin_step(self, origin: float, wakeup: Wakeup) -> None:
-        if self._outstanding:
-            raise RuntimeError(f"{self._outstanding} actions of an earlier step are still running")
-        self._origin = origin
-        self._wakeup = wakeup
-        self.most_behind = 0
-
-    def launch(self, action: _Action, work: Callable[[], None]) -> None:
-        if self.launch_cost:
-            time.sleep(self.launch_cost)
-        if self._thread is None:
-            self._thread = threading.Thread(target=self._run, name="rrfp-emulated-device",
-                                            daemon=True)
-            self._thread.start()
-        self.most_behind = max(self.most_behind, self._outstanding)
-        self._outstanding += 1
-        self._work.put((action, work, torch.is_grad_enabled()))
-
-    def completed(self) -> list[Completion]:
-        done = []
-        queued = self._done
-        while not queued.empty():  # the step loop is the only consumer
-            item = queued.get_nowait()
-            self._outstanding -= 1
-            if isinstance(item, tuple):
-                action, error = item
-                raise RuntimeError(f"{action} failed on the emulated device: {error}") from error
-            done.append(item)
-        return done
-
-    def close(self, timeout: float) -> list[threading.Thread]:
-        """Stop the device thread after its current work; skip work not yet started.
-        Returns the thread if it is still running after ``timeout`` seconds."""
-        thread, self._thread = self._thread, None
-        if thread is None:
-            return []
-        self._skip = True
-        self._work.put(_STOP)
-        thread.join(timeout)
-        self._skip = False
-        self._error = None
-        self._outstanding = 0
-        self._done = queue.SimpleQueue()
-        return [thread] if thread.is_alive() else []
-
-    def _run(self) -> None:
-        while (item := self._work.get()) is not _STOP:
-            action, work, grad_enabled = item
-            if self._skip:
-                continue
-            if self._error is not None:
-                outcome: Completion | tuple[_Action, BaseException] = self._error
-            else:
-                start = time.perf_counter()
-                try:
-                    with torch.set_grad_enabled(grad_enabled):
-                        work()
-                except BaseException as e:  # raised on the launching thread by completed()
-                    self._error = outcome = (action, e)
-                else:
-                    outcome = Completion(action, start - self._origin,
-                                         time.perf_counter() - self._origin)
-            self._done.put(outcome)
-            if self._wakeup is not None:
-                self._wakeup.notify()
 
 
 class CudaDevice:

@@ -56,17 +56,6 @@ class LimitPlan:
             else limit_summary(self.setting.spec, self.limits, hint, rank))
         """One sentence for the log: what the limits allow on this rank."""
 
-    def check_fixed_every(self, every: object) -> int:
-        """``fixed_every`` (the in-run A/B) as an int: 0 (never) or k >= 2; ``ValueError``
-        where it is not, or where the limits would stall the hint's fixed order."""
-        if isinstance(every, bool) or not isinstance(every, int) or every < 0 or every == 1:
-            raise ValueError(f"fixed_every must be 0 (no A/B) or an int >= 2 (every k-th "
-                             f"training step in the fixed order), got {every!r}")
-        if every:
-            check_limits(self.limits, self._hint, self.setting.spec,
-                         fixed_order=f"fixed_every={every}")
-        return every
-
     @property
     def waiting_for_bytes(self) -> bool:
         """Whether the limits still wait for a step's measured bytes per microbatch."""

@@ -25,11 +25,6 @@ import torch
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 
-DEFAULT_METER_EVERY = 100
-"""``ScheduleRRFP`` meters its first training step and every this-many-th step: the meter
-costs CPU time per saved tensor (``benchmarks/results/memory.md``), which a step on real
-compute pays when its CPU launches the work (docs/guide/memory.md has the figures)."""
-
 class ActivationMeter:
     """Live bytes of saved activations, and their peak."""
 

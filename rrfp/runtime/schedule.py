@@ -18,6 +18,7 @@ import hashlib
 import logging
 import math
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -30,19 +31,18 @@ from torch.distributed.pipelining.stage import _PipelineStageBase
 from rrfp._torch_compat import check_first_stage_inputs
 from rrfp.comm.board import JobScope
 from rrfp.comm.channels import create_channels
-from rrfp.comm.coordination import COORDINATIONS, CoordinationGroup, refuse_uncovered_sharding
+from rrfp.comm.coordination import CoordinationGroup, refuse_uncovered_sharding
 from rrfp.comm.link_latency import SendDelay
 from rrfp.comm.receives import check_variable_shapes, ReceiveRings
 from rrfp.comm.transport import Transport
 from rrfp.core.arbiter import check_deadlock_free
+from rrfp.core.checks import check_settings, CheckedSettings
 from rrfp.core.hints import (build_hint, declares_split_backward, Hint, HintSource, infer_layout,
                              Layout)
-from rrfp.core.loop import DEFAULT_LAUNCH_DEPTH
-from rrfp.core.settings import (check_limit_can_be_measured, parse_launch_depth, parse_meter_every,
-                                parse_policy, parse_stall_timeout)
+from rrfp.core.loop import Device
+from rrfp.core.settings import Settings
 from rrfp.core.sizes import MicrobatchSize, step_sizes
 from rrfp.core.wakeup import Wakeup
-from rrfp.devices.device import EmulatedDevice
 from rrfp.devices.platform import Platform, platform_for
 from rrfp.failure.hang_report import HANG_REPORT_WAIT_S, HangReport
 from rrfp.failure.job import agree_on_settings, collective_groups, JobGroups
@@ -50,7 +50,7 @@ from rrfp.runtime.data_parallel import DataParallel
 from rrfp.runtime.executor import Reduction, StepInputs
 from rrfp.runtime.inputs import microbatch_inputs
 from rrfp.runtime.limit_plan import LimitPlan
-from rrfp.runtime.meter import ActivationMeter, DEFAULT_METER_EVERY
+from rrfp.runtime.meter import ActivationMeter
 from rrfp.runtime.pipeline import Coordination, Metering, RuntimeReadout, PipelineRuntime
 from rrfp.runtime.torch_interface import (CustomFunctions, IncompatibleStagesError,
                                           TorchRuntimeInterface)
@@ -75,53 +75,15 @@ class ScheduleRRFP(TorchRuntimeInterface, RuntimeReadout):
             compute-only format, a ``{rank: [_Action | None, ...]}`` dict, or the paper's
             rules ``"BF"``/``"BFW"``. ``None``: the fixed schedule torch would use for the
             placement (1F1B, Interleaved1F1B, or ZBVZeroBubble for V).
-        buffer_limit: activations held (from a microbatch's F until its last backward
-            piece, B or W), per stage and per rank: ``"hint"`` (the fixed schedule's own
-            peaks: no more activation memory than the hint), ``"hint+k"`` (k more
-            microbatches of each), ``"Nx hint"`` (N times them), an int n (n microbatches
-            per stage and per rank); or in bytes: ``"busiest"`` (every rank may hold the
-            bytes the fixed schedule's busiest rank holds, so the job's peak is
-            unchanged), a per-rank budget such as ``"12GiB"``, or ``"auto"`` (CUDA: the
-            device's free memory less ``rrfp.devices.platform.AUTO_MARGIN``). A byte setting runs
-            the first training step at ``"hint"`` and from the second step on the largest
-            microbatch limits within its bytes (``rrfp.runtime.limit_plan``).
-        stall_timeout: seconds without any ready action before the step raises
-            ``PipelineStallError`` naming what each stream waits for.
-        scale_grads, args_chunk_spec, kwargs_chunk_spec, output_merge_spec: as in torch's
-            schedules.
-        policy: how to pick among ready actions (``rrfp.core.policy``, case-insensitive);
-            None: ``rrfp.core.policy.default_policy`` for the hint and the limits.
+        settings: what the user chooses of RRFP (``rrfp.Settings``: the memory limit, the
+            policy, the stall timeout, ...), the same on every rank of the job; None: the
+            defaults.
         coordination_group: the group of ranks that must run the same action sequence
             because the stage's compute issues collectives on them (the TP group, the EP
             group, or one spanning both), of any backend: RRFP agrees over a private gloo
             twin of it, so agreeing costs no device synchronization. None: no such group.
-        coordination: how that group settles on each action: ``"leader"`` (its first rank
-            decides) or ``"agree"`` (all-gather proposals, defer on disagreement).
-        send_delay: emulated link latency, ``(edge, microbatch) -> seconds`` to hold each
-            outgoing message (for studies and tests; messages on a channel stay in order).
-        launch_depth: how many launched actions the device may hold before the rank
-            decides again (``None``, ``0`` or ``"none"``: no bound): the rank decides when
-            its device is free, on the latest arrivals; a depth above 1 hides the CPU's
-            launch cost (``rrfp.core.loop.DEFAULT_LAUNCH_DEPTH``).
-        reorder_ahead: let any ready action be launched onto a busy device (default
-            False: ahead of the device only the policy's own next action is launched;
-            deviations are chosen when the device is idle). For studies.
-        variable_shapes: microbatches may differ in shape (e.g. in sequence length): each
-            activation message is preceded by a small shape header (``rrfp.comm.receives``).
-            Feed such microbatches pre-split: ``step(arg_mbs=..., target_mbs=...)``.
-        device: where actions run. ``None``: the stages' CUDA stream for CUDA stages,
-            synchronous execution for CPU stages. ``rrfp.devices.device.EmulatedDevice(...)``: an
-            emulated asynchronous device for CPU stages (tests and studies).
-        meter_activations: measure the bytes of the activations saved for backward
-            (``StepStats.peak_activation_bytes``, ``rrfp.runtime.meter.ActivationMeter``) in the
-            first training step and every ``meter_every``-th step. False leaves autograd's
-            saving untouched (not with a byte ``buffer_limit``, which needs the bytes).
-        meter_every: meter every this-many-th step (and the first training step); 1:
-            every step (the meter costs CPU time per saved tensor: docs/guide/memory.md).
-        fixed_every: the in-run A/B: every k-th training step (k >= 2; 0: never) runs the
-            hint's fixed order, launched without bound as torch's (docs/guide/advisor.md).
-        report_folder: where the job's hang report goes when a step stalls (the run
-            folder; ``None``: the current working directory); docs/guide/failures.md.
+        args_chunk_spec, kwargs_chunk_spec, output_merge_spec, scale_grads: as in torch's
+            schedules.
     """
 
     def __init__(
@@ -131,34 +93,16 @@ class ScheduleRRFP(TorchRuntimeInterface, RuntimeReadout):
         loss_fn: Callable[..., torch.Tensor] | None = None,
         *,
         hint: HintSource | None = None,
-        buffer_limit: str | int = "hint",
-        stall_timeout: float = 300.0,
+        settings: Settings | None = None,
+        coordination_group: dist.ProcessGroup | None = None,
         args_chunk_spec: tuple[TensorChunkSpec, ...] | None = None,
         kwargs_chunk_spec: dict[str, TensorChunkSpec] | None = None,
         output_merge_spec: dict[str, Any] | tuple[Any] | None = None,
         scale_grads: bool = True,
-        policy: str | None = None,
-        coordination_group: dist.ProcessGroup | None = None,
-        coordination: str = "leader",
-        send_delay: SendDelay | None = None,
-        launch_depth: int | str | None = DEFAULT_LAUNCH_DEPTH,
-        reorder_ahead: bool = False,
-        device: EmulatedDevice | None = None,
-        variable_shapes: bool = False,
-        meter_activations: bool = True,
-        meter_every: int = DEFAULT_METER_EVERY,
-        fixed_every: int = 0,
-        report_folder: str | None = None,
     ):
-        policy = parse_policy(policy)
-        depth = parse_launch_depth(launch_depth)
         stages = _in_stage_order(stages)
-        stall_timeout = parse_stall_timeout(stall_timeout)
         platform = platform_for(stages[0].device)
-        _check_arguments(platform, buffer_limit, coordination=coordination,
-                         send_delay=send_delay, device=device,
-                         meter_activations=meter_activations)
-        meter_every = parse_meter_every(meter_every)
+        wiring = self._wiring(platform)
         super().__init__(stages=stages, n_microbatches=n_microbatches, loss_fn=loss_fn,
                          args_chunk_spec=args_chunk_spec, kwargs_chunk_spec=kwargs_chunk_spec,
                          output_merge_spec=output_merge_spec, scale_grads=scale_grads)
@@ -167,38 +111,48 @@ class ScheduleRRFP(TorchRuntimeInterface, RuntimeReadout):
         self._layout = infer_layout(self.rank, self.pp_group_size, self._num_stages,
                                     [stage.stage_index for stage in stages])
         self._hint = placed_hint(hint, stages, self.rank, self._layout, n_microbatches)
-        self._buffer_limit, self._policy_given = buffer_limit, policy
-        limits = LimitPlan(buffer_limit, self._hint, self.rank, policy)
-        fixed_every = limits.check_fixed_every(fixed_every)
+        self._platform = platform
+        self._settings = self._checked(Settings() if settings is None else settings,
+                                       self._hint)
+        checked = self._settings
+        limits = LimitPlan(checked.buffer_limit, self._hint, self.rank, checked.policy)
         if len(stages) == 1:
             self._stage = stages[0]
             """The one stage, as torch's single-stage schedules name it."""
-        self.stall_timeout = stall_timeout
+        self.stall_timeout = checked.stall_timeout
         self.stage_index_to_group_rank = dict(self._hint.stage_to_rank)
         for stage in stages:
             stage.stage_index_to_group_rank = self.stage_index_to_group_rank
         self.pipeline_order = {r: list(acts) for r, acts in self._hint.orders.items()}
         self._data_parallel = DataParallel(stages)
-        self.variable_shapes = bool(variable_shapes)
-        self.coordination = coordination
+        self.variable_shapes = checked.given.variable_shapes
+        self.coordination = checked.given.coordination
         self._coordination_group = coordination_group
         self._set_up_checked = False
         self._finalize_gradients = True
-        job = _joined_job(self._hint, n_microbatches, stall_timeout, buffer_limit=buffer_limit,
-                          policy=policy, coordination=coordination, launch_depth=depth,
-                          variable_shapes=self.variable_shapes, fixed_every=fixed_every)
+        job = _joined_job(self._hint, n_microbatches, checked)
         twin = (CoordinationGroup(coordination_group, self.stall_timeout)
                 if coordination_group is not None
                 and dist.get_world_size(coordination_group) > 1 else None)
         self._runtime = _wired_runtime(
-            self._hint, self.rank, self._stages, platform, limits, job=job,
-            beside=[*self._data_parallel.groups(), coordination_group], report_folder=report_folder,
-            device=device, send_delay=send_delay, variable_shapes=self.variable_shapes,
-            coordination=Coordination(coordination, twin),
-            metering=Metering(ActivationMeter() if meter_activations else None, meter_every),
-            stall_timeout=self.stall_timeout,
-            launch_depth=math.inf if depth is None else depth, reorder_ahead=reorder_ahead,
-            fixed_every=fixed_every)
+            self._hint, self.rank, self._stages, platform, limits, checked, wiring, job=job,
+            beside=[*self._data_parallel.groups(), coordination_group],
+            coordination=Coordination(self.coordination, twin))
+
+    @property
+    def settings(self) -> Settings:
+        """The settings this schedule runs with, as given."""
+        return self._settings.given
+
+    def _wiring(self, platform: Platform) -> Wiring:
+        """The device actions run on, and how messages leave: the platform's own.
+        (``rrfp.testing.study.StudySchedule`` overrides it for emulated studies.)"""
+        return Wiring(platform.step_device())
+
+    def _checked(self, settings: Settings, hint: Hint) -> CheckedSettings:
+        return check_settings(settings, hint,
+                              free_memory_known=self._platform.free_bytes is not None,
+                              device=self._platform.device)
 
     def _replace_hint(self, source: HintSource, name: str | None = None) -> None:
         """Make ``source`` the hint from the next step on (torch's ``_load_csv``,
@@ -206,8 +160,8 @@ class ScheduleRRFP(TorchRuntimeInterface, RuntimeReadout):
         steps; the placement must stay the constructor's (the channels are built for it)."""
         hint = placed_hint(source, self._stages, self.rank, self._layout,
                            self._n_microbatches, name, placement=self._hint.stage_to_rank)
-        limits = LimitPlan(self._buffer_limit, hint, self.rank, self._policy_given)
-        limits.check_fixed_every(self._runtime.fixed_every)
+        checked = self._checked(self._settings.given, hint)
+        limits = LimitPlan(checked.buffer_limit, hint, self.rank, checked.policy)
         self._hint = hint
         self.pipeline_order = {r: list(acts) for r, acts in hint.orders.items()}
         self._runtime.follow(hint, limits)
@@ -343,40 +297,6 @@ class ScheduleRRFP(TorchRuntimeInterface, RuntimeReadout):
         finally:
             self._has_backward = has_backward
 
-    def step_microbatches(
-        self,
-        arg_mbs: list | None = None,
-        target_mbs: list | None = None,
-        *,
-        kwarg_mbs: list | None = None,
-        losses: list | None = None,
-        return_outputs: bool = True,
-    ) -> Any:
-        """``step(arg_mbs=arg_mbs, target_mbs=target_mbs, ...)`` (kept for callers of
-        rrfp <= 0.1, which had no pre-split ``step``)."""
-        return self.step(arg_mbs=arg_mbs, kwarg_mbs=kwarg_mbs, target_mbs=target_mbs,
-                         losses=losses, return_outputs=return_outputs)
-
-
-def _check_arguments(platform: Platform, buffer_limit: object, *, coordination: str,
-                     send_delay: SendDelay | None, device: EmulatedDevice | None,
-                     meter_activations: bool) -> None:
-    """``ValueError`` for arguments that do not fit each other or the stages' platform."""
-    if coordination not in COORDINATIONS:
-        raise ValueError(f"unknown coordination {coordination!r}: use one of "
-                         f"{list(COORDINATIONS)}")
-    if send_delay is not None and not platform.on_host:
-        raise ValueError(
-            "send_delay emulates link latency for CPU studies: its sender thread's "
-            "current CUDA stream is not the compute stream, so it could send an output "
-            "before the compute stream wrote it; use it with CPU stages")
-    check_limit_can_be_measured(buffer_limit, meter_activations=meter_activations,
-                                free_memory_known=platform.free_bytes is not None,
-                                device=platform.device)
-    if device is not None and not platform.on_host:
-        raise ValueError(f"the emulated device runs CPU stages; these stages are on "
-                         f"{platform.device}: pass device=None to run on their stream")
-
 
 def placed_hint(source: HintSource | None, stages: list[_PipelineStageBase], rank: int,
                 layout: Layout, n_microbatches: int, name: str | None = None, *,
@@ -437,39 +357,41 @@ def _in_stage_order(stages: _PipelineStageBase | list[_PipelineStageBase]
     return stages
 
 
-def _joined_job(hint: Hint, n_microbatches: int, stall_timeout: float,
-                **settings: object) -> JobScope:
+def _joined_job(hint: Hint, n_microbatches: int, checked: CheckedSettings) -> JobScope:
     """A new schedule's job scope, once every rank of the job said the same hint (its name
-    and a digest of its orders), microbatches, ``stall_timeout`` and ``settings`` (as
-    given); ``ValueError`` on every rank where they differ."""
+    and a digest of its orders), microbatches and settings; ``ValueError`` on every rank
+    where they differ."""
     orders = repr(sorted((rank, [str(a) for a in actions])
                          for rank, actions in hint.orders.items()))
     digest = hashlib.sha1(orders.encode()).hexdigest()[:12]
+    given = checked.given
+    agreed = {"buffer_limit": given.buffer_limit, "policy": checked.policy,
+              "coordination": given.coordination, "launch_depth": checked.launch_depth,
+              "variable_shapes": given.variable_shapes, "fixed_every": checked.fixed_every}
     job = JobScope.new()
     agree_on_settings(job, {
         "hint": f"{hint.name} (orders {digest})", "n_microbatches": str(n_microbatches),
-        "stall_timeout": repr(stall_timeout),
-        **{name: repr(value) for name, value in settings.items()}}, stall_timeout)
+        "stall_timeout": repr(checked.stall_timeout),
+        **{name: repr(value) for name, value in agreed.items()}}, checked.stall_timeout)
     return job
 
 
 def _wired_runtime(hint: Hint, rank: int, stages: list[_PipelineStageBase], platform: Platform,
-                   limits: LimitPlan, *, job: JobScope, beside: list[dist.ProcessGroup | None],
-                   report_folder: str | None, device: EmulatedDevice | None,
-                   send_delay: SendDelay | None, variable_shapes: bool,
-                   coordination: Coordination, metering: Metering, stall_timeout: float,
-                   launch_depth: float, reorder_ahead: bool, fixed_every: int) -> PipelineRuntime:
+                   limits: LimitPlan, checked: CheckedSettings, wiring: Wiring, *,
+                   job: JobScope, beside: list[dist.ProcessGroup | None],
+                   coordination: Coordination) -> PipelineRuntime:
     """The channels (created and connected now, in one order on every rank of the
     pipeline), the device and the receive rings, wired into the runtime with the job's
     groups (``beside``, the coordination twin, the meshes of the stages' DTensor
     parameters); logs the set-up."""
+    given, stall_timeout = checked.given, checked.stall_timeout
+    launch_depth = math.inf if checked.launch_depth is None else checked.launch_depth
     wakeup = Wakeup()
     transport = Transport(create_channels(hint, stages[0].group, platform.device,
                                           platform.channel_backend,
-                                          header_channels=variable_shapes),
-                          wakeup, send_delay=send_delay,
+                                          header_channels=given.variable_shapes),
+                          wakeup, send_delay=wiring.send_delay,
                           receive_streams=platform.receive_streams(), job=job)
-    device = device if device is not None else platform.step_device()
     local, peaks = hint.stages_on(rank), hint.plan.stage_peaks
     logger.info(
         "ScheduleRRFP on pipeline rank %d: hint %s (policy %s, %s placement), memory "
@@ -477,14 +399,27 @@ def _wired_runtime(hint: Hint, rank: int, stages: list[_PipelineStageBase], plat
         "%s, %s. %s", rank, hint.name, limits.policy, hint.layout,
         {s: limits.limits.per_stage[s] for s in local}, limits.limits.per_rank[rank],
         {s: peaks[s] for s in local}, hint.plan.rank_peaks()[rank], launch_depth,
-        type(device).__name__, limits.summary)
+        type(wiring.device).__name__, limits.summary)
+    meter = ActivationMeter() if given.meter_activations else None
     return PipelineRuntime(
         hint, rank, {stage.stage_index: stage for stage in stages}, platform=platform,
-        device=device, wakeup=wakeup, transport=transport,
-        receives=ReceiveRings(variable_shapes, platform), limits=limits,
-        coordination=coordination, metering=metering, stall_timeout=stall_timeout,
-        launch_depth=launch_depth, reorder_ahead=bool(reorder_ahead), fixed_every=fixed_every,
+        device=wiring.device, wakeup=wakeup, transport=transport,
+        receives=ReceiveRings(given.variable_shapes, platform), limits=limits,
+        coordination=coordination, metering=Metering(meter, given.meter_every),
+        stall_timeout=stall_timeout, launch_depth=launch_depth,
+        reorder_ahead=wiring.reorder_ahead, fixed_every=checked.fixed_every,
         job_groups=JobGroups([*collective_groups(s.submod for s in stages), *beside,
                               coordination.twin.group if coordination.twin else None]),
-        report=HangReport(transport.failures, job.name, report_folder,
+        report=HangReport(transport.failures, job.name, given.report_folder,
                           min(HANG_REPORT_WAIT_S, stall_timeout)))
+
+
+@dataclass(frozen=True)
+class Wiring:
+    """How a schedule's steps meet the hardware: the device its actions run on, and
+    (in studies) how long each outgoing message is held and whether any ready action may be
+    launched onto a busy device."""
+
+    device: Device
+    send_delay: SendDelay | None = None
+    reorder_ahead: bool = False

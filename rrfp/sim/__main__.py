@@ -18,9 +18,8 @@ import time
 
 from rrfp.core.hints import build_hint, Hint, HINT_NAMES, RULE_NAMES, rule_reference
 from rrfp.core.limits import resolve_buffer_limits
-from rrfp.core.loop import DEFAULT_LAUNCH_DEPTH
-from rrfp.core.settings import (BUFFER_LIMIT_HELP, LAUNCH_DEPTH_HELP, parse_buffer_limit,
-                                parse_launch_depth, parse_policy, policy_help)
+from rrfp.core.settings import (BUFFER_LIMIT_HELP, DEFAULT_LAUNCH_DEPTH, LAUNCH_DEPTH_HELP,
+                                parse_buffer_limit, parse_launch_depth, parse_policy, policy_help)
 from rrfp.sim.engine import SIM_POLICIES
 from rrfp.sim.study import compare, SWEEP_LIMITS, sweep_limits, timing_for
 from rrfp.sim.workloads import SIZE_WORKLOADS, Timing, WORKLOADS, WorkloadParams

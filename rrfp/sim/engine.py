@@ -21,8 +21,9 @@ from rrfp.core.graph import step_graph
 from rrfp.core.hints import Hint
 from rrfp.core.history import History
 from rrfp.core.limits import MemoryLimits
-from rrfp.core.loop import Arrival, Completion, DEFAULT_LAUNCH_DEPTH, StepLoop
+from rrfp.core.loop import Arrival, Completion, StepLoop
 from rrfp.core.policy import make_policy, Policy, POLICIES
+from rrfp.core.settings import DEFAULT_LAUNCH_DEPTH
 from rrfp.core.sizes import StepSizes
 from rrfp.core.stats import Span
 from rrfp.sim.foresight import (ClairvoyantFit, EstimatedChains, EstimatedCritical,

@@ -8,8 +8,8 @@ from dataclasses import dataclass
 
 from rrfp.core.hints import Hint
 from rrfp.core.limits import MemoryLimits, resolve_buffer_limits
-from rrfp.core.loop import DEFAULT_LAUNCH_DEPTH
 from rrfp.core.policy import default_policy
+from rrfp.core.settings import DEFAULT_LAUNCH_DEPTH
 from rrfp.sim.engine import lower_bounds, LowerBounds, simulate, SimResult
 from rrfp.sim.workloads import make_timing, Timing, WorkloadParams
 

@@ -10,14 +10,14 @@ import time
 
 import torch
 
-from rrfp import ScheduleRRFP
 from rrfp.core.actions import Edge
+from rrfp.core.settings import Settings
 from rrfp.core.stats import StepStats
-from rrfp.devices.device import EmulatedDevice
 from rrfp.runtime.meter import ActivationMeter, MeteredModule
 from rrfp.testing.chains import build_stages, loss_fn, torch_schedule
-from rrfp.testing.emulation import EmulatedDeviceTime
+from rrfp.testing.emulation import EmulatedDevice, EmulatedDeviceTime
 from rrfp.testing.probes import held_from_order
+from rrfp.testing.study import Study, StudySchedule
 from rrfp.testing.timing import LATE_S
 
 WIDTH, ROWS = 32, 8
@@ -126,10 +126,11 @@ def byte_limits_world(rank: int, world_size: int, runs: list[tuple[str, str | No
     for limit, policy in runs:
         key = f"{limit}/{policy}"
         try:
-            outcome = run(lambda stages, send_delay: ScheduleRRFP(
-                stages, M, loss_fn=loss_fn, hint="1F1B", buffer_limit=limit, policy=policy,
-                device=EmulatedDevice(), stall_timeout=60, meter_every=1,
-                send_delay=send_delay))
+            settings = Settings(buffer_limit=limit, policy=policy, stall_timeout=60,
+                                meter_every=1)
+            outcome = run(lambda stages, send_delay: StudySchedule(
+                stages, M, loss_fn=loss_fn, hint="1F1B", settings=settings,
+                study=Study(device=EmulatedDevice(), send_delay=send_delay)))
         except ValueError as e:
             results[key] = {"error": str(e)}
             continue

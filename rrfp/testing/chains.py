@@ -12,7 +12,8 @@ from torch.distributed.pipelining import PipelineStage
 from torch.distributed.pipelining._utils import generate_stage_to_rank_mapping
 from torch.distributed.pipelining.schedules import get_schedule_class, PipelineScheduleSingle
 
-from rrfp import ScheduleRRFP
+from rrfp.core.settings import Settings
+from rrfp.testing.study import Study, StudySchedule
 from rrfp.testing.timing import random_send_delay, SECOND_ACTIVATION_LATE
 
 
@@ -131,10 +132,12 @@ def coordinated_runs(rank: int, build: Callable, local_grads: Callable, fixed: l
     for seed in (None, *delay_seeds):
         stages, blocks = build(seed)
         late = SECOND_ACTIVATION_LATE if seed == delay_seeds[0] else None
-        schedule = ScheduleRRFP(
-            stages, n_microbatches, loss_fn=loss_fn, hint=hint, buffer_limit="hint+1",
-            stall_timeout=60, policy="hint", coordination_group=group, coordination=coordination,
-            send_delay=None if seed is None else random_send_delay(seed * 7919 + rank, 0.003, late))
+        schedule = StudySchedule(stages, n_microbatches, loss_fn=loss_fn, hint=hint,
+                                 coordination_group=group,
+                                 settings=Settings(buffer_limit="hint+1", stall_timeout=60,
+                                                   policy="hint", coordination=coordination),
+                                 study=Study(send_delay=None if seed is None else
+                                             random_send_delay(seed * 7919 + rank, 0.003, late)))
         history = local_grads(run_steps(schedule, stages, blocks, x, y, steps))
         stats = schedule.last_step_stats
         runs["plain" if seed is None else f"seed{seed}"] = {

@@ -19,13 +19,14 @@ import torch.distributed as dist
 from rrfp import ScheduleRRFP
 from rrfp.core.hints import build_hint
 from rrfp.core.limits import resolve_buffer_limits
+from rrfp.core.settings import Settings
 from rrfp.core.sizes import MicrobatchSize
-from rrfp.devices.device import EmulatedDevice
 from rrfp.sim.engine import simulate
 from rrfp.sim.workloads import Timing
 from rrfp.testing.ab import in_alternating_order
 from rrfp.testing.chains import build_stages, loss_fn, make_batch, make_chain, torch_schedule
-from rrfp.testing.emulation import EmulatedDeviceTime
+from rrfp.testing.emulation import EmulatedDevice, EmulatedDeviceTime
+from rrfp.testing.study import Study, StudySchedule
 
 TOKENS = (4, 1, 10, 1, 2, 1, 2, 1)
 BACKWARD_PER_FORWARD = 2.0
@@ -68,8 +69,9 @@ def sized_steps(rank: int, world_size: int, rounds: int, unit_s: float) -> dict:
     for kind in VARIANTS:
         stages, _ = build_stages(chain, rank, world_size, "loop", wrap=device_time)
         runs[kind] = (torch_schedule(HINT, stages, n) if kind == "fixed" else
-                      ScheduleRRFP(stages, n, loss_fn=loss_fn, hint=HINT, buffer_limit=LIMIT,
-                                   device=EmulatedDevice()), stages)
+                      StudySchedule(stages, n, loss_fn=loss_fn, hint=HINT,
+                                    settings=Settings(buffer_limit=LIMIT),
+                                    study=Study(device=EmulatedDevice())), stages)
     sizes = [MicrobatchSize(tokens=t) for t in TOKENS]
     sized = runs["sizes"][0]
     times: dict[str, list[float]] = {kind: [] for kind in runs}

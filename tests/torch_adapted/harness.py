@@ -27,7 +27,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.pipelining.schedules import _PipelineScheduleRuntime, PipelineScheduleMulti
 
-from rrfp import ScheduleRRFP
+from rrfp import ScheduleRRFP, Settings
 from rrfp.testing.worlds import run_local_world
 
 RUNTIMES = ("torch", "rrfp")
@@ -111,7 +111,7 @@ class RankCase(unittest.TestCase):
 
         def build(stages, n_microbatches, *args, **kwargs) -> ScheduleRRFP:
             schedule = ScheduleRRFP(stages, n_microbatches, *args, hint=hint,
-                                    stall_timeout=STALL_TIMEOUT_S, **kwargs)
+                                    settings=Settings(stall_timeout=STALL_TIMEOUT_S), **kwargs)
             self.schedules.append(schedule)
             return schedule
         return build

@@ -25,13 +25,10 @@ from torch.distributed.pipelining.schedules import PipelineScheduleSingle
 from torch.distributed.tensor import DTensor
 
 from rrfp import ScheduleRRFP
-from rrfp.comm.coordination import COORDINATIONS
 from rrfp.core.hints import build_hint, Hint, HINT_NAMES, rule_reference, RULE_NAMES
-from rrfp.core.limits import first_step_limits
-from rrfp.core.settings import (check_limit_can_be_measured, parse_launch_depth, parse_meter_every,
-                                parse_policy, parse_stall_timeout)
+from rrfp.core.checks import a_flag, check_settings as check_rrfp_settings
+from rrfp.core.settings import Settings
 from rrfp.devices.platform import platform_for
-from rrfp.runtime.limit_plan import LimitPlan
 from torchtitan_ext.config import RRFP
 
 PREFIX = "RRFP"
@@ -128,14 +125,11 @@ def stages_per_rank(job_config, n_layers: int) -> int:
     return max(1, stages // parallelism.pipeline_parallel_degree)
 
 
-def schedule_arguments(settings: RRFP) -> dict:
-    """ScheduleRRFP's keyword arguments from the ``[rrfp]`` section, as written: the
-    schedule parses them with the parsers that ``validate`` checks them with."""
-    return dict(buffer_limit=settings.buffer_limit, policy=settings.policy,
-                launch_depth=settings.launch_depth, stall_timeout=settings.stall_timeout,
-                coordination=settings.coordination, variable_shapes=settings.variable_shapes,
-                meter_activations=settings.meter_activations, meter_every=settings.meter_every,
-                fixed_every=settings.fixed_every)
+def schedule_settings(settings: RRFP) -> Settings:
+    """ScheduleRRFP's ``Settings`` from the ``[rrfp]`` section, as written: the schedule
+    checks them with the check ``validate`` runs (``rrfp.core.checks.check_settings``)."""
+    return Settings(**{f.name: getattr(settings, f.name) for f in dataclasses.fields(Settings)
+                       if hasattr(settings, f.name)})
 
 
 def validate(job_config, n_layers: int) -> None:
@@ -198,53 +192,29 @@ def device_type() -> str:
 def check_settings(settings: RRFP, hint: Hint, device_type: str) -> None:
     """ValueError naming the first ``rrfp`` setting that ScheduleRRFP would refuse over
     ``hint`` on ``device_type`` stages, or that is not of its field's type (TOML values are
-    not converted), with what it accepts. ScheduleRRFP is given the values as written and
-    parses them with the same parsers (``rrfp.core.settings``): run here, a bad one stops before
-    anything is built."""
-    checks = {
-        "variable_shapes": lambda: a_flag("variable_shapes", settings.variable_shapes),
-        "meter_activations": lambda: a_flag("meter_activations", settings.meter_activations),
-        "log_stats": lambda: a_flag("log_stats", settings.log_stats),
-        "policy": lambda: parse_policy(settings.policy),
-        "launch_depth": lambda: parse_launch_depth(settings.launch_depth),
-        "buffer_limit": lambda: check_buffer_limit(settings, hint, device_type),
-        "coordination": lambda: one_of("coordination", settings.coordination, COORDINATIONS),
-        "stall_timeout": lambda: parse_stall_timeout(settings.stall_timeout),
-        "meter_every": lambda: parse_meter_every(settings.meter_every),
-        "trace_folder": lambda: a_folder("trace_folder", settings.trace_folder),
-        "advise": lambda: a_flag("advise", settings.advise),
-        "fixed_every": lambda: LimitPlan(settings.buffer_limit, hint, 0, parse_policy(
-            settings.policy)).check_fixed_every(settings.fixed_every),
-    }
-    for field_name, check in checks.items():
-        try:
-            check()
-        except ValueError as e:
-            raise ValueError(f"rrfp.{field_name}: {e}") from None
+    not converted), with what it accepts: ScheduleRRFP's own check, then the fields only
+    torchtitan reads. Run here, a bad one stops before anything is built."""
+    platform = platform_for(device_type)
+    own = {"log_stats": lambda: a_flag(settings.log_stats, "log_stats"),
+           "trace_folder": lambda: a_folder(settings.trace_folder),
+           "advise": lambda: a_flag(settings.advise, "advise")}
+    try:
+        check_rrfp_settings(schedule_settings(settings), hint,
+                            free_memory_known=platform.free_bytes is not None,
+                            device=device_type)
+        for field_name, check in own.items():
+            try:
+                check()
+            except ValueError as e:
+                raise ValueError(f"{field_name}: {e}") from None
+    except ValueError as e:
+        raise ValueError(f"rrfp.{e}") from None
 
 
-def check_buffer_limit(settings: RRFP, hint: Hint, device_type: str) -> None:
-    """The limits of the first step over ``hint``, and what a limit in bytes needs."""
-    first_step_limits(settings.buffer_limit, hint,
-                      fixed_order=parse_policy(settings.policy) == "fixed")
-    check_limit_can_be_measured(
-        settings.buffer_limit, meter_activations=settings.meter_activations,
-        free_memory_known=platform_for(device_type).free_bytes is not None, device=device_type)
-
-
-def a_flag(name: str, value: object) -> None:
-    if not isinstance(value, bool):
-        raise ValueError(f"{name} must be true or false, got {value!r}")
-
-
-def a_folder(name: str, value: object) -> None:
+def a_folder(value: object) -> str:
     if not isinstance(value, str):
-        raise ValueError(f"{name} must be a folder (a string; empty: none), got {value!r}")
-
-
-def one_of(name: str, value: object, allowed) -> None:
-    if value not in allowed:
-        raise ValueError(f"{name}={value!r} is not one of {list(allowed)}")
+        raise ValueError(f"trace_folder must be a folder (a string; empty: none), got {value!r}")
+    return value
 
 
 INTRA_STAGE_MESH_DIMS = ("tp", "ep", "etp")
@@ -311,7 +281,7 @@ def build_schedule(schedule_name: str, settings: RRFP, stages, n_microbatches: i
     schedule = ScheduleRRFP(
         stages, n_microbatches, loss_fn=loss_fn, scale_grads=False,
         hint=hint_of(schedule_name), coordination_group=coordination_group(stages),
-        **schedule_arguments(settings),
+        settings=schedule_settings(settings),
     )
     from torchtitan.tools.logging import logger
 

@@ -1,0 +1,106 @@
+"""The one check of a user's ``Settings``: each field parsed, and the whole set checked
+against the hint it runs over and the device it runs on.
+
+``ScheduleRRFP`` calls it at construction (and again for a new hint), torchtitan_ext before
+it builds anything, so a setting that would be refused is refused with the same words,
+naming the field, wherever it was written.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from rrfp.core.hints import Hint
+from rrfp.core.limits import check_limits, first_step_limits
+from rrfp.core.settings import (BufferLimit, check_limit_can_be_measured, COORDINATIONS,
+                                parse_buffer_limit, parse_launch_depth, parse_meter_every,
+                                parse_policy, parse_stall_timeout, Settings)
+
+
+@dataclass(frozen=True)
+class CheckedSettings:
+    """``Settings`` as the runtime reads them: each field parsed."""
+
+    given: Settings
+    buffer_limit: BufferLimit
+    policy: str | None
+    """The policy's name as registered; None: the default for the hint and limits."""
+    launch_depth: int | None
+    """None: no bound."""
+    stall_timeout: float
+    fixed_every: int
+
+
+def check_settings(settings: Settings, hint: Hint, *, free_memory_known: bool,
+                   device: object) -> CheckedSettings:
+    """``settings`` parsed, or ``ValueError("<field>: <what to write instead>")`` for the
+    first field that cannot run over ``hint`` on ``device`` (``free_memory_known``: whether
+    the device tells its free memory, which ``buffer_limit="auto"`` reads)."""
+    if not isinstance(settings, Settings):
+        raise ValueError(f"settings must be an rrfp.Settings, got {type(settings).__name__}: "
+                         "pass settings=rrfp.Settings(buffer_limit=..., ...)")
+    parsed: dict[str, object] = {}
+
+    def check(name: str, parse, *args) -> None:
+        try:
+            parsed[name] = parse(getattr(settings, name), *args)
+        except ValueError as e:
+            raise ValueError(f"{name}: {e}") from None
+
+    check("variable_shapes", a_flag, "variable_shapes")
+    check("meter_activations", a_flag, "meter_activations")
+    check("policy", parse_policy)
+    check("launch_depth", parse_launch_depth)
+    check("buffer_limit", _limit_over, hint, parsed["policy"] == "fixed")
+    check("buffer_limit", _measurable, settings.meter_activations, free_memory_known, device)
+    check("coordination", _one_of, "coordination", COORDINATIONS)
+    check("stall_timeout", parse_stall_timeout)
+    check("meter_every", parse_meter_every)
+    check("fixed_every", _fixed_every, hint, parsed["buffer_limit"])
+    check("report_folder", _a_folder)
+    return CheckedSettings(settings, parsed["buffer_limit"], parsed["policy"],
+                           parsed["launch_depth"], parsed["stall_timeout"],
+                           parsed["fixed_every"])
+
+
+def _limit_over(spec: object, hint: Hint, fixed_order: bool) -> BufferLimit:
+    """The limit, once its first step's limits are known to run over ``hint``."""
+    first_step_limits(spec, hint, fixed_order=fixed_order)
+    return parse_buffer_limit(spec)
+
+
+def _measurable(spec: object, meter_activations: bool, free_memory_known: bool,
+                device: object) -> BufferLimit:
+    check_limit_can_be_measured(spec, meter_activations=meter_activations,
+                                free_memory_known=free_memory_known, device=device)
+    return parse_buffer_limit(spec)
+
+
+def _fixed_every(every: object, hint: Hint, limit: BufferLimit) -> int:
+    """0 (no in-run A/B) or k >= 2, where the limits let the hint's fixed order run."""
+    if isinstance(every, bool) or not isinstance(every, int) or every < 0 or every == 1:
+        raise ValueError(f"fixed_every must be 0 (no A/B) or an int >= 2 (every k-th "
+                         f"training step in the fixed order), got {every!r}")
+    if every:
+        check_limits(first_step_limits(limit, hint), hint, limit.spec,
+                     fixed_order=f"fixed_every={every}")
+    return every
+
+
+def a_flag(value: object, name: str) -> bool:
+    """``value`` if it is a bool (TOML and the command line hand over what was written)."""
+    if not isinstance(value, bool):
+        raise ValueError(f"{name} must be true or false, got {value!r}")
+    return value
+
+
+def _one_of(value: object, name: str, allowed: tuple[str, ...]) -> str:
+    if value not in allowed:
+        raise ValueError(f"{name}={value!r} is not one of {list(allowed)}")
+    return value  # type: ignore[return-value]
+
+
+def _a_folder(value: object) -> str | None:
+    if value is not None and not isinstance(value, str):
+        raise ValueError(f"report_folder must be a folder's path or None, got {value!r}")
+    return value

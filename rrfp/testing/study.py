@@ -1,0 +1,45 @@
+"""``ScheduleRRFP`` with emulation and study knobs, for the tests, the benchmarks and the
+demo: an emulated asynchronous device, emulated link latency, launching any ready action
+onto a busy device. Users' schedules have none of them."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from rrfp.comm.link_latency import SendDelay
+from rrfp.devices.platform import Platform
+from rrfp.runtime.schedule import ScheduleRRFP, Wiring
+from rrfp.testing.emulation import EmulatedDevice
+
+
+@dataclass(frozen=True, kw_only=True)
+class Study:
+    """The knobs a study sets on a schedule's wiring (CPU stages only)."""
+
+    device: EmulatedDevice | None = None
+    """An emulated asynchronous device for the stages' compute (None: the platform's own,
+    synchronous on the CPU)."""
+    send_delay: SendDelay | None = None
+    """Emulated link latency, ``(edge, microbatch) -> seconds`` to hold each outgoing
+    message (messages on a channel stay in order)."""
+    reorder_ahead: bool = False
+    """Let any ready action be launched onto a busy device (default: ahead of the device
+    only the policy's own next action is launched; deviations are chosen when it is
+    idle)."""
+
+
+class StudySchedule(ScheduleRRFP):
+    """``ScheduleRRFP(...)`` whose wiring takes ``study``'s knobs."""
+
+    def __init__(self, *args: object, study: Study, **kwargs: object):
+        self.study = study
+        super().__init__(*args, **kwargs)  # type: ignore[arg-type]
+
+    def _wiring(self, platform: Platform) -> Wiring:
+        study = self.study
+        if not platform.on_host and (study.device is not None or study.send_delay is not None):
+            raise ValueError(
+                f"the emulated device and send delays run CPU stages (a sender thread's CUDA "
+                f"stream is not the compute stream); these stages are on {platform.device}")
+        device = study.device if study.device is not None else platform.step_device()
+        return Wiring(device, study.send_delay, study.reorder_ahead)
