@@ -23,14 +23,17 @@ the versions it supports, and how rrfp reads the same on each:
   the stage's reference is dropped as soon as the send is handed over
   (``release_sent_outputs``): never later than torch's own schedules let go of it.
 * **What a split backward frees at I.** On every version the input-gradient backward (I)
-  detaches the stage's outputs, so what only the input gradient needed (a tanh's saved
-  output, say) is freed at I, while what W needs stays until W. On 2.15 a stage whose
-  sent output was released backpropagates from the output's gradient edge and drops it
-  at I, so the output itself goes at I too. torch 2.15's own schedules release an output
-  at its send's wait, which they place after that microbatch's local backward: at I
-  their stage still holds it, until W. rrfp releases it when the send is handed over, so
-  on every version it frees at I at least what torch's schedules free (measured per
-  rank against torch's own schedule, ``tests/test_runtime.py``); nothing to call here.
+  detaches the stage's outputs it holds, so the autograd nodes between the outputs and
+  what W needs (a tanh's or a relu's saved output, say) are freed at I, while what W needs
+  stays until W. On 2.15 a stage whose sent output was released backpropagates from the
+  output's gradient edge and detaches nothing: an output that something else still keeps
+  (saved-tensor hooks that hold what they pack: a relu saves its own output, so the
+  output, its node and what that node saved keep each other alive) would then outlive I,
+  until W or for good. torch 2.15's own schedules release an output at its send's wait,
+  which they place after that microbatch's local backward, so their stage still holds it
+  at I and detaches it. rrfp releases it when the send is handed over and keeps only a
+  weak reference (``OutputsAtInputBackward``): after I it detaches what is still alive, as
+  every version's I does, and never keeps an output alive itself.
 * **Gradient finalization.** 2.15's ``step(finalize_gradients=False)`` leaves FSDP
   gradients unreduced and parameters unsharded for accumulation across calls. rrfp
   accepts the argument on every version (it only decides whether ``REDUCE_GRAD`` runs
@@ -55,6 +58,8 @@ the versions it supports, and how rrfp reads the same on each:
 from __future__ import annotations
 
 import warnings
+import weakref
+from collections.abc import Sequence
 
 import torch
 from torch.distributed.pipelining.schedules import _Action, _add_reduce_grad, _ComputationType
@@ -120,6 +125,33 @@ def release_sent_outputs(stage: _PipelineStageBase, microbatch: int) -> None:
     release = getattr(stage, "release_fwd_send_outputs", None)
     if release is not None:
         release(microbatch)
+
+
+class OutputsAtInputBackward:
+    """The stages' forward outputs, held weakly from their forward until their microbatch's
+    input-gradient backward (I), which detaches those still alive (see "What a split
+    backward frees at I" above): the stage's own I does so only for outputs it still
+    holds, which on 2.15 excludes the sent ones rrfp released."""
+
+    def __init__(self) -> None:
+        self._outputs: dict[tuple[int, int], list[weakref.ref]] = {}
+
+    def forwarded(self, stage_index: int, microbatch: int, output) -> None:
+        """Remember ``output`` (a tensor or a sequence of them) of a forward, weakly."""
+        outputs = output if isinstance(output, Sequence) else (output,)
+        self._outputs[stage_index, microbatch] = [
+            weakref.ref(t) for t in outputs if isinstance(t, torch.Tensor) and t.requires_grad]
+
+    def backward_done(self, stage: _PipelineStageBase, microbatch: int, full: bool) -> None:
+        """After a backward of ``microbatch`` on ``stage``: an I detaches the outputs still
+        alive, where the stage's own I does (not on a first stage: its I computes nothing,
+        and its W backpropagates from the outputs; a full B frees the graph it ran
+        through)."""
+        detach = not full and not stage.is_first
+        for ref in self._outputs.pop((stage.stage_index, microbatch), ()):
+            output = ref()
+            if detach and output is not None and not output._is_view():
+                output.detach_()  # views cannot (torch's last stage skips them too)
 
 
 def clear_after_failure(stage: _PipelineStageBase) -> None:
