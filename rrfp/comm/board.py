@@ -91,6 +91,8 @@ class JobScope:
     """The default store under ``prefix`` (None: no process group, a job of one)."""
     ranks: tuple[int, ...]
     """Global ranks of the job."""
+    me: int = 0
+    """This rank's global rank."""
 
     @staticmethod
     def new() -> "JobScope":
@@ -98,7 +100,7 @@ class JobScope:
         if not dist.is_initialized():
             return JobScope("", None, ())
         prefix, store = generation_store("job", ())
-        return JobScope(prefix, store, tuple(range(dist.get_world_size())))
+        return JobScope(prefix, store, tuple(range(dist.get_world_size())), dist.get_rank())
 
     @property
     def name(self) -> str:
@@ -200,11 +202,13 @@ class FailureBoard:
 
     def _read(self) -> None:
         for store in (self._job_store, self._store):
-            if store is None or self._seen is not None:
+            if store is None or self._seen is not None or self.lost is not None:
                 continue
             try:
                 if store.check([self.KEY]):
                     self._seen = self.decode(store.get(self.KEY))
+            except dist.DistNetworkError as e:  # its connection failed: the store is gone
+                self.lose(e)
             except Exception as e:
                 logger.warning("global rank %d could not read the failure board: %s",
                                self._me, first_line(e))
@@ -235,12 +239,12 @@ class FailureBoard:
         """Raise ``PeerFailedError`` if another rank failed (``StoreLostError`` if the
         store is gone); a board no watch feeds reads the store at most every ``interval``
         seconds, and any board when ``force``d (after a receive or send failed)."""
-        if self.lost is not None:
-            raise StoreLostError(self.lost)
         now = self._clock()
         if force or (not self._fed and now >= self._next):
             self._next = now + self._interval
             self._read()
+        if self.lost is not None:
+            raise StoreLostError(self.lost)
         failure = self._seen
         if failure is not None and failure[0] != self._me:
             rank, message = failure

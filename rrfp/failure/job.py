@@ -215,13 +215,12 @@ def agree_on_settings(job: JobScope, settings: dict[str, str], timeout: float) -
     rank said (waiting at most ``timeout`` seconds for them: then every rank raises
     ``PipelineStallError`` naming the ranks that said nothing) and says the verdict the
     others wait for: a few store operations a rank, however many ranks."""
-    me = dist.get_rank() if dist.is_initialized() else 0
     if job.store is None or len(job.ranks) < 2:
         return
-    board = FailureBoard(None, me, job_store=job.store, job_ranks=job.ranks)
+    board = FailureBoard(None, job.me, job_store=job.store, job_ranks=job.ranks)
     board.tell(SETTINGS, json.dumps(settings, sort_keys=True), job=True)
     leader = job.ranks[0]
-    if me == leader:
+    if job.me == leader:
         verdict = _settings_verdict(board.collect(SETTINGS, timeout, job=True), job.ranks,
                                     timeout)
         job.store.set(VERDICT, verdict)
