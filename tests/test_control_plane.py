@@ -19,6 +19,7 @@ from rrfp import ScheduleRRFP, StoreLostError
 from rrfp.comm.board import JobScope
 from rrfp.failure.job import agree_on_settings, WATCH_PERIOD_S
 from rrfp.testing.chains import loss_fn, make_batch, make_chain, run_steps
+from rrfp.testing.emulation import EmulatedDeviceTime
 from rrfp.testing.probes import rrfp_threads
 from rrfp.testing.store_ops import CountingStore, ops_of, ServedStore
 from rrfp.testing.worlds import run_local_world
@@ -30,13 +31,17 @@ STEPS = 50
 def steps_counted(rank: int, world_size: int, steps: int) -> dict:
     """Pipelines of 2 ranks (global ranks {0, 1}, {2, 3}, ...), 1F1B over 4 microbatches
     given sizes that tell them apart (so their duration fits are shared through the store
-    every step); after one step, this rank's store operations over ``steps`` more."""
+    every step); after one step, this rank's store operations over ``steps`` more, and how
+    long they took."""
     pipelines = [list(range(first, first + 2)) for first in range(0, world_size, 2)]
     group = [dist.new_group(ranks) for ranks in pipelines][rank // 2]
     chain = make_chain(2)
     x, y = make_batch(M)
-    stage = PipelineStage(copy.deepcopy(chain[rank % 2]), rank % 2, 2, torch.device("cpu"),
-                          group=group)
+    # Each forward and backward takes 10 ms: a rank waits for its peer (where a board
+    # that read the store would read it) for a few seconds over the steps.
+    block = EmulatedDeviceTime(copy.deepcopy(chain[rank % 2]), M, lambda mb: 0.01,
+                               lambda mb: 0.01)
+    stage = PipelineStage(block, rank % 2, 2, torch.device("cpu"), group=group)
     schedule = ScheduleRRFP(stage, M, loss_fn=loss_fn, hint="1F1B", stall_timeout=120)
     sizes = [1, 2, 3, 4]
 
@@ -55,6 +60,8 @@ def steps_counted(rank: int, world_size: int, steps: int) -> dict:
     elapsed = time.perf_counter() - started
     after_calls, after_keys = ops.snapshot()
     schedule.close()
+    # Global rank 0 serves the store: it ends only once no rank's watch waits in it.
+    dist.barrier()
     return {"calls": after_calls - calls, "keys": after_keys - keys, "elapsed": elapsed}
 
 
