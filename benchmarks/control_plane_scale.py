@@ -46,14 +46,24 @@ from pathlib import Path
 
 import torch.distributed as dist
 
-from rrfp.device import Wakeup
-from rrfp.errors import PeerFailedError, PipelineStallError
-from rrfp.failures import FailureBoard
-from rrfp.fit_sharing import FitSharing
-from rrfp.hang_report import HangReport, HANG_REPORT_WAIT_S
-from rrfp.job import agree_on_settings, JobGroups, JobScope, JobWatch
-from rrfp.sizes import DurationFit
 from rrfp.testing.store_ops import CountingStore, ServedStore
+
+try:
+    from rrfp.comm.board import FailureBoard, JobScope
+    from rrfp.comm.fit_sharing import FitSharing
+    from rrfp.core.errors import PeerFailedError, PipelineStallError
+    from rrfp.core.sizes import DurationFit
+    from rrfp.core.wakeup import Wakeup
+    from rrfp.failure.hang_report import HangReport, HANG_REPORT_WAIT_S
+    from rrfp.failure.job import agree_on_settings, JobGroups, JobWatch
+except ImportError:  # the code before: one flat package
+    from rrfp.device import Wakeup
+    from rrfp.errors import PeerFailedError, PipelineStallError
+    from rrfp.failures import FailureBoard
+    from rrfp.fit_sharing import FitSharing
+    from rrfp.hang_report import HangReport, HANG_REPORT_WAIT_S
+    from rrfp.job import agree_on_settings, JobGroups, JobScope, JobWatch
+    from rrfp.sizes import DurationFit
 
 RESULTS = Path(__file__).resolve().parent / "results"
 RANKS = (64, 256, 1024, 4096)
