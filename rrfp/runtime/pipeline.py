@@ -27,7 +27,7 @@ from rrfp.comm.receives import ReceiveRings
 from rrfp.comm.transport import Transport
 from rrfp.core.actions import describe
 from rrfp.core.arbiter import Arbiter
-from rrfp.core.errors import PeerFailedError, PipelineStallError
+from rrfp.core.errors import PeerFailedError, PipelineStallError, StoreLostError
 from rrfp.core.hints import Hint
 from rrfp.core.history import History
 from rrfp.core.limits import ByteLimits, MemoryLimits
@@ -218,6 +218,8 @@ class PipelineRuntime:
             self.receives.finish()
         except PeerFailedError as e:
             self._stop_for_peer(e, loop, custom, e)
+        except StoreLostError as e:
+            self._stop_for_store(e, custom, e)
         except BaseException as e:
             if self._usable_after_failure(operations, coordinator, custom):
                 raise
@@ -228,6 +230,8 @@ class PipelineRuntime:
                 self.transport.failures.check(force=True)
             except PeerFailedError as peer:
                 self._stop_for_peer(peer, loop, custom, e)
+            except StoreLostError as lost:
+                self._stop_for_store(lost, custom, e)
             self._fail(e, custom)
 
     def _stop_for_peer(self, error: PeerFailedError, loop: StepLoop, custom: CustomFunctions,
@@ -240,6 +244,14 @@ class PipelineRuntime:
             f"pipeline rank {self.rank} (global rank {dist.get_rank()}) stops its step: "
             f"{error}\nit was waiting for:\n" + "\n".join(loop.waiting()),
             error.failed_rank) from cause
+
+    def _stop_for_store(self, error: StoreLostError, custom: CustomFunctions,
+                        cause: BaseException) -> NoReturn:
+        """The job's store is gone: abandon the step (nothing more is asked of the store)
+        and raise one line naming it."""
+        self._abandon(error, custom)
+        raise StoreLostError(f"pipeline rank {self.rank} (global rank {dist.get_rank()}) "
+                             f"stops its step: {error}") from cause
 
     def _fail(self, error: BaseException, custom: CustomFunctions) -> NoReturn:
         """This rank failed first: tell every rank of the job, naming the action it ran;
@@ -284,9 +296,10 @@ class PipelineRuntime:
             self.report.tell(self._state(None))
 
     def wait(self, timeout: float) -> None:
-        """Wait up to ``timeout`` for an arrival or a completion; meanwhile check, every
-        ``FAILURE_POLL_S``, whether another rank of the pipeline failed (then raise
-        ``PeerFailedError`` naming it: on NCCL nothing else would tell this rank)."""
+        """Wait up to ``timeout`` for an arrival or a completion; meanwhile look, every
+        ``FAILURE_POLL_S``, at what the watch heard: another rank's failure (then raise
+        ``PeerFailedError`` naming it: on NCCL nothing else would tell this rank) or the
+        store gone (``StoreLostError``)."""
         end = time.perf_counter() + timeout
         while True:
             self.transport.failures.check()
