@@ -27,7 +27,7 @@ from torch.distributed.pipelining.schedules import (_check_torch_compile_compati
                                                     _PipelineContext)
 from torch.distributed.pipelining.stage import _PipelineStageBase
 
-from rrfp._torch_compat import check_first_stage_inputs
+from rrfp._torch_compat import check_first_stage_inputs, check_torch
 from rrfp.comm.board import JobScope
 from rrfp.comm.channels import create_channels
 from rrfp.comm.coordination import COORDINATIONS, CoordinationGroup, refuse_uncovered_sharding
@@ -150,6 +150,7 @@ class ScheduleRRFP(TorchRuntimeInterface, RuntimeReadout):
         fixed_every: int = 0,
         report_folder: str | None = None,
     ):
+        check_torch()
         policy = parse_policy(policy)
         depth = parse_launch_depth(launch_depth)
         stages = _in_stage_order(stages)
