@@ -75,9 +75,7 @@ def _rename(patch: pytest.MonkeyPatch, need: Needed) -> None:
         members[name + RENAMED] = "renamed"
         patch.setattr(module, owner.__name__, enum.Enum(owner.__name__, members, type=str))
         return
-    if hasattr(owner, name):
-        defining = next((k for k in getattr(owner, "__mro__", (owner,)) if name in vars(k)),
-                        owner)
+    for defining in [k for k in getattr(owner, "__mro__", (owner,)) if name in vars(k)]:
         value = vars(defining)[name]
         patch.delattr(defining, name)
         patch.setattr(defining, name + RENAMED, value, raising=False)
