@@ -87,7 +87,8 @@ RELIED_ON = (
             "_PipelineSchedule", "_ScheduleForwardOnly", "_PipelineContext(5)",
             "PipelineScheduleMulti(0, stages, n_microbatches, loss_fn, args_chunk_spec, "
             "kwargs_chunk_spec, output_merge_spec, scale_grads, backward_requires_autograd)",
-            "PipelineScheduleSingle._stage", f"{_RUNTIME}.register_custom_function(2)",
+            "PipelineScheduleMulti._backward_requires_autograd", "PipelineScheduleSingle._stage",
+            f"{_RUNTIME}.register_custom_function(2)",
             f"{_RUNTIME}._initialize_stages(4)", f"{_RUNTIME}._check_inputs(4)",
             f"{_RUNTIME}._split_inputs(2)", f"{_RUNTIME}._merge_outputs(1)",
             f"{_RUNTIME}._update_losses(2)", f"{_RUNTIME}._compute_loss(3)",

@@ -52,7 +52,8 @@ from rrfp.runtime.inputs import microbatch_inputs
 from rrfp.runtime.limit_plan import LimitPlan
 from rrfp.runtime.meter import ActivationMeter, DEFAULT_METER_EVERY
 from rrfp.runtime.pipeline import Coordination, Metering, RuntimeReadout, PipelineRuntime
-from rrfp.runtime.schedule_arguments import check_arguments, Lookahead, TorchScheduleArguments
+from rrfp.runtime.schedule_arguments import (check_arguments, Lookahead, stages_per_rank,
+                                             TorchScheduleArguments)
 from rrfp.runtime.torch_interface import (CustomFunctions, IncompatibleStagesError,
                                           TorchRuntimeInterface)
 
@@ -123,11 +124,8 @@ class ScheduleRRFP(TorchRuntimeInterface, RuntimeReadout):
             hint's fixed order, launched without bound as torch's (docs/guide/advisor.md).
         report_folder: where the job's hang report goes when a step stalls (the run
             folder; ``None``: the current working directory); docs/guide/failures.md.
-        max_active_stages, unshard_lookahead, defer_pp_recv: torch's runtime-schedule
-            arguments, as torchtitan passes them; the values RRFP refuses, and why:
-            ``rrfp.schedule_arguments``.
-        backward_requires_autograd: as in torch's schedules (False: a step may run under
-            ``torch.no_grad()``, for custom functions that compute backward themselves).
+        max_active_stages, unshard_lookahead, defer_pp_recv, backward_requires_autograd:
+            torch's, as torchtitan passes them; ``rrfp.runtime.schedule_arguments``.
     """
 
     def __init__(
@@ -155,10 +153,8 @@ class ScheduleRRFP(TorchRuntimeInterface, RuntimeReadout):
         meter_every: int = DEFAULT_METER_EVERY,
         fixed_every: int = 0,
         report_folder: str | None = None,
-        max_active_stages: int | None = None,
-        unshard_lookahead: Lookahead = "full",
-        defer_pp_recv: bool = False,
-        backward_requires_autograd: bool = True,
+        max_active_stages: int | None = None, unshard_lookahead: Lookahead = "full",
+        defer_pp_recv: bool = False, backward_requires_autograd: bool = True,
     ):
         check_torch()
         policy = parse_policy(policy)
@@ -174,7 +170,6 @@ class ScheduleRRFP(TorchRuntimeInterface, RuntimeReadout):
                          args_chunk_spec=args_chunk_spec, kwargs_chunk_spec=kwargs_chunk_spec,
                          output_merge_spec=output_merge_spec, scale_grads=scale_grads,
                          backward_requires_autograd=backward_requires_autograd)
-        self.backward_requires_autograd = bool(backward_requires_autograd)
         if declares_split_backward(hint):  # checked first, as torch's own such schedules do
             _refuse_compiled_stages(stages, str(getattr(hint, "__name__", hint)))
         self._layout = infer_layout(self.rank, self.pp_group_size, self._num_stages,
@@ -193,11 +188,9 @@ class ScheduleRRFP(TorchRuntimeInterface, RuntimeReadout):
         self.pipeline_order = {r: list(acts) for r, acts in self._hint.orders.items()}
         self._data_parallel = DataParallel(stages)
         TorchScheduleArguments(max_active_stages, unshard_lookahead, defer_pp_recv).check(
-            {r: len(self._hint.stages_on(r)) for r in self._hint.orders},
-            fsdp=self._data_parallel.uses_fsdp)
+            stages_per_rank(self._hint), fsdp=self._data_parallel.uses_fsdp)
         self.variable_shapes = bool(variable_shapes)
-        self.coordination = coordination
-        self._coordination_group = coordination_group
+        self.coordination, self._coordination_group = coordination, coordination_group
         self._set_up_checked = False
         self._finalize_gradients = True
         job = _joined_job(self._hint, n_microbatches, stall_timeout, buffer_limit=buffer_limit,
@@ -330,8 +323,8 @@ class ScheduleRRFP(TorchRuntimeInterface, RuntimeReadout):
         None), checked before the step communicates; what policies make of it: docs/reference/api.md.
         """
         sizes = step_sizes(mb_sizes, self._n_microbatches)
-        if self._has_backward and self.backward_requires_autograd and (
-                not torch.is_grad_enabled()):
+        needs_autograd = self._has_backward and self._backward_requires_autograd
+        if needs_autograd and not torch.is_grad_enabled():
             raise RuntimeError("step() computes gradients: call it outside torch.no_grad(), "
                                "or use eval()")
         arg_mbs, kwarg_mbs, target_mbs = microbatch_inputs(
@@ -360,15 +353,9 @@ class ScheduleRRFP(TorchRuntimeInterface, RuntimeReadout):
         finally:
             self._has_backward = has_backward
 
-    def step_microbatches(
-        self,
-        arg_mbs: list | None = None,
-        target_mbs: list | None = None,
-        *,
-        kwarg_mbs: list | None = None,
-        losses: list | None = None,
-        return_outputs: bool = True,
-    ) -> Any:
+    def step_microbatches(self, arg_mbs: list | None = None, target_mbs: list | None = None,
+                          *, kwarg_mbs: list | None = None, losses: list | None = None,
+                          return_outputs: bool = True) -> Any:
         """``step(arg_mbs=arg_mbs, target_mbs=target_mbs, ...)`` (kept for callers of
         rrfp <= 0.1, which had no pre-split ``step``)."""
         return self.step(arg_mbs=arg_mbs, kwarg_mbs=kwarg_mbs, target_mbs=target_mbs,

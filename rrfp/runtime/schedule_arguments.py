@@ -14,7 +14,9 @@ of all local stages with a full lookahead does, and accepts every value that mea
 same for the job's FSDP stages (any value when no stage holds FSDP modules: then torch
 gathers nothing either); a smaller window or a shorter lookahead is refused in one line.
 It posts each channel's receives ahead (an arrived message is how it sees that an action
-is ready), so ``defer_pp_recv=True`` is refused.
+is ready), so ``defer_pp_recv=True`` is refused. ``backward_requires_autograd`` means what
+it means in torch's schedules (False: a step may run under ``torch.no_grad()``, for custom
+functions that compute the backward themselves).
 """
 
 from __future__ import annotations
@@ -24,11 +26,17 @@ from dataclasses import dataclass
 
 from rrfp.comm.coordination import COORDINATIONS
 from rrfp.comm.link_latency import SendDelay
+from rrfp.core.hints import Hint
 from rrfp.core.settings import check_limit_can_be_measured
 from rrfp.devices.device import EmulatedDevice
 from rrfp.devices.platform import Platform
 
 Lookahead = str | tuple[int, ...]
+
+
+def stages_per_rank(hint: Hint) -> dict[int, int]:
+    """How many stages ``hint`` places on each pipeline rank."""
+    return {rank: len(hint.stages_on(rank)) for rank in hint.orders}
 
 
 @dataclass(frozen=True)
