@@ -27,10 +27,10 @@ from torch.distributed.pipelining.schedules import (_check_torch_compile_compati
                                                     _PipelineContext)
 from torch.distributed.pipelining.stage import _PipelineStageBase
 
-from rrfp._torch_compat import check_first_stage_inputs
+from rrfp._torch_compat import check_first_stage_inputs, check_torch
 from rrfp.comm.board import JobScope
 from rrfp.comm.channels import create_channels
-from rrfp.comm.coordination import COORDINATIONS, CoordinationGroup, refuse_uncovered_sharding
+from rrfp.comm.coordination import CoordinationGroup, refuse_uncovered_sharding
 from rrfp.comm.link_latency import SendDelay
 from rrfp.comm.receives import check_variable_shapes, ReceiveRings
 from rrfp.comm.transport import Transport
@@ -38,8 +38,8 @@ from rrfp.core.arbiter import check_deadlock_free
 from rrfp.core.hints import (build_hint, declares_split_backward, Hint, HintSource, infer_layout,
                              Layout)
 from rrfp.core.loop import DEFAULT_LAUNCH_DEPTH
-from rrfp.core.settings import (check_limit_can_be_measured, parse_launch_depth, parse_meter_every,
-                                parse_policy, parse_stall_timeout)
+from rrfp.core.settings import (parse_launch_depth, parse_meter_every, parse_policy,
+                                parse_stall_timeout)
 from rrfp.core.sizes import MicrobatchSize, step_sizes
 from rrfp.core.wakeup import Wakeup
 from rrfp.devices.device import EmulatedDevice
@@ -52,6 +52,8 @@ from rrfp.runtime.inputs import microbatch_inputs
 from rrfp.runtime.limit_plan import LimitPlan
 from rrfp.runtime.meter import ActivationMeter, DEFAULT_METER_EVERY
 from rrfp.runtime.pipeline import Coordination, Metering, RuntimeReadout, PipelineRuntime
+from rrfp.runtime.schedule_arguments import (check_arguments, Lookahead, stages_per_rank,
+                                             TorchScheduleArguments)
 from rrfp.runtime.torch_interface import (CustomFunctions, IncompatibleStagesError,
                                           TorchRuntimeInterface)
 
@@ -122,6 +124,8 @@ class ScheduleRRFP(TorchRuntimeInterface, RuntimeReadout):
             hint's fixed order, launched without bound as torch's (docs/guide/advisor.md).
         report_folder: where the job's hang report goes when a step stalls (the run
             folder; ``None``: the current working directory); docs/guide/failures.md.
+        max_active_stages, unshard_lookahead, defer_pp_recv, backward_requires_autograd:
+            torch's, as torchtitan passes them; ``rrfp.runtime.schedule_arguments``.
     """
 
     def __init__(
@@ -149,19 +153,23 @@ class ScheduleRRFP(TorchRuntimeInterface, RuntimeReadout):
         meter_every: int = DEFAULT_METER_EVERY,
         fixed_every: int = 0,
         report_folder: str | None = None,
+        max_active_stages: int | None = None, unshard_lookahead: Lookahead = "full",
+        defer_pp_recv: bool = False, backward_requires_autograd: bool = True,
     ):
+        check_torch()
         policy = parse_policy(policy)
         depth = parse_launch_depth(launch_depth)
         stages = _in_stage_order(stages)
         stall_timeout = parse_stall_timeout(stall_timeout)
         platform = platform_for(stages[0].device)
-        _check_arguments(platform, buffer_limit, coordination=coordination,
-                         send_delay=send_delay, device=device,
-                         meter_activations=meter_activations)
+        check_arguments(platform, buffer_limit, coordination=coordination,
+                        send_delay=send_delay, device=device,
+                        meter_activations=meter_activations)
         meter_every = parse_meter_every(meter_every)
         super().__init__(stages=stages, n_microbatches=n_microbatches, loss_fn=loss_fn,
                          args_chunk_spec=args_chunk_spec, kwargs_chunk_spec=kwargs_chunk_spec,
-                         output_merge_spec=output_merge_spec, scale_grads=scale_grads)
+                         output_merge_spec=output_merge_spec, scale_grads=scale_grads,
+                         backward_requires_autograd=backward_requires_autograd)
         if declares_split_backward(hint):  # checked first, as torch's own such schedules do
             _refuse_compiled_stages(stages, str(getattr(hint, "__name__", hint)))
         self._layout = infer_layout(self.rank, self.pp_group_size, self._num_stages,
@@ -179,9 +187,10 @@ class ScheduleRRFP(TorchRuntimeInterface, RuntimeReadout):
             stage.stage_index_to_group_rank = self.stage_index_to_group_rank
         self.pipeline_order = {r: list(acts) for r, acts in self._hint.orders.items()}
         self._data_parallel = DataParallel(stages)
+        TorchScheduleArguments(max_active_stages, unshard_lookahead, defer_pp_recv).check(
+            stages_per_rank(self._hint), fsdp=self._data_parallel.uses_fsdp)
         self.variable_shapes = bool(variable_shapes)
-        self.coordination = coordination
-        self._coordination_group = coordination_group
+        self.coordination, self._coordination_group = coordination, coordination_group
         self._set_up_checked = False
         self._finalize_gradients = True
         job = _joined_job(self._hint, n_microbatches, stall_timeout, buffer_limit=buffer_limit,
@@ -314,7 +323,8 @@ class ScheduleRRFP(TorchRuntimeInterface, RuntimeReadout):
         None), checked before the step communicates; what policies make of it: docs/reference/api.md.
         """
         sizes = step_sizes(mb_sizes, self._n_microbatches)
-        if self._has_backward and not torch.is_grad_enabled():
+        needs_autograd = self._has_backward and self._backward_requires_autograd
+        if needs_autograd and not torch.is_grad_enabled():
             raise RuntimeError("step() computes gradients: call it outside torch.no_grad(), "
                                "or use eval()")
         arg_mbs, kwarg_mbs, target_mbs = microbatch_inputs(
@@ -343,39 +353,13 @@ class ScheduleRRFP(TorchRuntimeInterface, RuntimeReadout):
         finally:
             self._has_backward = has_backward
 
-    def step_microbatches(
-        self,
-        arg_mbs: list | None = None,
-        target_mbs: list | None = None,
-        *,
-        kwarg_mbs: list | None = None,
-        losses: list | None = None,
-        return_outputs: bool = True,
-    ) -> Any:
+    def step_microbatches(self, arg_mbs: list | None = None, target_mbs: list | None = None,
+                          *, kwarg_mbs: list | None = None, losses: list | None = None,
+                          return_outputs: bool = True) -> Any:
         """``step(arg_mbs=arg_mbs, target_mbs=target_mbs, ...)`` (kept for callers of
         rrfp <= 0.1, which had no pre-split ``step``)."""
         return self.step(arg_mbs=arg_mbs, kwarg_mbs=kwarg_mbs, target_mbs=target_mbs,
                          losses=losses, return_outputs=return_outputs)
-
-
-def _check_arguments(platform: Platform, buffer_limit: object, *, coordination: str,
-                     send_delay: SendDelay | None, device: EmulatedDevice | None,
-                     meter_activations: bool) -> None:
-    """``ValueError`` for arguments that do not fit each other or the stages' platform."""
-    if coordination not in COORDINATIONS:
-        raise ValueError(f"unknown coordination {coordination!r}: use one of "
-                         f"{list(COORDINATIONS)}")
-    if send_delay is not None and not platform.on_host:
-        raise ValueError(
-            "send_delay emulates link latency for CPU studies: its sender thread's "
-            "current CUDA stream is not the compute stream, so it could send an output "
-            "before the compute stream wrote it; use it with CPU stages")
-    check_limit_can_be_measured(buffer_limit, meter_activations=meter_activations,
-                                free_memory_known=platform.free_bytes is not None,
-                                device=platform.device)
-    if device is not None and not platform.on_host:
-        raise ValueError(f"the emulated device runs CPU stages; these stages are on "
-                         f"{platform.device}: pass device=None to run on their stream")
 
 
 def placed_hint(source: HintSource | None, stages: list[_PipelineStageBase], rank: int,
