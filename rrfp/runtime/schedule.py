@@ -282,6 +282,14 @@ class ScheduleRRFP(TorchRuntimeInterface, RuntimeReadout):
         """
         self._runtime.close(failed=False, timeout=timeout)
 
+    def __enter__(self) -> ScheduleRRFP:
+        """``with ScheduleRRFP(...) as schedule:`` closes it on leaving the block (a
+        schedule not closed closes itself at interpreter exit)."""
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
     def step(
         self,
         *args,
