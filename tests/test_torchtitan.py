@@ -694,6 +694,18 @@ def test_an_unknown_rrfp_key_in_the_toml_stops_the_job_naming_the_nearest(tmp_pa
 
 
 @titan_integration
+@only_0_2
+def test_a_mistyped_toml_file_stops_the_job_in_one_line_naming_the_nearest(tmp_path):
+    from torchtitan_ext.common.setting_names import missing_toml_file
+
+    assert missing_toml_file(["--job.config_file", "train_configs/llama3_debug_cpu.toml"]) is None
+    code, out = run_titan(2, dump=str(tmp_path), config_file="train_configs/llama3_debug.toml")
+    assert_stopped_with_one_line(code, out, (
+        "rrfp: bad configuration: --job.config_file train_configs/llama3_debug.toml: no such "
+        "file (did you mean train_configs/llama3_debug_cpu.toml?)"))
+
+
+@titan_integration
 def test_stock_torchtitan_train_runs_rrfp(tmp_path):
     """``torchrun -m torchtitan.train``: with the TOML's ``custom_import`` (0.2.2), with
     ``--module torchtitan_ext`` (0.3). A V placement, whose loss (and TensorBoard) is on
