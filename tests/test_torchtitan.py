@@ -583,7 +583,7 @@ def test_main_job_trains_on_cpu_and_logs_rrfp_stats(tmp_path):
     # The main job's in-run A/B (fixed_every = 2): steps 2, 4, 6, 8 in the fixed order.
     assert re.match(r"  measured \(in-run A/B, 4 steps in the fixed order, each against the RRFP "
                     r"steps beside it\): fixed / RRFP step time \d\.\d\dx \[\d\.\d\d-\d\.\d\d\] "
-                    r"over 3 pairs; RRFP ", summary[1]), summary
+                    r"over 4 pairs; RRFP ", summary[1]), summary
     assert re.fullmatch(r"  out-of-hint actions: pp0 \d+ of \d+, pp1 \d+ of \d+", summary[4])
     assert summary[5] == ("  microbatches held (every step): pp0 at most 5 (fixed schedule 5), "
                           "pp1 at most 3 (fixed schedule 3)"), summary
@@ -739,7 +739,8 @@ def test_stock_torchtitan_train_runs_rrfp(tmp_path):
     # RRFP's line alone (torchtitan 0.3 also logs one for the placement schedule it builds).
     assert out.count("Using pipeline schedule") == 1, failure_excerpt(out)
     assert sorted(logged_losses(out)) == [1, 2]
-    assert re.search(STATS_LINE.format(step=2, fixed="", label="", activations=UNMETERED), out)
+    assert re.search(STATS_LINE.format(step=2, fixed=r" \(fixed order\)", label="",
+                                       activations=UNMETERED), out)
     assert "peak activations: not measured (rrfp.meter_activations off)" in out
     scalars = tensorboard_scalars(tmp_path)
     assert scalars.get("rrfp/dispatch_overhead_us/pp1") == 2
