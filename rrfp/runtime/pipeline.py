@@ -452,3 +452,14 @@ class RuntimeReadout:
         """Per local stage, the most bytes one microbatch's forward saved for backward in
         the last metered training step (None before one)."""
         return self._runtime.activation_bytes_per_microbatch
+
+
+class ClosedOnLeaving:
+    """``with ScheduleRRFP(...) as schedule:`` closes the schedule on leaving the block (a
+    schedule never closed closes itself at interpreter exit)."""
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()  # type: ignore[attr-defined]

@@ -51,14 +51,15 @@ from rrfp.runtime.executor import Reduction, StepInputs
 from rrfp.runtime.inputs import microbatch_inputs
 from rrfp.runtime.limit_plan import LimitPlan
 from rrfp.runtime.meter import ActivationMeter, DEFAULT_METER_EVERY
-from rrfp.runtime.pipeline import Coordination, Metering, RuntimeReadout, PipelineRuntime
+from rrfp.runtime.pipeline import (ClosedOnLeaving, Coordination, Metering, PipelineRuntime,
+                                   RuntimeReadout)
 from rrfp.runtime.torch_interface import (CustomFunctions, IncompatibleStagesError,
                                           TorchRuntimeInterface)
 
 logger = logging.getLogger(__name__)
 
 
-class ScheduleRRFP(TorchRuntimeInterface, RuntimeReadout):
+class ScheduleRRFP(TorchRuntimeInterface, RuntimeReadout, ClosedOnLeaving):
     """Runtime-readiness-first pipeline schedule (arXiv 2605.18750).
 
     Every argument in full: docs/reference/api.md.
@@ -281,14 +282,6 @@ class ScheduleRRFP(TorchRuntimeInterface, RuntimeReadout):
         seconds.
         """
         self._runtime.close(failed=False, timeout=timeout)
-
-    def __enter__(self) -> ScheduleRRFP:
-        """``with ScheduleRRFP(...) as schedule:`` closes it on leaving the block (a
-        schedule not closed closes itself at interpreter exit)."""
-        return self
-
-    def __exit__(self, *exc_info: object) -> None:
-        self.close()
 
     def step(
         self,
