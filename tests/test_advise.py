@@ -272,6 +272,20 @@ def test_a_run_it_cannot_use_is_said_in_one_line(case, tmp_path, capsys):
     assert expected in captured.err
 
 
+@pytest.mark.simulator
+def test_the_settings_chart_shows_its_whole_axis_label_and_a_legend_for_the_hatching(
+        spiky_advice):
+    from rrfp.advise.plots import settings_figure
+
+    figure = settings_figure(spiky_advice)
+    figure.canvas.draw()
+    label = figure.axes[0].xaxis.label.get_window_extent()
+    inside = figure.bbox
+    assert inside.x0 <= label.x0 and label.x1 <= inside.x1 and inside.y0 <= label.y0
+    legend = [t.get_text() for t in figure.axes[0].get_legend().get_texts()]
+    assert "~ a guess: backwards halved" in legend and "grows the job's peak" in legend
+
+
 def test_help_prints_every_option(capsys):
     with pytest.raises(SystemExit) as exit:
         main(["--help"])
