@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import os
-import signal
 import subprocess
 import sys
 
 import pytest
+
+from rrfp.testing.worlds import output_within
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -20,11 +21,8 @@ def torchrun(script: str, timeout: float = 120) -> tuple[int, str]:
         start_new_session=True,  # a hang kills torchrun's workers too
         env={**os.environ, "PYTHONPATH": os.pathsep.join(
             [ROOT, *filter(None, [os.environ.get("PYTHONPATH")])])})
-    try:
-        out, _ = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        out, _ = proc.communicate()
+    out, ended = output_within(proc, timeout)
+    if not ended:
         pytest.fail(f"{script} ran past {timeout} s (a hang?):\n{out[-3000:]}")
     return proc.returncode, out
 

@@ -11,7 +11,6 @@ from __future__ import annotations
 import logging
 import os
 import re
-import signal
 import subprocess
 import sys
 
@@ -29,7 +28,7 @@ from rrfp.core.settings import BufferLimit, parse_buffer_limit  # noqa: E402
 from rrfp.core.stats import StepStats  # noqa: E402
 from rrfp.testing.chains import build_stages, loss_fn, make_chain  # noqa: E402
 from rrfp.testing.stats import made_up_stats  # noqa: E402
-from rrfp.testing.worlds import run_local_world  # noqa: E402
+from rrfp.testing.worlds import output_within, run_local_world  # noqa: E402
 from torchtitan_ext.common.schedules import (  # noqa: E402
     hint_of, placement_schedule, schedule_arguments, validate)
 from torchtitan_ext.common.version import torchtitan_version  # noqa: E402
@@ -88,11 +87,8 @@ def run_titan(nproc: int, *overrides: str, dump: str, module: str = "torchtitan_
                                  "PYTHONPATH": os.pathsep.join(
                                      [ROOT, *filter(None, [os.environ.get("PYTHONPATH")])]),
                                  **(env or {})})
-    try:
-        out, _ = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        out, _ = proc.communicate()
+    out, ended = output_within(proc, timeout)
+    if not ended:
         pytest.fail(f"torchrun ran past {timeout} s (a hang?):\n{out[-3000:]}")
     return proc.returncode, out
 

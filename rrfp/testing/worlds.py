@@ -8,7 +8,9 @@ from __future__ import annotations
 import datetime
 import os
 import queue
+import signal
 import socket
+import subprocess
 import tempfile
 import time
 import traceback
@@ -117,3 +119,14 @@ def _rank_main(rank, world_size, init_method, folder, results, fn, args) -> None
     results.join_thread()
     # Ranks that stalled on purpose may have waiter threads blocked in gloo: leave at once.
     os._exit(0)
+
+
+def output_within(proc: "subprocess.Popen[str]", timeout: float) -> tuple[str, bool]:
+    """The output of ``proc`` (started with ``start_new_session=True``) and whether it
+    ended within ``timeout`` seconds; if not, its whole session is killed (torchrun's
+    workers too)."""
+    try:
+        return proc.communicate(timeout=timeout)[0], True
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        return proc.communicate()[0], False
