@@ -10,9 +10,12 @@ aborts the channels and leaves the runtime refusing further steps (DESIGN.md inv
 
 from __future__ import annotations
 
+import atexit
 import logging
 import math
 import time
+import weakref
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import NoReturn
 
@@ -100,6 +103,7 @@ class PipelineRuntime:
         self._step: tuple[StepLoop, StageExecutor] | None = None
         """The step running now, if any."""
         self._watch = JobWatch(transport.failures, job_groups, wakeup, self._told_by_watch)
+        self._close_at_exit = _closing_at_exit(self)
 
     def follow(self, hint: Hint, limits: LimitPlan) -> None:
         """Rank ready actions by ``hint`` within ``limits`` from the next step on (the same
@@ -349,6 +353,7 @@ class PipelineRuntime:
 
     def close(self, failed: bool = False, timeout: float = 10.0) -> None:
         """Stop the threads and close the channels (see ``ScheduleRRFP.close``)."""
+        atexit.unregister(self._close_at_exit)
         self._failure = self._failure or "the schedule was closed"
         try:
             alive = self.transport.close(timeout, failed=failed,
@@ -359,6 +364,28 @@ class PipelineRuntime:
         alive += device_alive + watch_alive
         if alive:
             raise RuntimeError(f"threads still running after close(): {[t.name for t in alive]}")
+
+
+def _closing_at_exit(runtime: PipelineRuntime) -> Callable[[], None]:
+    """Close ``runtime`` at interpreter exit unless it was closed before (registered with
+    ``atexit``, holding it weakly). A thread of it still waiting in a channel's receive
+    (posted ahead for a step that never comes) when the interpreter finalizes is ended
+    inside torch's C++ wait, which aborts the process ("terminate called without an
+    active exception"); atexit handlers run before that, and a channel closes after
+    ``dist.destroy_process_group()`` too (it is a group of its own)."""
+    held = weakref.ref(runtime)
+
+    def close() -> None:
+        runtime = held()
+        if runtime is None:
+            return
+        try:
+            runtime.close()
+        except RuntimeError as e:  # the process is exiting: say it, end normally
+            logger.warning("rrfp: closing the schedule at exit: %s", e)
+
+    atexit.register(close)
+    return close
 
 
 def _with_causes(error: BaseException, most: int = 4) -> str:
@@ -438,3 +465,14 @@ class RuntimeReadout:
         """Per local stage, the most bytes one microbatch's forward saved for backward in
         the last metered training step (None before one)."""
         return self._runtime.activation_bytes_per_microbatch
+
+
+class ClosedOnLeaving:
+    """``with ScheduleRRFP(...) as schedule:`` closes the schedule on leaving the block (a
+    schedule never closed closes itself at interpreter exit)."""
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()  # type: ignore[attr-defined]

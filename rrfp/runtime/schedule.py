@@ -51,7 +51,8 @@ from rrfp.runtime.executor import Reduction, StepInputs
 from rrfp.runtime.inputs import microbatch_inputs
 from rrfp.runtime.limit_plan import LimitPlan
 from rrfp.runtime.meter import ActivationMeter, DEFAULT_METER_EVERY
-from rrfp.runtime.pipeline import Coordination, Metering, RuntimeReadout, PipelineRuntime
+from rrfp.runtime.pipeline import (ClosedOnLeaving, Coordination, Metering, PipelineRuntime,
+                                   RuntimeReadout)
 from rrfp.runtime.schedule_arguments import (check_arguments, Lookahead, stages_per_rank,
                                              TorchScheduleArguments)
 from rrfp.runtime.torch_interface import (CustomFunctions, IncompatibleStagesError,
@@ -60,7 +61,7 @@ from rrfp.runtime.torch_interface import (CustomFunctions, IncompatibleStagesErr
 logger = logging.getLogger(__name__)
 
 
-class ScheduleRRFP(TorchRuntimeInterface, RuntimeReadout):
+class ScheduleRRFP(TorchRuntimeInterface, RuntimeReadout, ClosedOnLeaving):
     """Runtime-readiness-first pipeline schedule (arXiv 2605.18750).
 
     Every argument in full: docs/reference/api.md.

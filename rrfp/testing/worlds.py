@@ -8,7 +8,9 @@ from __future__ import annotations
 import datetime
 import os
 import queue
+import signal
 import socket
+import subprocess
 import tempfile
 import time
 import traceback
@@ -145,3 +147,14 @@ def _rank_store(init_method: str | tuple[str, int], rank: int, world_size: int,
     else:
         store, _, _ = next(dist.rendezvous(init_method, rank, world_size, timeout=timeout))
     return CountingStore(store) if counting else store
+
+
+def output_within(proc: "subprocess.Popen[str]", timeout: float) -> tuple[str, bool]:
+    """The output of ``proc`` (started with ``start_new_session=True``) and whether it
+    ended within ``timeout`` seconds; if not, its whole session is killed (torchrun's
+    workers too)."""
+    try:
+        return proc.communicate(timeout=timeout)[0], True
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        return proc.communicate()[0], False

@@ -348,8 +348,8 @@ def build_schedule(schedule_name: str, settings: RRFP, stages, n_microbatches: i
     logger.info(
         f"Using pipeline schedule {schedule_name}: ScheduleRRFP with hint {schedule.hint.name} "
         f"({schedule.hint.layout} placement), policy {schedule.policy}, buffer limit "
-        f"{settings.buffer_limit!r}, launch depth {schedule.launch_depth}, "
-        f"{n_microbatches} microbatches. {schedule.limit_summary} (rrfp.buffer_limit)")
+        f"{settings.buffer_limit!r} (rrfp.buffer_limit), launch depth {schedule.launch_depth}, "
+        f"{n_microbatches} microbatches")  # what the limit allows: rrfp.schedule's line
     return schedule
 
 
