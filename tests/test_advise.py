@@ -19,6 +19,7 @@ from rrfp import Settings
 from rrfp.advise import ab_speedups, advise, read_run, run_from_trace_events
 from rrfp.advise.__main__ import main
 from rrfp.advise.predict import Setting
+from rrfp.advise.report import size
 from rrfp.core.hints import build_hint, Hint
 from rrfp.core.limits import resolve_buffer_limits
 from rrfp.core.policy import default_policy
@@ -170,8 +171,26 @@ def test_too_few_steps_are_said(tmp_path):
     write_run(tmp_path, "1F1B", steps=3, policy="hint")
     run, _ = read_run(str(tmp_path))
     advice = advise(run, "x")
-    assert "only 2 measured step(s): too few to predict" in advice.verdict()
+    # Nothing predicted from them is said beside it: no variability, no speedup.
+    assert advice.verdict() == ("rrfp: only 2 measured step(s) after the first: too few to "
+                                "predict (3 or more); python -m rrfp.advise x")
     assert any("too few to predict from" in w for w in advice.warnings())
+
+
+@pytest.mark.simulator
+def test_a_verdict_that_names_no_setting_says_why_the_tables_top_row_is_not_it(spiky_advice):
+    top = next(r for r in spiky_advice.rows if not r.even_split)
+    assert top.speedup >= 1.01 and top.job_peak_extra > 0
+    # No margin: the top row grows the peak beyond it, and the only rows kept are below 1.01x.
+    advice = dataclasses.replace(spiky_advice, margin=0,
+                                 rows=[top, *[r for r in spiky_advice.rows
+                                              if r.job_peak_extra <= 0 and r.speedup < 1.01]])
+    assert (f"no setting within +0% of the activation peak predicts 1.01x or more (the "
+            f"table's top row, {top.speedup:.2f}x, is beyond the margin: "
+            f"+{size(top.job_peak_extra)} peak, rank ") in advice.verdict()
+    guess = dataclasses.replace(advice, rows=[dataclasses.replace(top, even_split=True),
+                                              *advice.rows[1:]])
+    assert f"{top.speedup:.2f}x, is a guess from halved backwards, marked ~)" in guess.verdict()
 
 
 @pytest.mark.simulator
@@ -251,6 +270,27 @@ def test_a_run_it_cannot_use_is_said_in_one_line(case, tmp_path, capsys):
     assert captured.out == ""
     assert captured.err.count("\n") == 1 and captured.err.startswith("rrfp.advise: "), captured.err
     assert expected in captured.err
+
+
+@pytest.mark.simulator
+def test_the_settings_chart_shows_its_whole_axis_label_and_a_legend_for_the_hatching(
+        spiky_advice):
+    from rrfp.advise.plots import settings_figure
+
+    figure = settings_figure(spiky_advice)
+    figure.canvas.draw()
+    label = figure.axes[0].xaxis.label.get_window_extent()
+    inside = figure.bbox
+    assert inside.x0 <= label.x0 and label.x1 <= inside.x1 and inside.y0 <= label.y0
+    legend = [t.get_text() for t in figure.axes[0].get_legend().get_texts()]
+    assert "~ a guess: backwards halved" in legend and "grows the job's peak" in legend
+
+
+def test_help_prints_every_option(capsys):
+    with pytest.raises(SystemExit) as exit:
+        main(["--help"])
+    assert exit.value.code == 0
+    assert "(default 25%)" in capsys.readouterr().out
 
 
 @pytest.mark.simulator

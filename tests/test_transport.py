@@ -20,8 +20,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from rrfp import Settings
-from rrfp.comm import channels as channels_module, ScheduleRRFP
+from rrfp import ScheduleRRFP, Settings
+from rrfp.comm import channels as channels_module
 from rrfp.comm.board import FailureBoard
 from rrfp.comm.channels import Channel, ChannelMap, make_channel_group
 from rrfp.comm.transport import Transport

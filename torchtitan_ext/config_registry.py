@@ -54,10 +54,15 @@ from torchtitan.models.deepseek_v3 import model_registry as deepseek_v3_registry
 from torchtitan.models.llama3 import model_registry  # noqa: E402
 
 from torchtitan_ext.common.assets import DATASET_NAME, TOKENIZER_DIR  # noqa: E402
+from torchtitan_ext.common.schedules import register_with_torch  # noqa: E402
 from torchtitan_ext.config import RRFP  # noqa: E402
 from torchtitan_ext.titan_0_3.dataloaders import DocumentDataLoader  # noqa: E402
 from torchtitan_ext.titan_0_3.multimodal import multimodal_registry  # noqa: E402
 from torchtitan_ext.titan_0_3.trainer import RRFPMetricsProcessor, RRFPTrainer  # noqa: E402
+
+# Before any config function makes a ParallelismConfig naming an RRFP schedule: torchtitan's
+# main branch checks the name through torch's get_schedule_class there.
+register_with_torch()
 
 __all__ = ["rrfp_llama3_debug_cpu", "rrfp_documents_cpu", "rrfp_multimodal_cpu",
            "rrfp_deepseek_v3_ep_cpu", "rrfp_llama3_8b", "rrfp_llama3_8b_zbv",

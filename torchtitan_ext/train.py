@@ -52,6 +52,9 @@ if __name__ == "__main__":
     problem = launch_problem(torchtitan_version(), sys.argv[1:])
     if problem is not None:
         stop_job(problem)
+    from torchtitan_ext.common.log_ranks import hold_until_rank_known
+
+    hold_until_rank_known()  # torchtitan's start-up lines: on the logging rank only
     if torchtitan_version() == (0, 2):
         from torchtitan_ext.common.setting_names import stop_on_unknown_settings
 

@@ -43,7 +43,8 @@ def main(argv: list[str] | None = None) -> int:
                         "a JSON list of the steps' trace events on stdin")
     parser.add_argument("--margin", type=_margin, default=DEFAULT_MARGIN,
                         help="how much the verdict may grow the job's peak activation bytes, "
-                             f"as a percentage of it (default {DEFAULT_MARGIN:.0%})")
+                             # argparse formats help with %: a literal one is written %%.
+                             f"as a percentage of it (default {DEFAULT_MARGIN * 100:.0f}%%)")
     parser.add_argument("--out", help="where the charts go (default: the traces' folder)")
     parser.add_argument("--no-plots", dest="plots", action="store_false")
     parser.add_argument("--rows", type=int, default=25,

@@ -22,17 +22,26 @@ class MeasuredTimeline:
 
 
 def plot_predictions(advice: Advice, path: str) -> None:
+    """Draw ``settings_figure`` into ``path``."""
+    plt = pyplot()
+    fig = settings_figure(advice)
+    fig.savefig(path, dpi=110, bbox_inches="tight")  # the whole x-axis label
+    plt.close(fig)
+
+
+def settings_figure(advice: Advice):
     """A bar per setting: its median predicted speedup over the fixed schedule, the
     measured steps' range as a whisker, coloured by how far it grows the job's peak
-    activation bytes."""
+    activation bytes, hatched where it is a guess from halved backwards; a legend for
+    each."""
     plt = pyplot()
+    from matplotlib.patches import Patch
+
     rows = advice.rows[:SHOWN]
-    fig, ax = plt.subplots(figsize=(11, 0.32 * len(rows) + 1.6))
+    fig, ax = plt.subplots(figsize=(11, 0.32 * len(rows) + 1.8))
     for i, row in enumerate(rows):
         grows = row.job_peak_extra
-        colour = ("#999999" if grows is None else "#55A868" if grows <= 0
-                  else "#DD8452")
-        ax.barh(i, row.speedup - 1, left=1, color=colour, height=0.7,
+        ax.barh(i, row.speedup - 1, left=1, color=_colour(grows), height=0.7,
                 hatch="//" if row.even_split else None)
         ax.plot([min(row.speedups), max(row.speedups)], [i, i], color="black", linewidth=0.8)
         label = "" if grows is None else " no peak change" if grows <= 0 else f" +{size(grows)}"
@@ -42,16 +51,22 @@ def plot_predictions(advice: Advice, path: str) -> None:
                         for r in rows], fontsize=7)
     ax.set_ylim(len(rows) - 0.5, -0.5)
     ax.axvline(1.0, color="grey", linewidth=0.8)
-    ax.axvline(advice.own_speedup, color="#4C72B0", linewidth=0.8, linestyle="--",
-               label=f"this run's setting ({advice.own_speedup:.3f}x)")
-    ax.set_xlabel("predicted speedup over the fixed schedule (bar: median; line: the "
+    own = ax.axvline(advice.own_speedup, color="#4C72B0", linewidth=0.8, linestyle="--")
+    ax.set_xlabel("predicted speedup over the fixed schedule\n(bar: median; line: the "
                   "measured steps' range; label: growth of the job's activation peak)")
-    ax.legend(fontsize=8, loc="lower right")
+    ax.legend(handles=[
+        own, Patch(color=_colour(0)), Patch(color=_colour(1)),
+        Patch(facecolor="white", edgecolor="black", hatch="//")], labels=[
+        f"this run's setting ({advice.own_speedup:.3f}x)", "keeps the job's peak",
+        "grows the job's peak", "~ a guess: backwards halved"], fontsize=8, loc="lower right")
     ax.set_title(f"{advice.source}: {len(advice.run.steps)} measured steps replayed",
                  fontsize=9, loc="left")
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    return fig
+
+
+def _colour(grows: int | None) -> str:
+    return "#999999" if grows is None else "#55A868" if grows <= 0 else "#DD8452"
 
 
 def plot_step(advice: Advice, path: str) -> None:

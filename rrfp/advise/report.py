@@ -111,40 +111,59 @@ class Advice:
 
     def verdict(self) -> str:
         """One line: the variability; the best setting within the margin and the best that
-        keeps the job's peak; this run's own; the measured A/B where there is one."""
+        keeps the job's peak; this run's own; the measured A/B where there is one. Too few
+        steps: that alone (and the A/B), no figure predicted from them."""
+        if self.too_few:
+            said = [f"rrfp: only {len(self.run.steps)} measured step(s) after the first: "
+                    f"too few to predict ({MIN_STEPS} or more)"]
+            if self.measured_ab:
+                said.append(f"measured {statistics.median(self.measured_ab):.2f}x by the "
+                            "in-run A/B")
+            return "; ".join(said) + f"; python -m rrfp.advise {self.source}"
         said = [f"rrfp: timing variability {self.variability:.0%}"]
         peak = self.fixed_peak
         within = "" if peak is None else f" within +{self.margin:.0%} of the activation peak"
-        if self.too_few:
-            said.append(f"only {len(self.run.steps)} measured step(s): too few to predict")
+        best = self.best(None if peak is None else self.margin * peak)
+        flat = self.best(None if peak is None else 0)
+        if best is None or best.speedup < NOTABLE:
+            said.append(f"no setting{within} predicts {NOTABLE:.2f}x or more"
+                        + self._left_out(best))
         else:
-            best = self.best(None if peak is None else self.margin * peak)
-            flat = self.best(None if peak is None else 0)
-            if best is None or best.speedup < NOTABLE:
-                said.append(f"no setting{within} predicts {NOTABLE:.2f}x or more")
-            else:
-                said.append(f"{self._named(best)} predicts {best.speedup:.2f}x")
-                if flat is not None and flat is not best:
-                    said.append(f"{self._named(flat)} {flat.speedup:.2f}x")
+            said.append(f"{self._named(best)} predicts {best.speedup:.2f}x")
+            if flat is not None and flat is not best:
+                said.append(f"{self._named(flat)} {flat.speedup:.2f}x")
         own = f"this run ({self._own_setting()}) {self.own_speedup:.2f}x"
         if self.measured_ab:
             own += f", measured {statistics.median(self.measured_ab):.2f}x by the in-run A/B"
         said.append(own)
         return "; ".join(said) + f"; python -m rrfp.advise {self.source}"
 
+    def _left_out(self, best: Prediction | None) -> str:
+        """Why the table's top row, where it predicts a gain, is not the verdict's: it
+        grows the peak beyond the margin, or it is a guess from halved backwards (~)."""
+        top = self.rows[0] if self.rows else None
+        if top is None or top is best or top.speedup < NOTABLE:
+            return ""
+        why = ("a guess from halved backwards, marked ~" if top.even_split
+               else f"beyond the margin: {self._growth(top)}")
+        return f" (the table's top row, {top.speedup:.2f}x, is {why})"
+
     def _own_setting(self) -> str:
         return f"buffer_limit={self.run.buffer_limit!r}, policy {self.run.policy}"
 
     def _named(self, row: Prediction) -> str:
         """The setting, and where it grows the job's peak activation bytes."""
-        text = row.setting.describe(self.run.hint.name)
+        return f"{row.setting.describe(self.run.hint.name)} ({self._growth(row)})"
+
+    @staticmethod
+    def _growth(row: Prediction) -> str:
         allowed, grows = row.allowed_bytes, row.job_peak_extra
         if allowed is None or grows is None:
-            return f"{text} (bytes not measured)"
+            return "bytes not measured"
         if grows <= 0:
-            return f"{text} (no peak change)"
+            return "no peak change"
         rank = max(allowed, key=lambda r: allowed[r])
-        return f"{text} (+{size(grows)} peak, rank {rank})"
+        return f"+{size(grows)} peak, rank {rank}"
 
     def table(self, rows: int | None = None) -> list[str]:
         """The report: the run, how well the simulator replays it, each setting ranked

@@ -3,9 +3,11 @@
 A rank measures only its own stages, but the ``critical`` policy costs every stage's actions
 (``rrfp.core.sizes``): after each training step with sizes, a rank writes the fits of its stages
 (a few floats per stage and kind) under its key in the pipeline's store, and before the
-next such step reads the others' latest. Nothing waits: a fit a peer has not written yet
-is read a step later, and until then that stage is costed by the mean of the fits known.
-The keys live under the channels' generation prefix (as the failure board's do).
+next such step reads the others' latest: a write and a read a step once every peer of the
+pipeline has written, whatever the size of the job. Nothing waits: a fit a peer has not
+written yet is read a step later, and until then that stage is costed by the mean of the
+fits known. The keys live under the channels' generation prefix (as the failure board's
+do).
 """
 
 from __future__ import annotations
@@ -44,6 +46,7 @@ class FitSharing:
         self._store = store if len(ranks) > 1 else None
         self._me = me
         self._others = [f"fits/{rank}" for rank in ranks if rank != me]
+        self._everyone_published = False
         self.seconds = 0.0
 
     def publish(self, fits: Mapping[Key, DurationFit]) -> None:
@@ -63,9 +66,10 @@ class FitSharing:
         started = time.perf_counter()
         fits: dict[Key, DurationFit] = {}
         try:
-            # One round trip once every peer has published (every step after the first).
-            present = (self._others if self._store.check(self._others)
-                       else [key for key in self._others if self._store.check([key])])
+            # Once every peer has published, its key stays: one read a step from then on.
+            present = self._others if self._everyone_published else [
+                key for key in self._others if self._store.check([key])]
+            self._everyone_published = len(present) == len(self._others)
             for said in self._store.multi_get(present) if present else ():
                 fits.update(decode_fits(said.decode()))
         except Exception as e:  # the store gone: cost the others' stages by what is known

@@ -15,3 +15,8 @@ class PeerFailedError(PipelineStallError):
         super().__init__(message)
         self.failed_rank = failed_rank
         """Global rank of the rank that failed first."""
+
+
+class StoreLostError(PipelineStallError):
+    """The job's store is gone (the host that serves it died): no failure could be told
+    any more, so every rank stops (``rrfp.comm.board``)."""

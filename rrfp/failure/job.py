@@ -24,16 +24,23 @@ tensor/expert-parallel replicas (the default group's ranks).
   wait (an ``ncclCommAbort`` can block while another communicator's kernel spins,
   pytorch#119797). Aborted groups cannot be used again: the job restarts
   (``torchrun --max-restarts``) or builds new ones.
-* **The watch** (``JobWatch``): a thread per schedule reads the job's failure key every
-  ``FAILURE_POLL_S`` (one store read); when another rank failed it aborts this rank's
-  job groups, which makes a collective blocked in them raise, and wakes the step loop.
+* **The watch** (``JobWatch``): a thread per schedule blocks, on a store client of its
+  own, in a wait for this rank's wake key (``rrfp.comm.board``: the rank whose failure the
+  job keeps sets every rank's), re-armed every ``WATCH_PERIOD_S``: no polling, one store
+  operation per period while nothing happens. When another rank failed it aborts this
+  rank's job groups, which makes a collective blocked in them raise, and wakes the step
+  loop; when the store's connection fails it says so in one line naming the store, and
+  does the same. ``close`` sets the rank's own wake key to end the wait.
 * **Its settings** (``agree_on_settings``): every rank says the settings that must be the
-  same everywhere (hint, limit, microbatches, ...) before any channel is built; a
-  disagreement is refused on every rank with one message.
+  same everywhere (hint, limit, microbatches, ...) before any channel is built; the job's
+  first rank compares them and says one verdict that every rank waits for: a few store
+  operations per rank, however many ranks. A disagreement is refused on every rank with
+  one message.
 """
 
 from __future__ import annotations
 
+import datetime
 import functools
 import json
 import logging
@@ -44,14 +51,19 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-from rrfp.comm.board import FAILURE_POLL_S, FailureBoard, JobScope
+from rrfp.comm.board import FailureBoard, is_timeout, JobScope
 from rrfp.comm.channels import break_gloo_group, concurrently
+from rrfp.core.errors import PipelineStallError
 from rrfp.core.wakeup import Wakeup
 
 logger = logging.getLogger(__name__)
 
 ABORT_TIMEOUT_S = 10.0
 """How long aborting the job's groups may take before the rank goes on without them."""
+WATCH_PERIOD_S = 30.0
+"""How long the watch's wait for its wake key lasts before it is re-armed: its one store
+operation while nothing happens (a store host that vanished without closing its
+connections is found at a re-arm)."""
 
 
 class JobGroups:
@@ -122,52 +134,126 @@ def collective_groups(modules: Iterable[torch.nn.Module]) -> list[dist.ProcessGr
 
 
 class JobWatch:
-    """A thread that reads the job's failure key every ``interval`` seconds; when another
-    rank failed it aborts ``groups``, wakes the step loop (``wakeup``) and calls
-    ``told(rank, message)``, then ends."""
+    """A thread that waits for this rank's wake key in the job's store (see the module
+    docstring); when another rank failed it aborts ``groups``, wakes the step loop
+    (``wakeup``) and calls ``told(rank, message)``, then ends; when the store is gone it
+    aborts ``groups`` and wakes the step loop, whose next check raises."""
 
     def __init__(self, board: FailureBoard, groups: JobGroups, wakeup: Wakeup,
-                 told: Callable[[int, str], None], interval: float = FAILURE_POLL_S):
+                 told: Callable[[int, str], None], period: float = WATCH_PERIOD_S):
         self._board, self._groups, self._wakeup, self._told = board, groups, wakeup, told
-        self._interval = interval
+        self._period = period
         self._stop = threading.Event()
+        board.fed_by_watch()
         self.thread = threading.Thread(target=self._run, name="rrfp-job-watch", daemon=True)
         self.thread.start()
 
     def _run(self) -> None:
-        while not self._stop.wait(self._interval):
-            failure = self._board.failure(job_only=True)
-            if failure is None:
-                continue
-            rank, message = failure
-            if rank != self._board.me:
-                logger.error("rrfp: global rank %d of the job failed (%s); global rank %d "
-                             "aborts its groups beside the pipeline (%s)", rank,
-                             message.splitlines()[0] if message else "", self._board.me,
-                             self._groups.describe())
+        try:
+            failure = self._wait_for_failure()
+        except Exception as e:
+            if not self._stop.is_set():
+                logger.error("rrfp: global rank %d stops: %s", self._board.me,
+                             self._board.lose(e))
                 self._groups.abort()
                 self._wakeup.notify()
-                self._told(rank, message)
             return
+        if failure is None:
+            return
+        self._board.heard(failure)
+        rank, message = failure
+        if rank != self._board.me:
+            logger.error("rrfp: global rank %d of the job failed (%s); global rank %d "
+                         "aborts its groups beside the pipeline (%s)", rank,
+                         message.splitlines()[0] if message else "", self._board.me,
+                         self._groups.describe())
+            self._groups.abort()
+            self._wakeup.notify()
+            self._told(rank, message)
+
+    def _wait_for_failure(self) -> tuple[int, str] | None:
+        """Block until this rank's wake key is set; the job's first failure then, or None
+        if the watch was closed (or the board has no store)."""
+        store = self._board.notice_store
+        if store is None:
+            self._stop.wait()
+            return None
+        # A store client runs one operation at a time: a wait on the rank's own client
+        # would hold up every other operation of the rank.
+        client = store.clone()
+        wake, key = [self._board.wake_key], [FailureBoard.KEY]
+        while not self._stop.is_set():
+            try:
+                client.wait(wake, datetime.timedelta(seconds=self._period))
+            except Exception as e:
+                if is_timeout(e):
+                    continue
+                raise
+            if self._stop.is_set() or not client.check(key):
+                return None
+            return FailureBoard.decode(client.get(FailureBoard.KEY))
+        return None
 
     def close(self, timeout: float) -> list[threading.Thread]:
         """Stop the watch; return its thread if it is still running after ``timeout``."""
         self._stop.set()
+        if self.thread.is_alive():
+            self._board.wake_own_watch()
         if self.thread is not threading.current_thread():
             self.thread.join(timeout)
         return [self.thread] if self.thread.is_alive() else []
 
 
+SETTINGS, VERDICT = "settings", "settings-verdict"
+"""The keys of the settings agreement in the job's store."""
+
+
 def agree_on_settings(job: JobScope, settings: dict[str, str], timeout: float) -> None:
     """Every rank of the job says ``settings``; if any differ, every rank raises the same
     ``ValueError`` naming each setting that differs and which ranks have which value
-    (before any channel is built or step runs). Waits at most ``timeout`` seconds for the
-    others (then ``PipelineStallError`` names the ranks that said nothing)."""
-    board = FailureBoard(None, dist.get_rank() if dist.is_initialized() else 0,
-                         job_store=job.store, job_ranks=job.ranks)
-    said = board.gather("settings", json.dumps(settings, sort_keys=True), timeout, job=True)
-    if len(set(said.values())) <= 1:
+    (before any channel is built or step runs). The job's first rank compares what every
+    rank said (waiting at most ``timeout`` seconds for them: then every rank raises
+    ``PipelineStallError`` naming the ranks that said nothing) and says the verdict the
+    others wait for: a few store operations a rank, however many ranks."""
+    if job.store is None or len(job.ranks) < 2:
         return
+    board = FailureBoard(None, job.me, job_store=job.store, job_ranks=job.ranks)
+    board.tell(SETTINGS, json.dumps(settings, sort_keys=True), job=True)
+    leader = job.ranks[0]
+    if job.me == leader:
+        verdict = _settings_verdict(board.collect(SETTINGS, timeout, job=True), job.ranks,
+                                    timeout)
+        job.store.set(VERDICT, verdict)
+    else:
+        verdict = _awaited_verdict(job.store, leader, timeout)
+    kind, _, message = verdict.partition("\n")
+    if kind == "ValueError":
+        raise ValueError(message)
+    if kind == "PipelineStallError":
+        raise PipelineStallError(message)
+
+
+def _awaited_verdict(store: dist.Store, leader: int, timeout: float) -> str:
+    """The leader's verdict, waited for up to twice ``timeout`` (the leader waits up to
+    ``timeout`` for the last rank, which may start up to ``timeout`` after this one)."""
+    try:
+        store.wait([VERDICT], datetime.timedelta(seconds=2 * timeout))
+    except Exception as e:
+        if not is_timeout(e):
+            raise
+        return (f"PipelineStallError\nglobal rank {leader}, which compares the job's settings, "
+                f"gave no verdict within twice stall_timeout ({2 * timeout:g} s): {e}")
+    return store.get(VERDICT).decode()
+
+
+def _settings_verdict(said: dict[int, str], ranks: tuple[int, ...], timeout: float) -> str:
+    """``ok``, or the error every rank raises, its type on the first line."""
+    missing = [rank for rank in ranks if rank not in said]
+    if missing:
+        return (f"PipelineStallError\nglobal ranks {missing} of the job did not say "
+                f"{SETTINGS!r} within stall_timeout ({timeout:g} s)")
+    if len(set(said.values())) <= 1:
+        return "ok"
     by_rank = {rank: json.loads(value) for rank, value in sorted(said.items())}
     differences = []
     for name in sorted({name for values in by_rank.values() for name in values}):
@@ -176,10 +262,10 @@ def agree_on_settings(job: JobScope, settings: dict[str, str], timeout: float) -
             holders.setdefault(str(values.get(name)), []).append(rank)
         if len(holders) > 1:
             differences.append(f"{name} is " + " but ".join(
-                f"{value} on global ranks {_ranges(ranks)}" for value, ranks in holders.items()))
-    raise ValueError(
-        "the ranks of this job disagree on RRFP's settings (a configuration edited on one "
-        f"node?): {'; '.join(differences)}. Give every rank the same settings")
+                f"{value} on global ranks {_ranges(held)}" for value, held in holders.items()))
+    return ("ValueError\nthe ranks of this job disagree on RRFP's settings (a configuration "
+            f"edited on one node?): {'; '.join(differences)}. Give every rank the same "
+            "settings")
 
 
 def _ranges(ranks: list[int]) -> str:

@@ -37,6 +37,12 @@ class DataParallel:
         self._stages = sorted(stages, key=lambda s: s.stage_index)
         self._ddp = _unwrap_ddp(stages)
 
+    @property
+    def uses_fsdp(self) -> bool:
+        """Whether any of the stages holds FSDP modules."""
+        return any(isinstance(m, FSDPModule) for stage in self._stages
+                   for m in stage.submod.modules())
+
     def groups(self) -> list[dist.ProcessGroup]:
         """The DDP wrappers' groups (FSDP's are its sharded parameters' meshes)."""
         return [ddp.process_group for ddp in self._ddp.values()]

@@ -19,7 +19,7 @@ from torch.distributed.pipelining.schedules import _get_profiler_function_name
 from torch.distributed.pipelining.stage import _PipelineStageBase
 from torch.profiler import record_function
 
-from rrfp._torch_compat import release_sent_outputs
+from rrfp._torch_compat import OutputsAtInputBackward, release_sent_outputs
 from rrfp.comm.receives import ReceiveRings, shape_header
 from rrfp.comm.transport import Transport
 from rrfp.core.actions import _Action, B, Edge, F, I, REDUCE_GRAD, W
@@ -75,6 +75,9 @@ class StageExecutor:
     """Per stage, the most bytes one forward saved for backward (metered steps)."""
     sends: list[tuple[int, int, int, float]] = field(default_factory=list)
     """(source stage, destination stage, microbatch, seconds after start) per send."""
+
+    outputs: OutputsAtInputBackward = field(default_factory=OutputsAtInputBackward)
+    """The forwards' outputs, weakly, until their input-gradient backward detaches them."""
 
     running: _Action | None = None
     """The action whose work runs now, or failed (None between actions)."""
@@ -140,6 +143,7 @@ class StageExecutor:
         with self._metered(action):
             output = stage.forward_one_chunk(mb, inputs.arg_mbs[mb], inputs.kwarg_mbs[mb],
                                              save_forward_output=inputs.return_outputs)
+        self.outputs.forwarded(s, mb, output)
         if stage.is_last and self.loss is not None:
             self.losses[mb] = self.loss(output, inputs.target_mbs[mb], inputs.loss_kwargs)
         if s + 1 in self.stages:
@@ -152,6 +156,7 @@ class StageExecutor:
         # REDUCE_GRAD, in the hint's fixed stage order, never inside a backward.
         stage.backward_one_chunk(mb, loss=self.losses.get(mb) if stage.is_last else None,
                                  full_backward=full, last_backward=False)
+        self.outputs.backward_done(stage, mb, full)
         if s - 1 in self.stages:
             self.stages[s - 1].set_local_bwd_input(stage.get_local_bwd_output(mb), mb)
 

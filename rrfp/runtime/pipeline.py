@@ -10,9 +10,12 @@ aborts the channels and leaves the runtime refusing further steps (DESIGN.md inv
 
 from __future__ import annotations
 
+import atexit
 import logging
 import math
 import time
+import weakref
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import NoReturn
 
@@ -27,7 +30,7 @@ from rrfp.comm.receives import ReceiveRings
 from rrfp.comm.transport import Transport
 from rrfp.core.actions import describe
 from rrfp.core.arbiter import Arbiter
-from rrfp.core.errors import PeerFailedError, PipelineStallError
+from rrfp.core.errors import PeerFailedError, PipelineStallError, StoreLostError
 from rrfp.core.hints import Hint
 from rrfp.core.history import History
 from rrfp.core.limits import ByteLimits, MemoryLimits
@@ -100,6 +103,7 @@ class PipelineRuntime:
         self._step: tuple[StepLoop, StageExecutor] | None = None
         """The step running now, if any."""
         self._watch = JobWatch(transport.failures, job_groups, wakeup, self._told_by_watch)
+        self._close_at_exit = _closing_at_exit(self)
 
     def follow(self, hint: Hint, limits: LimitPlan) -> None:
         """Rank ready actions by ``hint`` within ``limits`` from the next step on (the same
@@ -218,6 +222,8 @@ class PipelineRuntime:
             self.receives.finish()
         except PeerFailedError as e:
             self._stop_for_peer(e, loop, custom, e)
+        except StoreLostError as e:
+            self._stop_for_store(e, custom, e)
         except BaseException as e:
             if self._usable_after_failure(operations, coordinator, custom):
                 raise
@@ -228,6 +234,8 @@ class PipelineRuntime:
                 self.transport.failures.check(force=True)
             except PeerFailedError as peer:
                 self._stop_for_peer(peer, loop, custom, e)
+            except StoreLostError as lost:
+                self._stop_for_store(lost, custom, e)
             self._fail(e, custom)
 
     def _stop_for_peer(self, error: PeerFailedError, loop: StepLoop, custom: CustomFunctions,
@@ -240,6 +248,14 @@ class PipelineRuntime:
             f"pipeline rank {self.rank} (global rank {dist.get_rank()}) stops its step: "
             f"{error}\nit was waiting for:\n" + "\n".join(loop.waiting()),
             error.failed_rank) from cause
+
+    def _stop_for_store(self, error: StoreLostError, custom: CustomFunctions,
+                        cause: BaseException) -> NoReturn:
+        """The job's store is gone: abandon the step (nothing more is asked of the store)
+        and raise one line naming it."""
+        self._abandon(error, custom)
+        raise StoreLostError(f"pipeline rank {self.rank} (global rank {dist.get_rank()}) "
+                             f"stops its step: {error}") from cause
 
     def _fail(self, error: BaseException, custom: CustomFunctions) -> NoReturn:
         """This rank failed first: tell every rank of the job, naming the action it ran;
@@ -284,9 +300,10 @@ class PipelineRuntime:
             self.report.tell(self._state(None))
 
     def wait(self, timeout: float) -> None:
-        """Wait up to ``timeout`` for an arrival or a completion; meanwhile check, every
-        ``FAILURE_POLL_S``, whether another rank of the pipeline failed (then raise
-        ``PeerFailedError`` naming it: on NCCL nothing else would tell this rank)."""
+        """Wait up to ``timeout`` for an arrival or a completion; meanwhile look, every
+        ``FAILURE_POLL_S``, at what the watch heard: another rank's failure (then raise
+        ``PeerFailedError`` naming it: on NCCL nothing else would tell this rank) or the
+        store gone (``StoreLostError``)."""
         end = time.perf_counter() + timeout
         while True:
             self.transport.failures.check()
@@ -336,6 +353,7 @@ class PipelineRuntime:
 
     def close(self, failed: bool = False, timeout: float = 10.0) -> None:
         """Stop the threads and close the channels (see ``ScheduleRRFP.close``)."""
+        atexit.unregister(self._close_at_exit)
         self._failure = self._failure or "the schedule was closed"
         try:
             alive = self.transport.close(timeout, failed=failed,
@@ -346,6 +364,28 @@ class PipelineRuntime:
         alive += device_alive + watch_alive
         if alive:
             raise RuntimeError(f"threads still running after close(): {[t.name for t in alive]}")
+
+
+def _closing_at_exit(runtime: PipelineRuntime) -> Callable[[], None]:
+    """Close ``runtime`` at interpreter exit unless it was closed before (registered with
+    ``atexit``, holding it weakly). A thread of it still waiting in a channel's receive
+    (posted ahead for a step that never comes) when the interpreter finalizes is ended
+    inside torch's C++ wait, which aborts the process ("terminate called without an
+    active exception"); atexit handlers run before that, and a channel closes after
+    ``dist.destroy_process_group()`` too (it is a group of its own)."""
+    held = weakref.ref(runtime)
+
+    def close() -> None:
+        runtime = held()
+        if runtime is None:
+            return
+        try:
+            runtime.close()
+        except RuntimeError as e:  # the process is exiting: say it, end normally
+            logger.warning("rrfp: closing the schedule at exit: %s", e)
+
+    atexit.register(close)
+    return close
 
 
 def _with_causes(error: BaseException, most: int = 4) -> str:
@@ -425,3 +465,14 @@ class RuntimeReadout:
         """Per local stage, the most bytes one microbatch's forward saved for backward in
         the last metered training step (None before one)."""
         return self._runtime.activation_bytes_per_microbatch
+
+
+class ClosedOnLeaving:
+    """``with ScheduleRRFP(...) as schedule:`` closes the schedule on leaving the block (a
+    schedule never closed closes itself at interpreter exit)."""
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()  # type: ignore[attr-defined]

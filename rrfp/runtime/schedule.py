@@ -19,7 +19,7 @@ import logging
 import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Unpack
 
 import torch
 import torch.distributed as dist
@@ -28,7 +28,7 @@ from torch.distributed.pipelining.schedules import (_check_torch_compile_compati
                                                     _PipelineContext)
 from torch.distributed.pipelining.stage import _PipelineStageBase
 
-from rrfp._torch_compat import check_first_stage_inputs
+from rrfp._torch_compat import check_first_stage_inputs, check_torch
 from rrfp.comm.board import JobScope
 from rrfp.comm.channels import create_channels
 from rrfp.comm.coordination import CoordinationGroup, refuse_uncovered_sharding
@@ -51,14 +51,17 @@ from rrfp.runtime.executor import Reduction, StepInputs
 from rrfp.runtime.inputs import microbatch_inputs
 from rrfp.runtime.limit_plan import LimitPlan
 from rrfp.runtime.meter import ActivationMeter
-from rrfp.runtime.pipeline import Coordination, Metering, RuntimeReadout, PipelineRuntime
+from rrfp.runtime.pipeline import (ClosedOnLeaving, Coordination, Metering, PipelineRuntime,
+                                   RuntimeReadout)
+from rrfp.runtime.schedule_arguments import (stages_per_rank, TorchArguments,
+                                             TorchScheduleArguments)
 from rrfp.runtime.torch_interface import (CustomFunctions, IncompatibleStagesError,
                                           TorchRuntimeInterface)
 
 logger = logging.getLogger(__name__)
 
 
-class ScheduleRRFP(TorchRuntimeInterface, RuntimeReadout):
+class ScheduleRRFP(TorchRuntimeInterface, RuntimeReadout, ClosedOnLeaving):
     """Runtime-readiness-first pipeline schedule (arXiv 2605.18750).
 
     Every argument in full: docs/reference/api.md.
@@ -84,6 +87,9 @@ class ScheduleRRFP(TorchRuntimeInterface, RuntimeReadout):
             twin of it, so agreeing costs no device synchronization. None: no such group.
         args_chunk_spec, kwargs_chunk_spec, output_merge_spec, scale_grads: as in torch's
             schedules.
+        **torch_arguments: torch's runtime-schedule arguments as torchtitan passes them
+            (``max_active_stages``, ``unshard_lookahead``, ``defer_pp_recv``,
+            ``backward_requires_autograd``): ``rrfp.runtime.schedule_arguments``.
     """
 
     def __init__(
@@ -99,13 +105,17 @@ class ScheduleRRFP(TorchRuntimeInterface, RuntimeReadout):
         kwargs_chunk_spec: dict[str, TensorChunkSpec] | None = None,
         output_merge_spec: dict[str, Any] | tuple[Any] | None = None,
         scale_grads: bool = True,
+        **torch_arguments: Unpack[TorchArguments],
     ):
+        check_torch()
+        torch_schedule = TorchScheduleArguments.of(torch_arguments)
         stages = _in_stage_order(stages)
         platform = platform_for(stages[0].device)
         wiring = self._wiring(platform)
         super().__init__(stages=stages, n_microbatches=n_microbatches, loss_fn=loss_fn,
                          args_chunk_spec=args_chunk_spec, kwargs_chunk_spec=kwargs_chunk_spec,
-                         output_merge_spec=output_merge_spec, scale_grads=scale_grads)
+                         output_merge_spec=output_merge_spec, scale_grads=scale_grads,
+                         backward_requires_autograd=torch_schedule.backward_requires_autograd)
         if declares_split_backward(hint):  # checked first, as torch's own such schedules do
             _refuse_compiled_stages(stages, str(getattr(hint, "__name__", hint)))
         self._layout = infer_layout(self.rank, self.pp_group_size, self._num_stages,
@@ -125,6 +135,7 @@ class ScheduleRRFP(TorchRuntimeInterface, RuntimeReadout):
             stage.stage_index_to_group_rank = self.stage_index_to_group_rank
         self.pipeline_order = {r: list(acts) for r, acts in self._hint.orders.items()}
         self._data_parallel = DataParallel(stages)
+        torch_schedule.check(stages_per_rank(self._hint), fsdp=self._data_parallel.uses_fsdp)
         self.variable_shapes = checked.given.variable_shapes
         self.coordination = checked.given.coordination
         self._coordination_group = coordination_group
@@ -268,7 +279,8 @@ class ScheduleRRFP(TorchRuntimeInterface, RuntimeReadout):
         None), checked before the step communicates; what policies make of it: docs/reference/api.md.
         """
         sizes = step_sizes(mb_sizes, self._n_microbatches)
-        if self._has_backward and not torch.is_grad_enabled():
+        needs_autograd = self._has_backward and self._backward_requires_autograd
+        if needs_autograd and not torch.is_grad_enabled():
             raise RuntimeError("step() computes gradients: call it outside torch.no_grad(), "
                                "or use eval()")
         arg_mbs, kwarg_mbs, target_mbs = microbatch_inputs(

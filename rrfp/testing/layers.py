@@ -1,9 +1,10 @@
 """The layers of rrfp, derived from where each module lives, and the imports that break them.
 
 ``python -m rrfp.testing.layers`` prints the layout: each layer, what it may import and its
-modules. A module's layer is its package (``rrfp.core.arbiter`` is in ``core``); the two
-modules at the top of ``rrfp`` have layers of their own (``rrfp._torch_compat``: ``compat``,
-below everything; ``rrfp``'s ``__init__``: ``api``, the public names). An import is allowed
+modules. A module's layer is its package (``rrfp.core.arbiter`` is in ``core``); the
+modules at the top of ``rrfp`` have layers of their own (``rrfp._torch_compat`` and the
+probe it runs, ``rrfp.torch_probe``: ``compat``, below everything; ``rrfp``'s
+``__init__``: ``api``, the public names; ``rrfp.demo``: ``tools``). An import is allowed
 inside a layer and into the layers that layer lists; anything else runs upward or
 sideways. Imports are read from the source (every ``import``, inside functions and
 ``TYPE_CHECKING`` blocks too), so a cycle between modules is found whether or not it
@@ -22,7 +23,8 @@ ROOT = Path(__file__).resolve().parents[2]
 
 LAYERS: dict[str, tuple[str, frozenset[str]]] = {
     # layer: (what it holds, the layers it may import); lowest first.
-    "compat": ("every difference between the supported torch versions", frozenset()),
+    "compat": ("every difference between the supported torch versions, and the probe of "
+               "what rrfp drives", frozenset()),
     "core": ("the plan, limits, arbiter, policies and the step loop; no process talks",
              frozenset({"compat"})),
     "devices": ("what differs by device type: the loop's devices, platforms, streams",
@@ -46,7 +48,8 @@ LAYERS: dict[str, tuple[str, frozenset[str]]] = {
               frozenset({"compat", "core", "devices", "comm", "failure", "runtime", "api",
                          "sim", "advise", "testing"})),
 }
-TOP_LEVEL = {"rrfp._torch_compat": "compat", "rrfp": "api", "rrfp.demo": "tools"}
+TOP_LEVEL = {"rrfp._torch_compat": "compat", "rrfp.torch_probe": "compat", "rrfp": "api",
+             "rrfp.demo": "tools"}
 
 
 @dataclass(frozen=True)

@@ -6,10 +6,16 @@ print ``loss: -1``, and torchtitan warns unless ``LOG_RANK`` names the loss rank
 process itself keeps quiet instead: only the ranks in ``LOG_RANK`` (torchtitan's variable;
 comma-separated global ranks) print info and warning lines, by default the rank torchtitan
 picks to log metrics (``_get_metrics_rank``: the one with the loss). Errors print everywhere.
+
+Which rank that is is known only once the device mesh is built, after torchtitan logged
+its start-up on every rank: from ``hold_until_rank_known`` on, each rank holds its info and
+warning lines (Python's warnings too, made log lines) and ``print_only_on`` prints them
+where they belong.
 """
 
 from __future__ import annotations
 
+import atexit
 import logging
 import os
 
@@ -35,16 +41,66 @@ class _ErrorsOnly(logging.Filter):
         return record.levelno >= logging.ERROR
 
 
+WARNINGS_LOGGER = "py.warnings"
+"""The logger ``logging.captureWarnings`` sends Python's warnings to."""
+
+
+class _Held(logging.Filter):
+    """Keeps the records below ERROR instead of letting them print (errors pass)."""
+
+    def __init__(self):
+        super().__init__()
+        self.records: list[logging.LogRecord] = []
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.levelno >= logging.ERROR:
+            return True
+        self.records.append(record)
+        return False
+
+
+_held: _Held | None = None
+
+
+def hold_until_rank_known() -> None:
+    """From now until ``print_only_on``: every rank holds its info and warning lines, and
+    Python's warnings become log lines (idempotent). On the root logger and the warnings'
+    logger themselves: torchtitan's ``init_logger`` replaces the root's handlers, not its
+    filters. A process that exits before the rank is known prints them on rank 0."""
+    global _held
+    if _held is not None:
+        return
+    logging.captureWarnings(True)
+    _held = _Held()
+    for name in ("", WARNINGS_LOGGER):
+        logging.getLogger(name).addFilter(_held)
+    atexit.register(_release, os.environ.get("RANK", "0") == "0")
+
+
+def _release(prints: bool) -> None:
+    global _held
+    if _held is None:
+        return
+    held, _held = _held, None
+    for name in ("", WARNINGS_LOGGER):
+        logging.getLogger(name).removeFilter(held)
+    if prints:
+        for record in held.records:
+            logging.getLogger().callHandlers(record)
+
+
 def print_only_on(ranks: set[int], rank: int) -> None:
-    """Keep this process's log handlers to errors unless ``rank`` is one of ``ranks``.
+    """Keep this process's log handlers to errors unless ``rank`` is one of ``ranks``; the
+    lines held since ``hold_until_rank_known`` print on those ranks only.
 
     Call once torchtitan's logger is set up: the filter goes on its handlers, so it also
-    covers records of child loggers (``rrfp.runtime.schedule``) that propagate to them.
+    covers records of child loggers (``rrfp.runtime.schedule``, Python's warnings) that
+    propagate to them.
     """
-    if rank in ranks:
-        return
-    for handler in logging.getLogger().handlers:
-        handler.addFilter(_ErrorsOnly())
+    if rank not in ranks:
+        for handler in logging.getLogger().handlers:
+            handler.addFilter(_ErrorsOnly())
+    _release(rank in ranks)
 
 
 def warn_if_loss_hidden(loss_rank: int) -> None:

@@ -176,6 +176,10 @@ class StepRecord:
     out_of_hint: dict[str, int]
     actions: dict[str, int]
     activation_bytes: dict[str, int | None]
+    held: dict[str, int]
+    """Per rank, the most microbatches of activations it held (counted every step)."""
+    fixed_held: dict[str, int]
+    """Per rank, what the hint's fixed order holds at its peak."""
 
 
 class RunAdvice:
@@ -218,7 +222,9 @@ class RunAdvice:
             {self.label(s): s.idle_fraction for s in gathered},
             {self.label(s): s.out_of_hint_order for s in gathered},
             {self.label(s): s.dispatched for s in gathered},
-            {self.label(s): s.peak_activation_bytes for s in gathered}))
+            {self.label(s): s.peak_activation_bytes for s in gathered},
+            {self.label(s): s.peak_rank_in_flight for s in gathered},
+            {self.label(s): s.hint_rank_peak for s in gathered}))
         for s in gathered:
             for stage, nbytes in (s.activation_bytes_per_microbatch or {}).items():
                 self.bytes_per_microbatch[stage] = nbytes
@@ -256,14 +262,23 @@ class RunAdvice:
         return {"rrfp/ab_speedup": pairs[-1]}
 
     def _say_verdict(self, process: AdvisorProcess, step: int, when: str) -> str:
+        line = self._verdict_of(process, step)
+        logger.info(f"{line} ({when})")
+        return line
+
+    def _verdict_of(self, process: AdvisorProcess, step: int) -> str:
+        """The verdict line (to TensorBoard too); the end of run's is said in the summary."""
         if process.answer is not None:
             line = process.answer["verdict"]
             self.child_cpu_s += process.answer["cpu_seconds"]
         else:
             line = f"rrfp: no verdict ({process.failure})"
-        logger.info(f"{line} ({when})")
         self.text.add("rrfp/verdict", line, step)
         return line
+
+    def _kept_actions(self) -> int:
+        """Actions in the steps the end-of-run verdict predicts from, on every rank."""
+        return sum(sum(r.actions.values()) for r in self.records[-len(self.events):])
 
     def finish(self) -> None:
         """At the trainer's close: the end-of-run verdict and the summary block (a first
@@ -275,11 +290,13 @@ class RunAdvice:
         verdict = None
         if self.advise and len(self.events) > 1:
             # Training is over: no need to yield the CPU.
+            logger.info(f"rrfp: predicting the verdict from the last {len(self.events)} steps "
+                        f"(about {verdict_cpu_seconds(self._kept_actions()):.0f} s of CPU)")
             final = AdvisorProcess(self.source, list(self.events), low_priority=False)
             if not final.done(FINAL_TIMEOUT_S):
                 final.stop()
                 final.failure = f"not ready within {FINAL_TIMEOUT_S:.0f} s"
-            verdict = self._say_verdict(final, self.records[-1].step, "end of run")
+            verdict = self._verdict_of(final, self.records[-1].step)
         lines = self.summary(verdict)
         logger.info("\n".join(lines))
         self.text.add("rrfp/summary", "\n".join(lines), self.records[-1].step)
@@ -293,16 +310,14 @@ class RunAdvice:
                  f"{self.schedule.policy}; step time {statistics.median(r.step_time for r in own) * 1e3:.1f} ms "
                  f"(median of steps {own[0].step}-{own[-1].step}"
                  + (", RRFP steps)" if len(own) < len(steps) else ")")]
-        pairs = ab_speedups([(r.fixed_order, r.step_time) for r in steps])
-        if pairs:
-            lines.append(f"  measured fixed order / RRFP step time (in-run A/B): {spread(pairs)} "
-                         f"over {len(pairs)} pairs")
+        lines += ab_lines(steps)
         labels = list(own[0].idle)
         lines.append("  mean idle: " + ", ".join(
             f"{k} {statistics.mean(r.idle[k] for r in own):.0%}" for k in labels))
         lines.append("  out-of-hint actions: " + ", ".join(
             f"{k} {sum(r.out_of_hint[k] for r in own)} of {sum(r.actions[k] for r in own)}"
             for k in labels))
+        lines.append("  microbatches held (every step): " + held_line(self.records, labels))
         lines.append("  peak activations: " + self._peaks(labels))
         lines.append(f"  advisor cost: {self.bookkeeping_s / len(self.records) * 1e3:.1f} ms per "
                      f"step on this rank's main thread; {self.child_cpu_s:.1f} s of CPU in its "
@@ -322,5 +337,49 @@ class RunAdvice:
         return ", ".join(
             f"{k} {'-' if measured[k] is None else size(measured[k])}"
             + ("" if fixed is None else f" (fixed schedule {size(fixed[rank])})")
-            for rank, k in enumerate(labels)) + " (measured in the metered steps; the fixed " \
-            "schedule's at the measured bytes per microbatch)"
+            for rank, k in enumerate(labels)) + " (metered in step" + steps_named(
+            [r.step for r in self.records if any(v is not None for v in r.activation_bytes.values())]) \
+            + "; the fixed schedule's at the measured bytes per microbatch)"
+
+
+def steps_named(steps: list[int]) -> str:
+    """``s 2, 3, 7`` or `` 1`` (after the word step), runs of more than two as ``2-9``."""
+    runs: list[list[int]] = []
+    for step in steps:
+        if runs and step == runs[-1][-1] + 1:
+            runs[-1].append(step)
+        else:
+            runs.append([step])
+    named = [f"{r[0]}-{r[-1]}" if len(r) > 2 else ", ".join(map(str, r)) for r in runs]
+    return ("s " if len(steps) > 1 else " ") + ", ".join(named)
+
+
+def held_line(records: list[StepRecord], labels: list[str]) -> str:
+    """Per rank the most microbatches held, against the fixed schedule's, naming the steps
+    that held more."""
+    parts = []
+    for k in labels:
+        fixed = max(r.fixed_held[k] for r in records)
+        more = [r.step for r in records if r.held[k] > r.fixed_held[k]]
+        parts.append(f"{k} at most {max(r.held[k] for r in records)} (fixed schedule {fixed}"
+                     + (f"; more in step{steps_named(more)})" if more else ")"))
+    return ", ".join(parts)
+
+
+def ab_lines(steps: list[StepRecord]) -> list[str]:
+    """What the in-run A/B measured and how sure it is: each fixed-order step against the
+    RRFP steps beside it; the fixed-order steps train too, so the run's throughput counts
+    them."""
+    pairs = ab_speedups([(r.fixed_order, r.step_time) for r in steps])
+    if not pairs:
+        return []
+    faster = sum(p > 1 for p in pairs)
+    sure = ("RRFP faster in every pair" if faster == len(pairs) else
+            "RRFP slower in every pair" if faster == 0 else
+            f"RRFP faster in {faster} of {len(pairs)} pairs: no difference this run can show")
+    fixed = [r for r in steps if r.fixed_order]
+    return [f"  measured (in-run A/B, {len(fixed)} steps in the fixed order, each against the "
+            f"RRFP steps beside it): fixed / RRFP step time {spread(pairs)} over "
+            f"{len(pairs)} pairs; {sure}",
+            f"  all steps, fixed-order ones included: median "
+            f"{statistics.median(r.step_time for r in steps) * 1e3:.1f} ms"]

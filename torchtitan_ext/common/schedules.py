@@ -18,9 +18,11 @@ there. torchtitan's own code is not edited.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 
 import torch.distributed as dist
+from torch.distributed.pipelining import schedules as torch_schedules
 from torch.distributed.pipelining.schedules import PipelineScheduleSingle
 from torch.distributed.tensor import DTensor
 
@@ -64,6 +66,34 @@ def hint_of(schedule_name: str) -> str | None:
         f"unknown RRFP schedule {schedule_name!r}: use 'RRFP' (the {DEFAULT_HINT} hint) or one of "
         f"{[f'{PREFIX}-{n}' for n in HINT_NAMES]}"
     )
+
+
+def schedule_class_of(schedule_name: str) -> type | None:
+    """The class an RRFP schedule name stands for (None for other schedule names):
+    ``ScheduleRRFPSingleStage`` for a hint with one stage per rank, else ``ScheduleRRFP``."""
+    hint = hint_of(schedule_name)
+    if hint is None:
+        return None
+    return ScheduleRRFPSingleStage if hint in _SINGLE_STAGE_HINTS else ScheduleRRFP
+
+
+def register_with_torch() -> None:
+    """Make torch's ``get_schedule_class`` accept the RRFP names (idempotent), other names
+    going to torch's own. torchtitan looks schedule names up there: its main branch
+    refuses an unknown ``pipeline_parallel_schedule`` when a ``ParallelismConfig`` is made
+    (importing ``get_schedule_class`` from torch's module at that moment), and torch keeps
+    no registry of schedule names to add to."""
+    torch_get_schedule_class = torch_schedules.get_schedule_class
+    if getattr(torch_get_schedule_class, "knows_rrfp", False):
+        return
+
+    @functools.wraps(torch_get_schedule_class)
+    def get_schedule_class(schedule_name: str):
+        found = schedule_class_of(schedule_name)
+        return torch_get_schedule_class(schedule_name) if found is None else found
+
+    get_schedule_class.knows_rrfp = True  # type: ignore[attr-defined]
+    torch_schedules.get_schedule_class = get_schedule_class
 
 
 def placement_schedule(hint: str) -> str:
@@ -288,8 +318,8 @@ def build_schedule(schedule_name: str, settings: RRFP, stages, n_microbatches: i
     logger.info(
         f"Using pipeline schedule {schedule_name}: ScheduleRRFP with hint {schedule.hint.name} "
         f"({schedule.hint.layout} placement), policy {schedule.policy}, buffer limit "
-        f"{settings.buffer_limit!r}, launch depth {schedule.launch_depth}, "
-        f"{n_microbatches} microbatches. {schedule.limit_summary} (rrfp.buffer_limit)")
+        f"{settings.buffer_limit!r} (rrfp.buffer_limit), launch depth {schedule.launch_depth}, "
+        f"{n_microbatches} microbatches")  # what the limit allows: rrfp.schedule's line
     return schedule
 
 

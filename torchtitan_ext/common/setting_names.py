@@ -72,6 +72,20 @@ def toml_file(args: list[str]) -> str | None:
     return None
 
 
+def missing_toml_file(args: list[str]) -> str | None:
+    """What is wrong when the TOML file ``args`` give is no file (torchtitan would stop
+    every rank with a traceback), with the nearest name in its folder; None if it is one."""
+    path = toml_file(args)
+    if path is None or os.path.isfile(path):
+        return None
+    folder = os.path.dirname(path) or "."
+    tomls = (tuple(n for n in os.listdir(folder) if n.endswith(".toml"))
+             if os.path.isdir(folder) else ())
+    guess = nearest(os.path.basename(path), tomls)
+    suggestion = "" if guess is None else f" (did you mean {os.path.join(folder, guess)}?)"
+    return f"--job.config_file {path}: no such file{suggestion}"
+
+
 def unknown_toml_keys(args: list[str]) -> str | None:
     """What is wrong with the keys of the ``[rrfp]`` table of the TOML file that ``args``
     give, None if each is a setting (or there is no readable file: torchtitan says so)."""
@@ -93,8 +107,9 @@ def unknown_toml_keys(args: list[str]) -> str | None:
 
 def stop_on_unknown_settings(args: list[str], *, toml: bool) -> None:
     """Stop the job with one line if ``args`` name an unknown ``--rrfp.<name>`` or (with
-    ``toml``: torchtitan 0.2.2) their TOML file's ``[rrfp]`` table an unknown key."""
-    problems = [problem for problem in (unknown_toml_keys(args) if toml else None,
-                                        unknown_options(args)) if problem is not None]
+    ``toml``: torchtitan 0.2.2) a TOML file that is not there or whose ``[rrfp]`` table
+    has an unknown key."""
+    checks = (missing_toml_file, unknown_toml_keys, unknown_options) if toml else (unknown_options,)
+    problems = [problem for problem in (check(args) for check in checks) if problem is not None]
     if problems:
         stop_job("rrfp: bad configuration: " + "; ".join(problems))

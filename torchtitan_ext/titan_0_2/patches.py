@@ -17,8 +17,8 @@ require((0, 2), "torchtitan_ext.titan_0_2.patches", TOML_INSTEAD)
 
 from torchtitan_ext.titan_0_2.models import first_stage_modules  # noqa: E402
 from torchtitan_ext.common.schedules import (  # noqa: E402
-    _SINGLE_STAGE_HINTS, _torch_view, build_schedule, hint_of, n_microbatches,
-    placement_schedule, rrfp_settings, ScheduleRRFP, ScheduleRRFPSingleStage)
+    _torch_view, build_schedule, hint_of, n_microbatches, placement_schedule, rrfp_settings,
+    schedule_class_of)
 
 PATCHED = {
     "torchtitan.distributed.pipeline_parallel": (
@@ -41,10 +41,8 @@ def install() -> None:
     torch_split = pipeline_parallel.pipeline_module_split
 
     def get_schedule_class(name: str):
-        hint = hint_of(name)
-        if hint is None:
-            return torch_get_schedule_class(name)
-        return ScheduleRRFPSingleStage if hint in _SINGLE_STAGE_HINTS else ScheduleRRFP
+        found = schedule_class_of(name)
+        return torch_get_schedule_class(name) if found is None else found
 
     def pipeline_module_split(whole_model, pp_mesh, pp_schedule, device, module_names_per_stage):
         hint = hint_of(pp_schedule)

@@ -8,7 +8,8 @@ copy of ``torchtitan.train``, so both copies are hooked:
 
 * ``init_distributed``: the RRFP configuration is checked first (``rrfp: bad
   configuration: ...`` before anything is built); afterwards only the rank that logs the
-  loss prints log lines (``torchtitan_ext.common.log_ranks``).
+  loss prints log lines, those held since the hooks were installed included
+  (``torchtitan_ext.common.log_ranks``), and without colour codes unless to a terminal.
 * ``ensure_pp_loss_visible`` (torchtitan's check for its ``run_train.sh``): replaced by a
   check of ``LOG_RANK`` against the loss rank.
 * ``train``: FSDP2 sum reductions on CPU, and ScheduleRRFP's stats next to torchtitan's
@@ -36,7 +37,8 @@ from torchtitan.protocols import train_spec as train_spec_module
 
 from rrfp import ScheduleRRFP
 from torchtitan_ext.common.cpu import force_sum_reductions
-from torchtitan_ext.common.log_ranks import log_ranks, print_only_on, warn_if_loss_hidden
+from torchtitan_ext.common.log_ranks import (hold_until_rank_known, log_ranks, print_only_on,
+                                             warn_if_loss_hidden)
 from torchtitan_ext.common.data import split_by_content
 from torchtitan_ext.common.schedules import close_schedule, n_microbatches, rrfp_settings, validate
 from torchtitan_ext.common.stats_logging import log_step_stats
@@ -58,6 +60,7 @@ def trainer_modules() -> list[ModuleType]:
 
 def install(on_cpu: bool) -> None:
     """Hook torchtitan's Trainer (idempotent). ``on_cpu``: torchtitan runs on the CPU."""
+    hold_until_rank_known()
     for module in trainer_modules():
         if not getattr(module, _HOOKED, False):
             _hook(module, on_cpu)
@@ -82,6 +85,8 @@ def _hook(module: ModuleType, on_cpu: bool) -> None:
         parallel_dims = torch_init_distributed(trainer)
         loss_rank = metrics._get_metrics_rank(parallel_dims, job_config)
         print_only_on(log_ranks(loss_rank), dist.get_rank())
+        if not sys.stdout.isatty():  # a file or a pipe: no colour codes in it
+            job_config.metrics.disable_color_printing = True
         return parallel_dims
 
     def ensure_pp_loss_visible(parallel_dims, job_config, color) -> None:

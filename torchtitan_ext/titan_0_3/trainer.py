@@ -41,7 +41,8 @@ from torchtitan_ext.common.assets import register_dataset  # noqa: E402
 from torchtitan_ext.config import RRFP  # noqa: E402
 from torchtitan_ext.common.cpu import force_sum_reductions, use_cpu  # noqa: E402
 from torchtitan_ext.common.data import content_size, split_by_content  # noqa: E402
-from torchtitan_ext.common.log_ranks import log_ranks, print_only_on, warn_if_loss_hidden  # noqa: E402
+from torchtitan_ext.common.log_ranks import (  # noqa: E402
+    hold_until_rank_known, log_ranks, print_only_on, warn_if_loss_hidden)
 from torchtitan_ext.titan_0_3.pipelining import with_rrfp  # noqa: E402
 from torchtitan_ext.common.schedules import close_schedule, hint_of, torch_view_name, validate  # noqa: E402
 from torchtitan_ext.common.stats_logging import log_step_stats  # noqa: E402
@@ -110,6 +111,7 @@ class RRFPTrainer(Trainer):
         """torchtitan's metrics settings; the loss rank follows RRFP placements."""
 
     def __init__(self, config: Config):
+        hold_until_rank_known()
         self._on_cpu = use_cpu()
         register_dataset()
         if config.model_spec is not None:
