@@ -343,7 +343,7 @@ def test_the_rrfp_settings_have_the_same_names_and_defaults_in_both_versions():
     from torchtitan_ext.config import RRFP
 
     assert parse().rrfp == RRFP(buffer_limit="hint", stall_timeout=300, log_stats=True,
-                                trace_folder="traces")
+                                trace_folder="traces", fixed_every=2)
     assert parse(job="documents").rrfp.variable_shapes is True
     assert parse(job="multimodal").rrfp.variable_shapes is True
 
@@ -1062,3 +1062,13 @@ def test_the_summary_names_the_steps_that_held_more_than_the_fixed_schedule():
     assert ab_lines(steps)[0] == (
         "  measured (in-run A/B, 4 steps in the fixed order, each against the RRFP steps beside "
         "it): fixed / RRFP step time 1.20x [1.20-1.20] over 4 pairs; RRFP faster in every pair")
+
+
+def test_importing_the_adapter_leaves_logging_alone():
+    """Only a training process holds its log lines until the logging rank is known: a
+    library import (a notebook, a test) keeps every record flowing to its handlers."""
+    import logging
+
+    import torchtitan_ext.register  # noqa: F401
+
+    assert not logging.getLogger().filters and not logging.getLogger("py.warnings").filters
