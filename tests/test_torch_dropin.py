@@ -103,7 +103,7 @@ def test_a_csv_loaded_after_construction_becomes_the_hint(tmp_path):
             assert "build a ScheduleRRFP with hint='zbv.csv'" in result["other_placement"]
             assert result["unknown_format"] == "NotImplementedError: format='comms' is not implemented"
         assert result["stalling_fixed_steps"].startswith(
-            "fixed_every=2 runs hint 'gpipe.csv' in its own order, which holds up to 4 "
+            "fixed_every: fixed_every=2 runs hint 'gpipe.csv' in its own order, which holds up to 4 "
             "microbatches on stage 0, but buffer_limit=2 allows 2: it would stall"), rank
 
 
