@@ -1,7 +1,7 @@
 """Docstrings, comments and the guide hold no measured figure, date, seed or commit hash."""
 from pathlib import Path
 
-from rrfp.testing.figures import main, scan
+from rrfp.testing.figures import GUIDE, main, scan
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -29,9 +29,9 @@ PROSE = ["a PP 2 x 2 job", "the llama3 8B model", "1F1B at hint+2", "4 stages",
 
 def _write(root: Path, python: str, markdown: str) -> None:
     (root / "rrfp").mkdir()
-    (root / "docs" / "guide").mkdir(parents=True)
+    (root / GUIDE).mkdir(parents=True)
     (root / "rrfp" / "m.py").write_text(python)
-    (root / "docs" / "guide" / "page.md").write_text(markdown)
+    (root / GUIDE / "page.md").write_text(markdown)
 
 
 def test_the_repository_holds_no_figures_in_docstrings_comments_or_the_guide():
@@ -45,7 +45,7 @@ def test_the_scan_finds_each_kind_of_figure(tmp_path, capsys):
     _write(tmp_path, python, "".join(f"{line}.\n" for line in lines))
     found = {(hit.path, hit.match) for hit in scan(tmp_path)}
     expected = {(where, match) for match in FIGURES
-                for where in ("rrfp/m.py", "docs/guide/page.md")}
+                for where in ("rrfp/m.py", str(GUIDE / "page.md"))}
     assert found == expected
     assert len(scan(tmp_path)) == 3 * len(FIGURES)
     assert main([str(tmp_path)]) == 1
