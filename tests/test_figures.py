@@ -43,20 +43,22 @@ def test_the_scan_finds_each_kind_of_figure(tmp_path, capsys):
     python = "".join(f'def f{i}():\n    """{line}."""\n    x = 1  # {line}\n'
                      for i, line in enumerate(lines))
     _write(tmp_path, python, "".join(f"{line}.\n" for line in lines))
-    found = {(hit.path, hit.match) for hit in scan(tmp_path)}
-    expected = {(where, match) for match in FIGURES
-                for where in ("rrfp/m.py", str(GUIDE / "page.md"))}
+    found = sorted((hit.path, hit.line, hit.match) for hit in scan(tmp_path))
+    guide = str(GUIDE / "page.md")
+    expected = sorted([(guide, i + 1, match) for i, match in enumerate(FIGURES)]
+                      + [("rrfp/m.py", 3 * i + line, match) for i, match in enumerate(FIGURES)
+                         for line in (2, 3)])  # the docstring's line, then the comment's
     assert found == expected
-    assert len(scan(tmp_path)) == 3 * len(FIGURES)
     assert main([str(tmp_path)]) == 1
     assert "rrfp/m.py:2: 3.2 ms: replayed in 3.2 ms per step." in capsys.readouterr().out
 
 
 def test_the_scan_leaves_prose_inline_code_and_fenced_blocks_alone(tmp_path, capsys):
     figure = "ran 1.07x in 3.2 ms on seed 3"
-    python = (f'"""{" ".join(PROSE)}; ``{figure}``."""\n'
+    wrapped = figure.replace(" in ", "\n    in ")  # a code span that wraps onto the next line
+    python = (f'"""{" ".join(PROSE)}; ``{figure}``, ``{wrapped}``."""\n'
               f'x = "{figure}"  # `--limit 12GiB`, {PROSE[0]}\n')
-    markdown = ("\n".join(PROSE) + f"\nInline `{figure}` and ``{figure}``.\n"
+    markdown = ("\n".join(PROSE) + f"\nInline `{figure}` and ``{figure}``, `{wrapped}`.\n"
                 f"```\n{figure}\n```\n[a page](results/seed_3_2025-01_1.07x.md)\n")
     _write(tmp_path, python, markdown)
     assert scan(tmp_path) == []

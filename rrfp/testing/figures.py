@@ -37,7 +37,8 @@ FIGURE = re.compile(rf"""
   | \b(?=[0-9a-f]*\d)(?=[0-9a-f]*[a-f])[0-9a-f]{{7,40}}\b  # a commit hash
   | \bseeds?\s*[=:]?\s*\d+                     # a seed
 """, re.VERBOSE)
-_CODE_SPAN = re.compile(r"``.+?``|`[^`]+`")
+# A code span may wrap onto the next line, never across a blank one (a paragraph's end).
+_CODE_SPAN = re.compile(r"``(?:[^`\n]|\n(?!\s*\n))+?``|`(?:[^`\n]|\n(?!\s*\n))+`")
 _LINK_TARGET = re.compile(r"\]\([^)\s]*\)")
 _FENCE = re.compile(r"^\s*(```|~~~)")
 
@@ -52,35 +53,41 @@ class Hit(NamedTuple):
         return f"{self.path}:{self.line}: {self.match}: {self.text.strip()}"
 
 
+def _prose(text: str) -> list[str]:
+    """``text``'s lines with code spans and link targets emptied, line breaks kept."""
+    spans_out = _CODE_SPAN.sub(lambda span: "``" + "\n" * span.group(0).count("\n"), text)
+    return _LINK_TARGET.sub("]()", spans_out).split("\n")
+
+
 def python_prose(source: str) -> Iterator[tuple[int, str]]:
-    """``(line, text)`` of every comment and every line of every string statement."""
+    """``(first line, text)`` of every comment and every string statement."""
     for token in tokenize.generate_tokens(io.StringIO(source).readline):
         if token.type == tokenize.COMMENT:
             yield token.start[0], token.string
     for node in ast.walk(ast.parse(source)):
         if (isinstance(node, ast.Expr) and isinstance(node.value, ast.Constant)
                 and isinstance(node.value.value, str)):
-            for offset, line in enumerate(node.value.value.splitlines()):
-                yield node.lineno + offset, line
+            yield node.lineno, node.value.value
 
 
 def markdown_prose(text: str) -> Iterator[tuple[int, str]]:
-    """``(line, text)`` of every line outside fenced code blocks."""
-    fenced = False
-    for number, line in enumerate(text.splitlines(), 1):
-        if _FENCE.match(line):
-            fenced = not fenced
-        elif not fenced:
-            yield number, line
+    """``(1, text)`` with the lines of fenced code blocks, fences included, emptied."""
+    fenced, lines = False, []
+    for line in text.splitlines():
+        fence = bool(_FENCE.match(line))
+        fenced ^= fence
+        lines.append("" if fenced or fence else line)
+    yield 1, "\n".join(lines)
 
 
 def figures_in(path: Path, shown: str) -> list[Hit]:
     text = path.read_text()
-    lines = python_prose(text) if path.suffix == ".py" else markdown_prose(text)
+    blocks = python_prose(text) if path.suffix == ".py" else markdown_prose(text)
     hits = []
-    for number, line in lines:
-        prose = _LINK_TARGET.sub("]()", _CODE_SPAN.sub("``", line))
-        hits += [Hit(shown, number, m.group(0), line) for m in FIGURE.finditer(prose)]
+    for first, block in blocks:
+        for offset, (line, prose) in enumerate(zip(block.split("\n"), _prose(block))):
+            hits += [Hit(shown, first + offset, m.group(0), line)
+                     for m in FIGURE.finditer(prose)]
     return hits
 
 
