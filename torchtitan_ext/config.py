@@ -52,7 +52,7 @@ class RRFP:
     """Measure the bytes of the activations saved for backward (``peak_activation_bytes`` in
     the stats) in the first training step and every ``meter_every``-th: the meter costs CPU
     time per saved tensor (docs/guide/memory.md), so it is sampled. A ``buffer_limit`` in bytes
-    ('busiest', '12GiB', 'auto') needs it. The memory limit holds either way."""
+    (``'busiest'``, ``'12GiB'``, ``'auto'``) needs it. The memory limit holds either way."""
 
     meter_every: int = DEFAULT_METER_EVERY
     """Meter every this-many-th step (1: every step; the steps between log no activation

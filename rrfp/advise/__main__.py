@@ -1,7 +1,7 @@
 """What would RRFP buy on this job? ``python -m rrfp.advise RUN_DIR``.
 
     python -m rrfp.advise outputs/llama3_debug_cpu        # a torchtitan dump folder
-    python -m rrfp.advise outputs/llama3_debug_cpu/traces/20250101-120000 --margin 10%
+    python -m rrfp.advise outputs/llama3_debug_cpu/traces/STEP_DIR --margin PERCENT
     python -m rrfp.advise - --json --source NAME < steps.json   # steps' trace events
 
 Reads the run's step traces, replays its measured steps in the simulator under every

@@ -5,7 +5,7 @@
   receive posted ahead would block later sends to the same peer (pytorch#172668). With a
   channel each, receives can be posted ahead safely. On gloo the channels use the
   default group's transport devices (``_gloo_devices``), so they add no I/O thread: a
-  device per channel ran a thread per channel, each waking about every 10 ms.
+  a device per channel would run an idle-waking thread per channel.
 * **Only the two ranks of a channel create it**, under a deterministic name in the default
   store (``rrfp/<pipeline ranks>/<generation>/<edge>``, ``generation_store``, which the
   coordination groups share), so a rank's set-up cost does not grow with the number of
@@ -79,13 +79,10 @@ def _gloo_devices() -> list[dist.ProcessGroupGloo.Device]:
     group's when it has a gloo backend (its interfaces, e.g. ``GLOO_SOCKET_IFNAME``, and
     its I/O thread), else rrfp's own (``_own_gloo_devices``).
 
-    A gloo device runs an I/O thread that wakes about every 10 ms even when idle; a
-    device per channel (``ProcessGroupGloo``'s default) meant one such thread per channel
-    (6 on each rank of PP 2 x 2 stages), each waking to take a core from the compute of a
-    rank (torchtitan's llama3 debug model, PP 2 x 2 stages on 2 CPUs: 8 gloo I/O threads
-    per process, ~6,300 voluntary context switches per process over 12 steps against
-    ~1,800 under torch's schedule). A device serves every group's connections, as torch's
-    own group serves all its peers."""
+    A gloo device runs an I/O thread that wakes periodically even when idle; a device per
+    channel (``ProcessGroupGloo``'s default) would mean one such thread per channel, each
+    wake-up taking a core from a rank's compute on a host with few cores. A device serves
+    every group's connections, as torch's own group serves all its peers."""
     if dist.is_initialized():
         try:
             backend = dist.distributed_c10d._get_default_group()._get_backend(

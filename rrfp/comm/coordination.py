@@ -1,4 +1,4 @@
-"""Agreement inside an intra-stage collective group (tensor parallel, and later EP/CP).
+"""Agreement inside an intra-stage collective group (tensor or expert parallel).
 
 Every rank of such a group must run the same action sequence: the stage's compute issues
 collectives on the group, and they only match if all ranks run the same action. Under

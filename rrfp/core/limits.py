@@ -63,28 +63,7 @@ def resolve_buffer_limits(spec: str | int | BufferLimit, hint: Hint, *,
       ``"auto"``, which are refused here with ``ValueError``: they need measured bytes.
     * an int ``n``: ``n`` per stage and ``n`` per rank.
 
-    Deadlock-freedom. (1) At limits no lower than the hint's own peaks, the hint's next
-    action (``first_undone``) always fits. Per stage: streams run in hint order, so when
-    that action is a forward of stage s no later forward of s has been launched, and the
-    stage holds at most what the fixed order holds at that point, below its peak. Per rank:
-    the arbiter lets a forward run ahead of the hint's next action only while the forwards
-    run ahead (A) stay within ``rank limit - M``, where M is the most the fixed order holds
-    from the next action on. The rank holds at most ``h + A`` (h: what the fixed order
-    holds at that point; backward pieces run ahead only lower it), so the next forward
-    brings it to ``h + 1 + A <= M + (limit - M)``; and the invariant survives every launch
-    (A grows only under the rule, and when the next action moves on, A can only shrink
-    while M can only fall). The fixed order itself completes (``check_deadlock_free``), so
-    the earliest action of its dependency order not yet launched is always launchable:
-    RRFP always progresses, whatever the timing, under any policy that, on an idle device,
-    runs some ready action whenever the hint's next one is ready (every policy here does:
-    lookahead, window and fixed accept the hint's next action; the others are greedy).
-    (2) Below the hint's peak on a stage that is alone on its rank, when every
-    stage's F and B/I streams follow one common microbatch order: the earliest microbatch in
-    flight can always move, since every forward it still needs is the hint's next action on
-    its rank and its stage holds nothing older. Limits below the hint's peak elsewhere (a
-    rank holding several stages, or streams in different orders as in LoopedBFS) are
-    refused with ``ValueError``. ``tests/test_arbiter.py`` checks this in the simulator for
-    thousands of random timings, every hint, every policy and a range of limits.
+    Every limit accepted here is deadlock-free whatever the timing (docs/design/deadlock-freedom.md).
     """
     limit = parse_buffer_limit(spec)
     spec = limit.spec

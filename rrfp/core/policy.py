@@ -323,11 +323,10 @@ def _measured_costs(history: History | None,
 
 SIZE_WEIGHT = 0.5
 """How far ``critical`` moves an action's cost from its stage and kind's mean towards what
-its microbatch's size predicts. Halfway kept what the sizes buy on the size-driven
-workloads and lost nothing where link latencies vary, which the chains leave out: there,
+its microbatch's size predicts. Halfway keeps what the sizes buy on the size-driven
+workloads and loses nothing where link latencies vary, which the chains leave out: there,
 costed fully by the predictions, the default fell below itself not told the sizes
-(simulated, 1F1B 8 x 32 at ``hint+2``, chosen on seeds 20-79; checked on seeds 100-119 in
-benchmarks/results/optimum_100-119_*_sizes-known.md)."""
+(simulated: benchmarks/results/optimum_100-119_*_sizes-known.md)."""
 
 
 def _predicted_costs(history: History | None, hint: Hint) -> dict[_Action, float] | None:

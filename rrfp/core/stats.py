@@ -182,7 +182,7 @@ class StepStats:
     def chrome_trace_events(self) -> list[dict]:
         """Chrome/Perfetto trace events: one process per rank; the device's actions on one
         track, the CPU's waits on another, messages on a third: each send and each receive
-        a 1 us slice at its time, a flow arrow from the send to its receive (on the peer's
+        a short fixed-length slice at its time, a flow arrow from the send to its receive (on the peer's
         track: merge the ranks' traces to see both ends); and the step's other fields as
         the arguments of a metadata event named ``STEP_METADATA``."""
         pid = self.global_rank

@@ -1,7 +1,7 @@
 """Data-parallel replicas of a pipeline's stages (DDP, FSDP2), kept in lockstep.
 
 Replicas of a stage interleave its actions differently under RRFP, so nothing may talk to
-the data-parallel group at a timing-dependent point (DESIGN.md invariant 4):
+the data-parallel group at a timing-dependent point (docs/design/invariants.md, 4):
 
 * **FSDP**: every FSDP module of the rank's stages is unsharded at the step's start, in
   stage order, and stays unsharded for the whole step (its pre-forward and pre-backward

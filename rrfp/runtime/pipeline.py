@@ -5,7 +5,8 @@ the hint, the platform's device, the transport and receive rings, the memory lim
 coordination group's twin, the byte meter. ``run`` is one step, in named phases: settle the
 limits, choose the meter, build the step's arbiter, executor and loop, run the loop to
 its end, and learn from it; a step that fails tells the other ranks (``rrfp.comm.board``),
-aborts the channels and leaves the runtime refusing further steps (DESIGN.md invariant 8).
+aborts the channels and leaves the runtime refusing further steps, so no later step
+waits on a message the failed one left in flight (docs/design/invariants.md, 8).
 """
 
 from __future__ import annotations

@@ -8,7 +8,7 @@ rank) and ``defer_pp_recv`` (post each receive only just before the compute that
 it); torchtitan passes the first two to every multi-stage schedule class.
 
 RRFP unshards every local FSDP stage at the step's start, in stage order, and keeps them
-unsharded until their REDUCE_GRAD (DESIGN.md invariant 4: an all-gather at a point whose
+unsharded until their REDUCE_GRAD (docs/design/invariants.md, 4: an all-gather at a point whose
 timing differs between replicas would mismatch them). So it does what a residency window
 of all local stages with a full lookahead does, and accepts every value that means the
 same for the job's FSDP stages (any value when no stage holds FSDP modules: then torch

@@ -1,7 +1,7 @@
 """Simulate fixed schedule vs RRFP on seeded workloads (or replayed timings).
 
     python -m rrfp.sim --pp 8 --microbatches 64 --hint 1F1B --workload multimodal \\
-        --limit hint+2 --seeds 10 [--plot outputs/timeline.png] [--sweep outputs/tradeoff.png]
+        --limit hint+2 --seeds N [--plot outputs/timeline.png] [--sweep outputs/tradeoff.png]
 
 Times are in units of one mean forward (replayed timings: in ms). Every figure is simulated.
 """

@@ -2,7 +2,7 @@
 
     python -m rrfp.sim.replay rrfp_demo_trace.json -o outputs/timings.json
     python -m rrfp.sim --replay outputs/timings.json --hint GPipe
-    python -m rrfp.sim.replay TRACE.json -o outputs/t8x32.json --resample 8x32 --seed 0
+    python -m rrfp.sim.replay TRACE.json -o outputs/t8x32.json --resample 8x32 --seed N
 
 The trace is the Chrome trace ``ScheduleRRFP`` writes (``rrfp.write_chrome_trace`` of all
 ranks' ``last_step_stats``, or ``rrfp.merge_chrome_traces`` of per-rank files). Durations

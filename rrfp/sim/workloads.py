@@ -28,8 +28,9 @@ costing per image, the language stages costing like ``documents`` with the image
 in their sequences; ``-latency``: with the ``latency`` workload's link latencies too."""
 WORKLOADS = ("uniform", "jitter", "multimodal", "straggler", "latency", "spikes", "encoder",
              "correlated", "slowrank", "bursty", *SIZE_WORKLOADS)
-"""``encoder``: one stage (the first: an encoder) costs 2-3x the others; ``correlated``: a
-microbatch's cost is alike on every stage (a long sequence is slow everywhere);
+"""``encoder``: one stage (the first: an encoder) costs ``encoder_slowdown`` times the
+others; ``correlated``: a microbatch's cost is alike on every stage (a long sequence is slow
+everywhere);
 ``slowrank``: one stage is slower on every action (a persistent straggler rank);
 ``bursty``: transfers slow down in bursts spanning consecutive microbatches of a link;
 ``SIZE_WORKLOADS``: variability from the data. The others have no sizes: their

@@ -14,6 +14,7 @@
 * ``byte_limits_world``: stages that save known, different bytes, under the byte limits.
 * ``ab``: alternating rounds for A/B comparisons.
 * ``code_size``: the runtime's longest classes, functions and modules, against the limits.
+* ``figures``: measured figures, dates, seeds or commit hashes where prose should hold none.
 
 A scenario's per-rank body lives in the test module that asserts on it (ranks import it by
 name); what more than one test module or a benchmark uses lives here.

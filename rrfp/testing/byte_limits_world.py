@@ -46,8 +46,8 @@ class Widened(torch.nn.Module):
 
 class StepClock:
     """Emulated device times that depend only on (stage, step, microbatch, kind), so that
-    torch's schedule and RRFP run the same work: ``base_s``, and one microbatch in five 4x
-    longer (a long sequence), drawn afresh for every step."""
+    torch's schedule and RRFP run the same work: ``base_s``, and one microbatch in five several
+    times longer (a long sequence), drawn afresh for every step."""
 
     def __init__(self, seed: int, base_s: float):
         self.seed = seed

@@ -48,11 +48,11 @@ run, where it costs training nothing. On a host whose cores the training process
 busy, what the verdict's child takes comes out of training (measured on 2 cores:
 docs/guide/advisor.md)."""
 ADVISOR_START_CPU_S = 3.5
-"""CPU seconds ``python -m rrfp.advise`` takes to start, mostly importing torch (3.3-3.5 s
-measured on this project's CPU machine)."""
+"""CPU seconds ``python -m rrfp.advise`` takes to start, mostly importing torch (as measured
+on this project's CPU machine)."""
 PREDICT_CPU_S_PER_ACTION = 3.5e-3
 """CPU seconds its predictions take per measured action, every setting and the fixed
-schedule replayed (3.2 ms measured on the main job, 5 and 20 steps)."""
+schedule replayed (as measured on the main job, rounded up)."""
 KEPT_STEPS = 20
 """The end-of-run verdict predicts from the last this-many steps."""
 FINAL_TIMEOUT_S = 300.0
