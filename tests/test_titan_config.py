@@ -109,33 +109,33 @@ def test_good_configs_pass_validation():
 
 
 def test_every_rrfp_setting_is_checked_before_anything_is_built():
-    """Each field of ``RRFP`` given a value of no accepted kind (as a TOML file can: its
+    """Each field of ``RRFPConfig`` given a value of no accepted kind (as a TOML file can: its
     values are not converted) is refused naming the field and what it accepts; and the
     checks ScheduleRRFP makes of its device: 'auto' reads a CUDA device's free memory."""
     import dataclasses
 
     from rrfp.core.hints import build_hint
-    from torchtitan_ext.config import RRFP
+    from torchtitan_ext.config import RRFPConfig
     from torchtitan_ext.common.schedules import check_settings
 
     hint = build_hint("Interleaved1F1B", num_ranks=2, num_stages=4, n_microbatches=8)
-    check_settings(RRFP(), hint, "cpu")
+    check_settings(RRFPConfig(), hint, "cpu")
     accepted = {"buffer_limit": "use 'hint'", "policy": "one of", "coordination": "not one of",
                 "launch_depth": "an int >= 1", "variable_shapes": "true or false",
                 "meter_activations": "true or false", "meter_every": "an int >= 1",
                 "stall_timeout": "a number of seconds > 0", "log_stats": "true or false",
                 "trace_folder": "a folder", "advise": "true or false",
                 "fixed_every": "an int >= 2"}
-    assert set(accepted) == {f.name for f in dataclasses.fields(RRFP)}
+    assert set(accepted) == {f.name for f in dataclasses.fields(RRFPConfig)}
     for name, says in accepted.items():
         with pytest.raises(ValueError) as refused:
-            check_settings(dataclasses.replace(RRFP(), **{name: 1.5j}), hint, "cuda")
+            check_settings(dataclasses.replace(RRFPConfig(), **{name: 1.5j}), hint, "cuda")
         assert str(refused.value).startswith(f"rrfp.{name}: "), refused.value
         assert says in str(refused.value), refused.value
     with pytest.raises(ValueError, match="rrfp.buffer_limit: buffer_limit='auto' reads the "
                        "free memory of a CUDA device; these stages are on cpu"):
-        check_settings(RRFP(buffer_limit="auto"), hint, "cpu")
-    check_settings(RRFP(buffer_limit="auto"), hint, "cuda")
+        check_settings(RRFPConfig(buffer_limit="auto"), hint, "cpu")
+    check_settings(RRFPConfig(buffer_limit="auto"), hint, "cuda")
 
 
 @only_0_2
@@ -195,10 +195,10 @@ def test_a_torchtitan_that_cannot_run_here_says_what_to_install():
 
 def test_the_rrfp_settings_have_the_same_names_and_defaults_in_both_versions():
     """The main job's ``rrfp`` settings: the TOML's ``[rrfp]`` section (0.2.2) and the
-    config function's ``rrfp`` field (0.3) give the same ``RRFP``."""
-    from torchtitan_ext.config import RRFP
+    config function's ``rrfp`` field (0.3) give the same ``RRFPConfig``."""
+    from torchtitan_ext.config import RRFPConfig
 
-    assert parse().rrfp == RRFP(buffer_limit="hint", stall_timeout=300, log_stats=True,
+    assert parse().rrfp == RRFPConfig(buffer_limit="hint", stall_timeout=300, log_stats=True,
                                 trace_folder="traces")
     assert parse(job="documents").rrfp.variable_shapes is True
     assert parse(job="multimodal").rrfp.variable_shapes is True

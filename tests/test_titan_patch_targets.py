@@ -77,15 +77,15 @@ def test_the_0_3_adapter_uses_torchtitans_hooks():
     from torchtitan.tools.utils import NoColor
     from torchtitan.trainer import Trainer
 
-    from torchtitan_ext.config import RRFP
+    from torchtitan_ext.config import RRFPConfig
     from torchtitan_ext.titan_0_3.multimodal import multimodal_registry
     from torchtitan_ext.titan_0_3.pipelining import rrfp_pipelining, with_rrfp
     from torchtitan_ext.titan_0_3.trainer import HideLossAdvice, metrics_rank, RRFPTrainer
 
     assert model_registry("debugmodel").pipelining_fn is pipeline_llm
     assert multimodal_registry().pipelining_fn is pipeline_vlm
-    settings = RRFP(buffer_limit=4)
-    wrapped = with_rrfp(with_rrfp(model_registry("debugmodel"), RRFP()), settings)
+    settings = RRFPConfig(buffer_limit=4)
+    wrapped = with_rrfp(with_rrfp(model_registry("debugmodel"), RRFPConfig()), settings)
     assert isinstance(wrapped.pipelining_fn, functools.partial)
     assert wrapped.pipelining_fn.func is rrfp_pipelining
     assert wrapped.pipelining_fn.keywords == {"model_pipelining": pipeline_llm,

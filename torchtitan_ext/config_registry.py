@@ -55,7 +55,7 @@ from torchtitan.models.llama3 import model_registry  # noqa: E402
 
 from torchtitan_ext.common.assets import DATASET_NAME, TOKENIZER_DIR  # noqa: E402
 from torchtitan_ext.common.schedules import register_with_torch  # noqa: E402
-from torchtitan_ext.config import RRFP  # noqa: E402
+from torchtitan_ext.config import RRFPConfig  # noqa: E402
 from torchtitan_ext.titan_0_3.dataloaders import DocumentDataLoader  # noqa: E402
 from torchtitan_ext.titan_0_3.multimodal import multimodal_registry  # noqa: E402
 from torchtitan_ext.titan_0_3.trainer import RRFPMetricsProcessor, RRFPTrainer  # noqa: E402
@@ -102,8 +102,8 @@ def _cpu_job(model_spec, dump_folder: str, **training) -> RRFPTrainer.Config:
                                       pipeline_parallel_schedule="RRFP",
                                       pipeline_parallel_microbatch_size=1,
                                       data_parallel_shard_degree=1),
-        rrfp=RRFP(buffer_limit="hint", stall_timeout=300, log_stats=True,
-                  trace_folder="traces"),
+        rrfp=RRFPConfig(buffer_limit="hint", stall_timeout=300, log_stats=True,
+                        trace_folder="traces"),
         checkpoint=CheckpointManager.Config(enable=False),
         activation_checkpoint=None,
         # Off as in the TOML jobs; --validator.enable evaluates on the generated corpus
@@ -179,7 +179,7 @@ def _gpu_starting_point(model_spec, *, hf_assets_path: str, dump_folder: str, op
         dataloader=HuggingFaceTextDataLoader.Config(dataset="c4"),
         metrics=RRFPMetricsProcessor.Config(log_freq=10, enable_tensorboard=True),
         parallelism=parallelism,
-        rrfp=RRFP(buffer_limit="hint", stall_timeout=600, log_stats=True),
+        rrfp=RRFPConfig(buffer_limit="hint", stall_timeout=600, log_stats=True),
         activation_checkpoint=SelectiveAC.Config(),
         checkpoint=CheckpointManager.Config(enable=True, folder="checkpoint", interval=500),
     )

@@ -20,12 +20,12 @@ try:
 except ModuleNotFoundError:  # Python 3.10: torchtitan 0.2.2 depends on tomli
     import tomli as tomllib
 
-from torchtitan_ext.config import RRFP
+from torchtitan_ext.config import RRFPConfig
 from torchtitan_ext.common.stop import stop_job
 
-SETTINGS = tuple(f.name for f in dataclasses.fields(RRFP))
-"""The ``[rrfp]`` settings, in the order of ``torchtitan_ext.config.RRFP``."""
-FLAGS = tuple(f.name for f in dataclasses.fields(RRFP) if isinstance(f.default, bool))
+SETTINGS = tuple(f.name for f in dataclasses.fields(RRFPConfig))
+"""The ``[rrfp]`` settings, in the order of ``torchtitan_ext.config.RRFPConfig``."""
+FLAGS = tuple(f.name for f in dataclasses.fields(RRFPConfig) if isinstance(f.default, bool))
 """The settings that are true or false: tyro also takes ``--rrfp.no-<name>`` for them."""
 OPTION = "--rrfp."
 TOML_FILE_OPTIONS = ("--job.config_file", "--job.config-file")

@@ -24,7 +24,7 @@ require((0, 3), "torchtitan_ext.titan_0_3.pipelining", CONFIG_FN_INSTEAD)
 
 from torchtitan.tools.logging import logger  # noqa: E402
 
-from torchtitan_ext.config import RRFP  # noqa: E402
+from torchtitan_ext.config import RRFPConfig  # noqa: E402
 from torchtitan_ext.common.schedules import (  # noqa: E402
     build_schedule, hint_of, microbatches_of, placement_schedule)
 
@@ -50,7 +50,7 @@ def torch_schedule_stages(schedule) -> list:
 
 
 def rrfp_pipelining(model, *, parallelism, training, loss_fn, model_pipelining: Callable,
-                    settings: RRFP, **kwargs):
+                    settings: RRFPConfig, **kwargs):
     """A ``pipelining_fn`` (same arguments and result as torchtitan's ``pipeline_llm``)
     that builds ScheduleRRFP for RRFP schedule names; ``model_pipelining``: the model's
     own ``pipelining_fn``, ``settings``: the config's ``rrfp`` field."""
@@ -79,7 +79,7 @@ def rrfp_pipelining(model, *, parallelism, training, loss_fn, model_pipelining: 
     return schedule, model_parts, has_first, has_last
 
 
-def with_rrfp(model_spec, settings: RRFP):
+def with_rrfp(model_spec, settings: RRFPConfig):
     """``model_spec`` whose ``pipelining_fn`` builds ScheduleRRFP for RRFP names."""
     if model_spec.pipelining_fn is None:
         return model_spec

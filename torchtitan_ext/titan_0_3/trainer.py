@@ -38,7 +38,7 @@ from torchtitan.trainer import Trainer  # noqa: E402
 
 from rrfp import ScheduleRRFP  # noqa: E402
 from torchtitan_ext.common.assets import register_dataset  # noqa: E402
-from torchtitan_ext.config import RRFP  # noqa: E402
+from torchtitan_ext.config import RRFPConfig  # noqa: E402
 from torchtitan_ext.common.cpu import force_sum_reductions, use_cpu  # noqa: E402
 from torchtitan_ext.common.data import content_size, split_by_content  # noqa: E402
 from torchtitan_ext.common.log_ranks import (  # noqa: E402
@@ -102,7 +102,7 @@ class RRFPTrainer(Trainer):
 
     @dataclass(kw_only=True, slots=True)
     class Config(Trainer.Config):
-        rrfp: RRFP = field(default_factory=RRFP)
+        rrfp: RRFPConfig = field(default_factory=RRFPConfig)
         """Readiness-first pipeline settings, used by the ``RRFP`` / ``RRFP-<hint>``
         values of ``parallelism.pipeline_parallel_schedule`` (``--rrfp.<field>``)."""
 
