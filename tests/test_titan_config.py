@@ -199,7 +199,7 @@ def test_the_rrfp_settings_have_the_same_names_and_defaults_in_both_versions():
     from torchtitan_ext.config import RRFPConfig
 
     assert parse().rrfp == RRFPConfig(buffer_limit="hint", stall_timeout=300, log_stats=True,
-                                trace_folder="traces")
+                                      trace_folder="traces", fixed_every=2)
     assert parse(job="documents").rrfp.variable_shapes is True
     assert parse(job="multimodal").rrfp.variable_shapes is True
 

@@ -179,3 +179,13 @@ def test_the_summary_names_the_steps_that_held_more_than_the_fixed_schedule():
     assert ab_lines(steps)[0] == (
         "  measured (in-run A/B, 4 steps in the fixed order, each against the RRFP steps beside "
         "it): fixed / RRFP step time 1.20x [1.20-1.20] over 4 pairs; RRFP faster in every pair")
+
+
+def test_importing_the_adapter_leaves_logging_alone():
+    """Only a training process holds its log lines until the logging rank is known: a
+    library import (a notebook, a test) keeps every record flowing to its handlers."""
+    import logging
+
+    import torchtitan_ext.register  # noqa: F401
+
+    assert not logging.getLogger().filters and not logging.getLogger("py.warnings").filters

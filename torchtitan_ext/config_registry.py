@@ -116,9 +116,12 @@ def _cpu_job(model_spec, dump_folder: str, **training) -> RRFPTrainer.Config:
 
 def rrfp_llama3_debug_cpu() -> RRFPTrainer.Config:
     """llama3 debugmodel, 2 pipeline ranks x 2 stages per rank, RRFP (the Interleaved1F1B
-    hint, RRFP's recommended setting), on CPU; 20 steps on the arithmetic corpus."""
-    return _cpu_job(causal_sdpa(model_registry("debugmodel")),
-                    "./outputs/llama3_debug_cpu", seq_len=128)
+    hint, RRFP's recommended setting), on CPU; 20 steps on the arithmetic corpus, every
+    second one in the fixed order (the in-run A/B), as ``train_configs/llama3_debug_cpu.toml``."""
+    config = _cpu_job(causal_sdpa(model_registry("debugmodel")),
+                      "./outputs/llama3_debug_cpu", seq_len=128)
+    config.rrfp.fixed_every = 2
+    return config
 
 
 def rrfp_documents_cpu() -> RRFPTrainer.Config:

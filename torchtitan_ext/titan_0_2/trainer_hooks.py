@@ -60,8 +60,10 @@ def trainer_modules() -> list[ModuleType]:
 
 def install(on_cpu: bool) -> None:
     """Hook torchtitan's Trainer (idempotent). ``on_cpu``: torchtitan runs on the CPU."""
-    hold_until_rank_known()
-    for module in trainer_modules():
+    modules = trainer_modules()
+    if len(modules) > 1:  # a training process (torchtitan's own entry point), not a library use
+        hold_until_rank_known()
+    for module in modules:
         if not getattr(module, _HOOKED, False):
             _hook(module, on_cpu)
             setattr(module, _HOOKED, True)
