@@ -30,7 +30,8 @@ def module_of(lines: int, *, class_lines: int, function_lines: int) -> str:
     text = (definition(["class Big:"], class_lines, "    ")
             + definition(["def long():"], function_lines, "    ")
             + ["class Holder:"]
-            + definition(["    @staticmethod", "    def long_method():"], function_lines, "        "))
+            + definition(["    @staticmethod", "    def long_method():"], function_lines,
+                         "        "))
     return "\n".join(text + ["# padding"] * (lines - len(text))) + "\n"
 
 

@@ -6,9 +6,9 @@ torchtitan's ``--module torchtitan_ext`` imports this module; ``--config <functi
 picks one of the functions below, each returning an ``RRFPTrainer.Config``; any field can
 be overridden on the command line (``--training.steps 8``, ``--rrfp.buffer_limit hint+2``,
 ``--parallelism.pipeline_parallel_schedule RRFP-ZBVZeroBubble``). The ``rrfp`` fields
-have the names and defaults of the ``[rrfp]`` TOML section (``torchtitan_ext.config``); an
-unknown ``--rrfp.<name>`` stops the job when this module is imported, with the nearest
-name (``torchtitan_ext.common.setting_names``).
+have the names and defaults of the ``[rrfp]`` TOML section (``torchtitan_ext.config``).
+Importing this module reads no command line: ``torchtitan_ext.train`` names an unknown
+``--rrfp.<name>`` with the nearest setting before torchtitan parses.
 
 * ``rrfp_llama3_debug_cpu``: llama3 debugmodel, 2 pipeline ranks x 2 stages, RRFP with
   the Interleaved1F1B hint, on the generated arithmetic corpus (``train_configs/
@@ -30,15 +30,9 @@ name (``torchtitan_ext.common.setting_names``).
 
 from __future__ import annotations
 
-import sys
-
-from torchtitan_ext.common.setting_names import stop_on_unknown_settings
 from torchtitan_ext.common.version import CONFIG_FN_INSTEAD, require
 
 require((0, 3), "torchtitan_ext.config_registry", CONFIG_FN_INSTEAD)
-# torchtitan's ``--module torchtitan_ext`` imports this module before it parses the command
-# line, where tyro would refuse an unknown ``--rrfp.<name>`` on every rank in a box of help.
-stop_on_unknown_settings(sys.argv[1:], toml=False)
 
 from torchtitan.components.checkpoint import CheckpointManager  # noqa: E402
 from torchtitan.components.loss import CrossEntropyLoss  # noqa: E402

@@ -144,6 +144,8 @@ def microbatches_of(batch: int, parallelism) -> int:
 
 def stages_per_rank(job_config, n_layers: int) -> int:
     """Stages per rank as torchtitan's pipeline_llm computes them for the hint."""
+    # torchtitan has no public function for it (0.3's private _get_pipeline_metadata needs a
+    # built ParallelDims), and this check runs before anything is built.
     parallelism = job_config.parallelism
     hint = hint_of(parallelism.pipeline_parallel_schedule)
     single = hint in _SINGLE_STAGE_HINTS

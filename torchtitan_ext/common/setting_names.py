@@ -4,9 +4,8 @@ torchtitan refuses an unknown name itself, on every rank and in its own words: 0
 a traceback for a key of the TOML's ``[rrfp]`` table that advises ``run_train.sh --help``,
 tyro (both versions) with a box of help for an unknown ``--rrfp.<name>``. Here they stop
 the job with one ``rrfp: bad configuration: ...`` line (``torchtitan_ext.common.stop``), before
-torchtitan parses: from ``torchtitan_ext.train`` on 0.2.2 (the TOML and the command line),
-and on 0.3 when torchtitan's ``--module torchtitan_ext`` imports
-``torchtitan_ext.config_registry`` (the command line).
+torchtitan parses: from ``torchtitan_ext.train`` (on 0.2.2 the TOML and the command line, on
+0.3 the command line).
 """
 
 from __future__ import annotations

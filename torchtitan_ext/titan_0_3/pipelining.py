@@ -36,6 +36,7 @@ placement schedule's, which ScheduleRRFP replaces (``build_schedule`` logs its o
 
 
 class HideTorchtitanScheduleLine(logging.Filter):
+    # By its text: the model's pipelining_fn builds and logs a torch schedule, no option not to.
     def filter(self, record: logging.LogRecord) -> bool:
         return not record.getMessage().startswith(TORCHTITAN_SCHEDULE_LINE)
 
