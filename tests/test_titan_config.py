@@ -108,6 +108,25 @@ def test_good_configs_pass_validation():
                 "--parallelism.context_parallel_degree", "2"))
 
 
+def test_the_settings_are_written_as_torchtitans_configs():
+    """``RRFPConfig`` as torchtitan 0.3 writes its config dataclasses: keyword-only,
+    slotted, and a docstring under each field (tyro shows it as the option's help)."""
+    import ast
+    import inspect
+
+    from torchtitan_ext.config import RRFPConfig
+
+    names = [f.name for f in dataclasses.fields(RRFPConfig)]
+    assert all(f.kw_only for f in dataclasses.fields(RRFPConfig))
+    assert tuple(vars(RRFPConfig)["__slots__"]) == tuple(names)
+    (definition,) = ast.parse(inspect.getsource(RRFPConfig)).body
+    body = definition.body
+    documented = [node.target.id for node, after in zip(body, body[1:])
+                  if isinstance(node, ast.AnnAssign) and isinstance(after, ast.Expr)
+                  and isinstance(after.value, ast.Constant) and isinstance(after.value.value, str)]
+    assert documented == names
+
+
 def test_every_rrfp_setting_is_checked_before_anything_is_built():
     """Each field of ``RRFPConfig`` given a value of no accepted kind (as a TOML file can: its
     values are not converted) is refused naming the field and what it accepts; and the
