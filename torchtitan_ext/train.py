@@ -18,8 +18,8 @@ the same as stock ``torchrun -m torchtitan.train`` with those arguments (the con
 On both, one difference from stock ``torchtitan.train``: an unknown ``[rrfp]`` setting (as
 ``--rrfp.<name>``, or on 0.2.2 in the TOML) stops the job with one line naming the nearest
 setting (``torchtitan_ext.common.setting_names``) before torchtitan parses the command line;
-stock ``torchtitan.train`` parses it before anything of torchtitan_ext runs, and reports
-such a name itself (tyro: on every rank, in a box of help).
+stock ``torchtitan.train`` leaves such a name to torchtitan, which reports it on every rank
+(tyro's box of help, or on 0.2.2 a traceback for a TOML key).
 
 A command for the other torchtitan, or a torchtitan that cannot run on the installed
 torch, stops with one line naming what to run or install instead.
