@@ -152,7 +152,7 @@ MUTATIONS = [
         "losses (a gradient off by one part in 10^7)", "rrfp/runtime/schedule.py",
         "self._n_microbatches if self.scale_grads else 1)",
         "self._n_microbatches if self.scale_grads else 1.0000001)",
-        ("tests/test_torchtitan.py::test_rrfp_trains_exactly_as_the_fixed_schedule"
+        ("tests/test_titan_training.py::test_rrfp_trains_exactly_as_the_fixed_schedule"
          "|pp-1f1b",)),
     Mutation(
         "advise_limits_ignored", "the advisor predicts each setting at its own limits",
@@ -202,7 +202,7 @@ MUTATIONS = [
         "fixed = False and self.fixed_every > 0 and (",
         ("tests/test_advise.py::test_in_run_ab_measures_what_the_advisor_predicts_and_stays_"
          "bitwise",
-         "tests/test_torchtitan.py::test_rrfp_trains_exactly_as_the_fixed_schedule|in-run-ab")),
+         "tests/test_titan_training.py::test_rrfp_trains_exactly_as_the_fixed_schedule|in-run-ab")),
     Mutation(
         "fixed_steps_bounded_launch", "the A/B's fixed steps launch without bound, as torch's",
         "rrfp/runtime/pipeline.py", "launch_depth=math.inf if fixed else self.launch_depth,",
@@ -212,7 +212,7 @@ MUTATIONS = [
     Mutation(
         "no_end_of_run_summary", "torchtitan jobs end with the verdict and a summary",
         "torchtitan_ext/common/stats_logging.py", "stats_log.advice.finish()", "pass",
-        ("tests/test_torchtitan.py::test_main_job_trains_on_cpu_and_logs_rrfp_stats",)),
+        ("tests/test_titan_logging.py::test_main_job_trains_on_cpu_and_logs_rrfp_stats",)),
     Mutation(
         "critical_ignores_sizes", "critical costs each action by the duration its "
         "microbatch's size predicts, on every stage", "rrfp/core/policy.py",
@@ -255,7 +255,7 @@ MUTATIONS = [
         "torchtitan_sizes_not_given", "torchtitan's variable-shape jobs give ScheduleRRFP each "
         "microbatch's size", "torchtitan_ext/titan_0_2/trainer_hooks.py",
         "mb_sizes=microbatches.sizes)", "mb_sizes=None)",
-        ("tests/test_torchtitan.py::test_variable_shape_data_paths_train_and_their_loss_falls"
+        ("tests/test_titan_training.py::test_variable_shape_data_paths_train_and_their_loss_falls"
          "|documents",)),
 ]
 

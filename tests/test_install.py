@@ -14,7 +14,7 @@ import sys
 
 import pytest
 
-from tests.test_torchtitan import failure_excerpt, JOBS, logged_losses, ROOT
+from tests.titan_helpers import failure_excerpt, JOBS, logged_losses, ROOT
 
 
 def run(cmd: list[str], timeout: float, **kwargs) -> subprocess.CompletedProcess:

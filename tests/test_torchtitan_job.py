@@ -36,8 +36,8 @@ from rrfp import ScheduleRRFP
 from rrfp.runtime.executor import StageExecutor
 from rrfp.testing.probes import rrfp_threads
 
-from tests.test_torchtitan import (dump_args, failure_excerpt, job_args, LOSS, logged_losses,
-                                   ROOT, tensorboard_values)
+from tests.titan_helpers import (dump_args, failure_excerpt, job_args, LOSS, logged_losses,
+                                 ROOT, tensorboard_values)
 
 pytestmark = pytest.mark.job
 

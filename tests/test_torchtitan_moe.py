@@ -13,7 +13,7 @@ import shutil
 import pytest
 import torch
 
-from tests.test_torchtitan import check, failure_excerpt, four_ranks, only_0_2, parse, run_titan, VERSION
+from tests.titan_helpers import check, failure_excerpt, four_ranks, only_0_2, parse, run_titan, VERSION
 from torchtitan_ext.common.cpu import histc, MOE_CPU_PATCHES, moe_cpu_path, TorchWithIntegerHistc
 from torchtitan_ext.common.schedules import connected_groups
 

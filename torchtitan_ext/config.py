@@ -1,15 +1,19 @@
 """RRFP's settings: the ``[rrfp]`` section of train.toml on torchtitan 0.2.2 (``[job]
 custom_config_module = "torchtitan_ext.config"``), the ``rrfp`` field of
-``RRFPTrainer.Config`` on torchtitan 0.3 (``--rrfp.<field>``): one dataclass for both."""
+``RRFPTrainer.Config`` on torchtitan 0.3 (``--rrfp.<field>``): one dataclass for both,
+``RRFPConfig``, written as torchtitan 0.3 writes its own (``TrainingConfig``,
+``ParallelismConfig``): keyword-only, slotted, a docstring per field, which tyro shows
+as the option's help."""
 
-
+# No ``from __future__ import annotations``: torchtitan 0.2.2 builds the ``[rrfp]`` section
+# from the TOML by the fields' types as classes (``dataclasses.is_dataclass(field.type)``).
 from dataclasses import dataclass, field
 
 from rrfp.core.settings import DEFAULT_LAUNCH_DEPTH, DEFAULT_METER_EVERY
 
 
-@dataclass
-class RRFP:
+@dataclass(kw_only=True, slots=True)
+class RRFPConfig:
     """Readiness-first pipeline schedule settings (used by ``RRFP`` / ``RRFP-<hint>`` schedules)."""
 
     buffer_limit: int | str = "hint"
@@ -83,6 +87,10 @@ class RRFP:
     times, fixed over RRFP, is logged beside the advisor's prediction; 0: off."""
 
 
-@dataclass
+@dataclass(kw_only=True, slots=True)
 class JobConfig:
-    rrfp: RRFP = field(default_factory=RRFP)
+    """What torchtitan 0.2.2 adds to its own ``JobConfig`` (it imports the class of this
+    name from ``job.custom_config_module``): the ``[rrfp]`` section."""
+
+    rrfp: RRFPConfig = field(default_factory=RRFPConfig)
+    """Readiness-first pipeline settings (``[rrfp]`` in the TOML, ``--rrfp.<field>``)."""

@@ -6,9 +6,9 @@ torchtitan's ``--module torchtitan_ext`` imports this module; ``--config <functi
 picks one of the functions below, each returning an ``RRFPTrainer.Config``; any field can
 be overridden on the command line (``--training.steps 8``, ``--rrfp.buffer_limit hint+2``,
 ``--parallelism.pipeline_parallel_schedule RRFP-ZBVZeroBubble``). The ``rrfp`` fields
-have the names and defaults of the ``[rrfp]`` TOML section (``torchtitan_ext.config``); an
-unknown ``--rrfp.<name>`` stops the job when this module is imported, with the nearest
-name (``torchtitan_ext.common.setting_names``).
+have the names and defaults of the ``[rrfp]`` TOML section (``torchtitan_ext.config``).
+Importing this module reads no command line: ``torchtitan_ext.train`` names an unknown
+``--rrfp.<name>`` with the nearest setting before torchtitan parses.
 
 * ``rrfp_llama3_debug_cpu``: llama3 debugmodel, 2 pipeline ranks x 2 stages, RRFP with
   the Interleaved1F1B hint, on the generated arithmetic corpus (``train_configs/
@@ -30,15 +30,9 @@ name (``torchtitan_ext.common.setting_names``).
 
 from __future__ import annotations
 
-import sys
-
-from torchtitan_ext.common.setting_names import stop_on_unknown_settings
 from torchtitan_ext.common.version import CONFIG_FN_INSTEAD, require
 
 require((0, 3), "torchtitan_ext.config_registry", CONFIG_FN_INSTEAD)
-# torchtitan's ``--module torchtitan_ext`` imports this module before it parses the command
-# line, where tyro would refuse an unknown ``--rrfp.<name>`` on every rank in a box of help.
-stop_on_unknown_settings(sys.argv[1:], toml=False)
 
 from torchtitan.components.checkpoint import CheckpointManager  # noqa: E402
 from torchtitan.components.loss import CrossEntropyLoss  # noqa: E402
@@ -55,7 +49,7 @@ from torchtitan.models.llama3 import model_registry  # noqa: E402
 
 from torchtitan_ext.common.assets import DATASET_NAME, TOKENIZER_DIR  # noqa: E402
 from torchtitan_ext.common.schedules import register_with_torch  # noqa: E402
-from torchtitan_ext.config import RRFP  # noqa: E402
+from torchtitan_ext.config import RRFPConfig  # noqa: E402
 from torchtitan_ext.titan_0_3.dataloaders import DocumentDataLoader  # noqa: E402
 from torchtitan_ext.titan_0_3.multimodal import multimodal_registry  # noqa: E402
 from torchtitan_ext.titan_0_3.trainer import RRFPMetricsProcessor, RRFPTrainer  # noqa: E402
@@ -102,8 +96,8 @@ def _cpu_job(model_spec, dump_folder: str, **training) -> RRFPTrainer.Config:
                                       pipeline_parallel_schedule="RRFP",
                                       pipeline_parallel_microbatch_size=1,
                                       data_parallel_shard_degree=1),
-        rrfp=RRFP(buffer_limit="hint", stall_timeout=300, log_stats=True,
-                  trace_folder="traces"),
+        rrfp=RRFPConfig(buffer_limit="hint", stall_timeout=300, log_stats=True,
+                        trace_folder="traces"),
         checkpoint=CheckpointManager.Config(enable=False),
         activation_checkpoint=None,
         # Off as in the TOML jobs; --validator.enable evaluates on the generated corpus
@@ -182,7 +176,7 @@ def _gpu_starting_point(model_spec, *, hf_assets_path: str, dump_folder: str, op
         dataloader=HuggingFaceTextDataLoader.Config(dataset="c4"),
         metrics=RRFPMetricsProcessor.Config(log_freq=10, enable_tensorboard=True),
         parallelism=parallelism,
-        rrfp=RRFP(buffer_limit="hint", stall_timeout=600, log_stats=True),
+        rrfp=RRFPConfig(buffer_limit="hint", stall_timeout=600, log_stats=True),
         activation_checkpoint=SelectiveAC.Config(),
         checkpoint=CheckpointManager.Config(enable=True, folder="checkpoint", interval=500),
     )

@@ -6,10 +6,7 @@ torchtitan 0.2.2 (TOML)::
 
 torchtitan's own Trainer, with ``torchtitan_ext.register`` imported first: the same as
 stock ``torchrun -m torchtitan.train`` with ``[experimental] custom_import =
-"torchtitan_ext.register"``, except that an unknown ``[rrfp]`` setting (in the TOML or as
-``--rrfp.<name>``) stops with the nearest name (``torchtitan_ext.common.setting_names``) before
-torchtitan parses the command line, which stock ``torchtitan.train`` does before it
-imports anything of torchtitan_ext.
+"torchtitan_ext.register"``.
 
 torchtitan 0.3 (config functions)::
 
@@ -17,6 +14,12 @@ torchtitan 0.3 (config functions)::
 
 the same as stock ``torchrun -m torchtitan.train`` with those arguments (the config's
 ``RRFPTrainer`` brings everything; see ``torchtitan_ext.config_registry``).
+
+On both, one difference from stock ``torchtitan.train``: an unknown ``[rrfp]`` setting (as
+``--rrfp.<name>``, or on 0.2.2 in the TOML) stops the job with one line naming the nearest
+setting (``torchtitan_ext.common.setting_names``) before torchtitan parses the command line;
+stock ``torchtitan.train`` leaves such a name to torchtitan, which reports it on every rank
+(tyro's box of help, or on 0.2.2 a traceback for a TOML key).
 
 A command for the other torchtitan, or a torchtitan that cannot run on the installed
 torch, stops with one line naming what to run or install instead.
@@ -55,10 +58,11 @@ if __name__ == "__main__":
     from torchtitan_ext.common.log_ranks import hold_until_rank_known
 
     hold_until_rank_known()  # torchtitan's start-up lines: on the logging rank only
-    if torchtitan_version() == (0, 2):
-        from torchtitan_ext.common.setting_names import stop_on_unknown_settings
+    from torchtitan_ext.common.setting_names import stop_on_unknown_settings
 
-        stop_on_unknown_settings(sys.argv[1:], toml=True)
+    titan_0_2 = torchtitan_version() == (0, 2)
+    stop_on_unknown_settings(sys.argv[1:], toml=titan_0_2)
+    if titan_0_2:
         import torchtitan_ext.register  # noqa: F401  (registers RRFP and hooks the Trainer)
         from torchtitan.train import main, Trainer
 

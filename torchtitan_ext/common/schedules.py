@@ -31,7 +31,7 @@ from rrfp.core.hints import build_hint, Hint, HINT_NAMES, rule_reference, RULE_N
 from rrfp.core.checks import a_flag, check_settings as check_rrfp_settings
 from rrfp.core.settings import Settings
 from rrfp.devices.platform import platform_for
-from torchtitan_ext.config import RRFP
+from torchtitan_ext.config import RRFPConfig
 
 PREFIX = "RRFP"
 DEFAULT_HINT = "Interleaved1F1B"
@@ -125,8 +125,8 @@ def _torch_view(job_config):
             job_config.parallelism, pipeline_parallel_schedule=torch_view_name(name)))
 
 
-def rrfp_settings(job_config) -> RRFP:
-    return getattr(job_config, "rrfp", None) or RRFP()
+def rrfp_settings(job_config) -> RRFPConfig:
+    return getattr(job_config, "rrfp", None) or RRFPConfig()
 
 
 def n_microbatches(job_config) -> int:
@@ -144,6 +144,8 @@ def microbatches_of(batch: int, parallelism) -> int:
 
 def stages_per_rank(job_config, n_layers: int) -> int:
     """Stages per rank as torchtitan's pipeline_llm computes them for the hint."""
+    # torchtitan has no public function for it (0.3's private _get_pipeline_metadata needs a
+    # built ParallelDims), and this check runs before anything is built.
     parallelism = job_config.parallelism
     hint = hint_of(parallelism.pipeline_parallel_schedule)
     single = hint in _SINGLE_STAGE_HINTS
@@ -155,7 +157,7 @@ def stages_per_rank(job_config, n_layers: int) -> int:
     return max(1, stages // parallelism.pipeline_parallel_degree)
 
 
-def schedule_settings(settings: RRFP) -> Settings:
+def schedule_settings(settings: RRFPConfig) -> Settings:
     """ScheduleRRFP's ``Settings`` from the ``[rrfp]`` section, as written: the schedule
     checks them with the check ``validate`` runs (``rrfp.core.checks.check_settings``)."""
     return Settings(**{f.name: getattr(settings, f.name) for f in dataclasses.fields(Settings)
@@ -219,7 +221,7 @@ def device_type() -> str:
     return utils.device_type
 
 
-def check_settings(settings: RRFP, hint: Hint, device_type: str) -> None:
+def check_settings(settings: RRFPConfig, hint: Hint, device_type: str) -> None:
     """ValueError naming the first ``rrfp`` setting that ScheduleRRFP would refuse over
     ``hint`` on ``device_type`` stages, or that is not of its field's type (TOML values are
     not converted), with what it accepts: ScheduleRRFP's own check, then the fields only
@@ -303,7 +305,7 @@ def coordination_group(stages) -> dist.ProcessGroup | None:
     return mine
 
 
-def build_schedule(schedule_name: str, settings: RRFP, stages, n_microbatches: int,
+def build_schedule(schedule_name: str, settings: RRFPConfig, stages, n_microbatches: int,
                    loss_fn) -> ScheduleRRFP:
     """ScheduleRRFP over torchtitan's ``stages`` for an RRFP schedule name, with the
     ``rrfp`` settings; torchtitan backpropagates the sum of the microbatches' losses

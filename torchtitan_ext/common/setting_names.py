@@ -4,9 +4,8 @@ torchtitan refuses an unknown name itself, on every rank and in its own words: 0
 a traceback for a key of the TOML's ``[rrfp]`` table that advises ``run_train.sh --help``,
 tyro (both versions) with a box of help for an unknown ``--rrfp.<name>``. Here they stop
 the job with one ``rrfp: bad configuration: ...`` line (``torchtitan_ext.common.stop``), before
-torchtitan parses: from ``torchtitan_ext.train`` on 0.2.2 (the TOML and the command line),
-and on 0.3 when torchtitan's ``--module torchtitan_ext`` imports
-``torchtitan_ext.config_registry`` (the command line).
+torchtitan parses: from ``torchtitan_ext.train`` (on 0.2.2 the TOML and the command line, on
+0.3 the command line).
 """
 
 from __future__ import annotations
@@ -20,12 +19,12 @@ try:
 except ModuleNotFoundError:  # Python 3.10: torchtitan 0.2.2 depends on tomli
     import tomli as tomllib
 
-from torchtitan_ext.config import RRFP
+from torchtitan_ext.config import RRFPConfig
 from torchtitan_ext.common.stop import stop_job
 
-SETTINGS = tuple(f.name for f in dataclasses.fields(RRFP))
-"""The ``[rrfp]`` settings, in the order of ``torchtitan_ext.config.RRFP``."""
-FLAGS = tuple(f.name for f in dataclasses.fields(RRFP) if isinstance(f.default, bool))
+SETTINGS = tuple(f.name for f in dataclasses.fields(RRFPConfig))
+"""The ``[rrfp]`` settings, in the order of ``torchtitan_ext.config.RRFPConfig``."""
+FLAGS = tuple(f.name for f in dataclasses.fields(RRFPConfig) if isinstance(f.default, bool))
 """The settings that are true or false: tyro also takes ``--rrfp.no-<name>`` for them."""
 OPTION = "--rrfp."
 TOML_FILE_OPTIONS = ("--job.config_file", "--job.config-file")

@@ -4,7 +4,7 @@ torchtitan 0.2.2 has no hook for a schedule of its own: ``install()`` wraps its
 ``get_schedule_class`` (RRFP names), ``pipeline_module_split`` (the hint's placement, the
 patch encoder on the first stage), ``build_pipeline_schedule`` (ScheduleRRFP with the
 ``[rrfp]`` settings) and ``metrics._get_metrics_rank`` (the loss rank of a V placement).
-``tests/test_torchtitan.py`` fails when one of these targets is gone.
+``tests/test_titan_patch_targets.py`` fails when one of these targets is gone.
 """
 
 from __future__ import annotations

@@ -24,7 +24,7 @@ require((0, 3), "torchtitan_ext.titan_0_3.pipelining", CONFIG_FN_INSTEAD)
 
 from torchtitan.tools.logging import logger  # noqa: E402
 
-from torchtitan_ext.config import RRFP  # noqa: E402
+from torchtitan_ext.config import RRFPConfig  # noqa: E402
 from torchtitan_ext.common.schedules import (  # noqa: E402
     build_schedule, hint_of, microbatches_of, placement_schedule)
 
@@ -36,6 +36,7 @@ placement schedule's, which ScheduleRRFP replaces (``build_schedule`` logs its o
 
 
 class HideTorchtitanScheduleLine(logging.Filter):
+    # By its text: the model's pipelining_fn builds and logs a torch schedule, no option not to.
     def filter(self, record: logging.LogRecord) -> bool:
         return not record.getMessage().startswith(TORCHTITAN_SCHEDULE_LINE)
 
@@ -50,7 +51,7 @@ def torch_schedule_stages(schedule) -> list:
 
 
 def rrfp_pipelining(model, *, parallelism, training, loss_fn, model_pipelining: Callable,
-                    settings: RRFP, **kwargs):
+                    settings: RRFPConfig, **kwargs):
     """A ``pipelining_fn`` (same arguments and result as torchtitan's ``pipeline_llm``)
     that builds ScheduleRRFP for RRFP schedule names; ``model_pipelining``: the model's
     own ``pipelining_fn``, ``settings``: the config's ``rrfp`` field."""
@@ -79,7 +80,7 @@ def rrfp_pipelining(model, *, parallelism, training, loss_fn, model_pipelining: 
     return schedule, model_parts, has_first, has_last
 
 
-def with_rrfp(model_spec, settings: RRFP):
+def with_rrfp(model_spec, settings: RRFPConfig):
     """``model_spec`` whose ``pipelining_fn`` builds ScheduleRRFP for RRFP names."""
     if model_spec.pipelining_fn is None:
         return model_spec

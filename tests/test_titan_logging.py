@@ -1,0 +1,191 @@
+"""What a torchtitan job under RRFP reports: its console (one rank prints; a stats line
+per step; the end-of-run summary and verdict), its TensorBoard scalars and texts, and the
+stats each rank sends the logging rank through the store."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+import torch.distributed as dist
+
+from rrfp.core.stats import StepStats
+from rrfp.testing.stats import made_up_stats
+from rrfp.testing.worlds import run_local_world
+from tests.titan_helpers import (
+    assert_one_rank_prints, failure_excerpt, logged_losses, LOSS, METERED, run_titan,
+    STATS_LINE, tensorboard_scalars, tensorboard_texts, UNMETERED)
+from torchtitan_ext.common.log_ranks import log_ranks, print_only_on, warn_if_loss_hidden
+
+
+def test_main_job_trains_on_cpu_and_logs_rrfp_stats(tmp_path):
+    code, out = run_titan(2, "--training.steps", "8", "--rrfp.trace_folder", "traces",
+                          dump=str(tmp_path))
+    assert code == 0, failure_excerpt(out)
+    assert_one_rank_prints(out)
+    # torchtitan's start-up lines and Python's warnings too: held until the rank is known.
+    assert out.count("torchtitan version") == 1 and out.count("Starting job") == 1, out[:3000]
+    assert out.count("'set_vital' is deprecated") <= 1, out[:3000]
+    losses = logged_losses(out)
+    assert sorted(losses) == list(range(1, 9))
+    assert float(losses[8]) < float(losses[1]) - 2.0
+    assert ("ScheduleRRFP with hint Interleaved1F1B (loop placement), policy lookahead, buffer "
+            "limit 'hint'") in out
+    # What that limit allows, and where the gains are, once (rrfp.schedule's line).
+    assert out.count("buffer_limit='hint' allows no activation memory beyond the fixed "
+                     "schedule's (3 microbatches on this rank), so RRFP mostly follows the "
+                     "hint") == 1, failure_excerpt(out)
+    assert "speed needs memory slack, e.g. buffer_limit='hint+2'" in out
+    assert "\x1b[" not in out  # no colour codes: the output is a pipe
+    # The trainer's close closed the schedule (the logging rank says so).
+    assert out.count("rrfp: closed the pipeline schedule") == 1, failure_excerpt(out)
+    # The meter samples (meter_every=100): the first step measures activations, later ones
+    # say they did not.
+    assert re.search(STATS_LINE.format(step=1, fixed="", label="", activations=METERED), out)
+    assert re.search(STATS_LINE.format(step=7, fixed="", label="", activations=UNMETERED), out)
+    assert re.search(STATS_LINE.format(step=8, fixed=r" \(fixed order\)", label="",
+                                       activations=UNMETERED), out)
+    scalars = tensorboard_scalars(tmp_path)
+    for tag in ("rrfp/idle_fraction/pp0", "rrfp/out_of_hint_order/pp1",
+                "rrfp/backpressure_entries/pp0", "rrfp/peak_in_flight/pp1",
+                "rrfp/dispatch_overhead_us/pp0", LOSS):
+        assert scalars.get(tag) == 8, (tag, scalars)
+    for tag in ("rrfp/peak_activation_bytes/pp0", "rrfp/peak_activation_bytes/pp1"):
+        assert scalars.get(tag) == 1, (tag, scalars)
+    # Each run's traces go to a folder of their own.
+    (run_traces,) = (tmp_path / "traces").iterdir()
+    assert re.fullmatch(r"\d{8}-\d{6}", run_traces.name)
+    assert sorted(p.name for p in run_traces.iterdir()) == sorted(f"step{n}.json" for n in range(1, 9))
+    # 8 steps are too few for a first verdict to cost training under 1% of the CPU: at the
+    # end only, the advisor's verdict and the run's summary, in the console and in
+    # TensorBoard; the advisor reads the run's own folder.
+    assert re.search(r"rrfp: the verdict comes at the end of the run: predicting now would "
+                     r"take about \d+ s of CPU, over 1% of the \d+ s the 4 steps left", out)
+    verdict = re.search(
+        r"rrfp: timing variability \d+%; .*; this run \(buffer_limit='hint', policy lookahead\) "
+        rf"\d\.\d\dx, measured \d\.\d\dx by the in-run A/B; python -m rrfp\.advise "
+        rf"{re.escape(str(run_traces))}$", out, re.M)
+    assert verdict, failure_excerpt(out)
+    # Said once, in the summary, after a line that says it is being predicted.
+    assert out.count(verdict[0]) == 1, failure_excerpt(out)
+    assert re.search(r"rrfp: predicting the verdict from the last \d+ steps \(about \d+ s of "
+                     r"CPU\)\n.*rrfp summary", out), failure_excerpt(out)
+    summary = out[out.index("rrfp summary: 8 steps, hint Interleaved1F1B, policy lookahead; "
+                            "step time "):].splitlines()[:9]
+    assert [line.split(" (")[0].split(":")[0] for line in summary[1:]] == [
+        "  measured", "  all steps, fixed-order ones included", "  mean idle",
+        "  out-of-hint actions", "  microbatches held", "  peak activations", "  advisor cost",
+        "  rrfp"], summary
+    # The main job's in-run A/B (fixed_every = 2): steps 2, 4, 6, 8 in the fixed order.
+    assert re.match(r"  measured \(in-run A/B, 4 steps in the fixed order, each against the RRFP "
+                    r"steps beside it\): fixed / RRFP step time \d\.\d\dx \[\d\.\d\d-\d\.\d\d\] "
+                    r"over 4 pairs; RRFP ", summary[1]), summary
+    assert re.fullmatch(r"  out-of-hint actions: pp0 \d+ of \d+, pp1 \d+ of \d+", summary[4])
+    assert summary[5] == ("  microbatches held (every step): pp0 at most 5 (fixed schedule 5), "
+                          "pp1 at most 3 (fixed schedule 3)"), summary
+    assert re.match(r"  peak activations: pp0 \d+\.\d MiB \(fixed schedule \d+\.\d MiB\), "
+                    r"pp1 .* \(metered in step 1; ", summary[6])
+    assert summary[8] == f"  {verdict[0]}"
+    texts = tensorboard_texts(tmp_path)
+    assert texts["rrfp/verdict"][-1].strip() == verdict[0]
+    assert texts["rrfp/summary"][-1].split("\n")[0].strip() == summary[0].split(" - INFO - ")[-1]
+    from rrfp.advise.__main__ import main as advise_main
+
+    assert advise_main([str(tmp_path), "--no-plots"]) == 0
+
+
+def test_log_rank_chooses_the_ranks_that_print(monkeypatch, caplog):
+    import logging
+
+    monkeypatch.delenv("LOG_RANK", raising=False)
+    assert log_ranks(3) == {3}
+    warn_if_loss_hidden(3)
+    assert not caplog.records
+    monkeypatch.setenv("LOG_RANK", "0,2")
+    assert log_ranks(3) == {0, 2}
+    warn_if_loss_hidden(3)
+    assert "the loss is logged by rank 3 only, and LOG_RANK=0,2 leaves it out" in caplog.text
+    monkeypatch.setenv("LOG_RANK", "last")
+    with pytest.raises(ValueError, match="LOG_RANK='last' must list ranks separated by commas"):
+        log_ranks(3)
+
+    handler = logging.Handler()
+    monkeypatch.setattr(logging.getLogger(), "handlers", [handler])
+    print_only_on({0, 2}, 2)
+    assert not handler.filters
+    print_only_on({0, 2}, 1)
+    info, error = (logging.LogRecord("root", level, __file__, 1, "m", None, None)
+                   for level in (logging.INFO, logging.ERROR))
+    assert not handler.filter(info) and handler.filter(error)
+
+
+def stats_exchange(rank: int, world_size: int) -> dict:
+    """``StepStatsLog`` over three steps with made-up stats (out-of-hint = 10 x step +
+    rank), the last logged twice, only the last rank reading: the scalars it returns, and
+    which of this rank's keys its store still holds."""
+    from torchtitan_ext.common.stats_logging import stats_store, StepStatsLog
+
+    class Schedule:
+        last_step_stats: StepStats
+
+    schedule = Schedule()
+    log = StepStatsLog(schedule, dist.new_group(list(range(world_size))), replica=None,
+                       log_stats=True, trace_folder=None, reads=rank == world_size - 1)
+    scalars = {}
+    for step in (1, 2, 3, 3):
+        schedule.last_step_stats = made_up_stats(
+            rank, peak_activation_bytes=None if step == 2 else 64,
+            out_of_hint_order=10 * step + rank)
+        scalars[step] = log.log(step)
+        dist.barrier()  # what the next training step's pipeline does
+    store = stats_store(list(range(world_size)), 0)
+    keys = [step for step in (1, 2, 3) if store.check([f"{step}/{rank}"])]
+    dist.barrier()  # rank 0, which does not read, hosts the store
+    return {"scalars": scalars, "keys": keys}
+
+
+def test_step_stats_are_gathered_through_the_store():
+    """A reading rank gets the whole pipeline's stats in rank order (the others get no
+    scalars), a metric not measured is left out of the scalars, a step logged twice does
+    not lose its keys, and only the last step's keys stay in the store. (A
+    collective there, the last one before exit, let a gloo worker release its tensors
+    after the interpreter had started to shut down: an abort at exit in 2 of 32 runs of a
+    two-step torchtitan job.)"""
+    ranks = run_local_world(2, stats_exchange, timeout=120, store="tcp")
+    assert all(scalars == {} for scalars in ranks[0]["scalars"].values())
+    for rank, result in enumerate(ranks):
+        assert result["keys"] == [3], (rank, result["keys"])
+    for step, scalars in ranks[1]["scalars"].items():
+        assert {k: v for k, v in scalars.items() if "out_of_hint" in k} == {
+            "rrfp/out_of_hint_order/pp0": 10 * step, "rrfp/out_of_hint_order/pp1": 10 * step + 1}
+        activations = {k for k in scalars if "peak_activation_bytes" in k}
+        assert activations == (set() if step == 2 else {
+            "rrfp/peak_activation_bytes/pp0", "rrfp/peak_activation_bytes/pp1"})
+
+
+def test_the_summary_names_the_steps_that_held_more_than_the_fixed_schedule():
+    from torchtitan_ext.common.run_advice import ab_lines, held_line, StepRecord
+
+    def record(step, held, fixed_order=False, seconds=1.0):
+        return StepRecord(step, fixed_order, seconds, {}, {}, {}, {}, held=held,
+                          fixed_held={"pp0": 5, "pp1": 3})
+
+    records = [record(s, {"pp0": 6 if s in (2, 3, 7) else 5, "pp1": 3}) for s in range(1, 9)]
+    assert held_line(records, ["pp0", "pp1"]) == (
+        "pp0 at most 6 (fixed schedule 5; more in steps 2, 3, 7), pp1 at most 3 (fixed schedule 3)")
+    # The A/B: each fixed-order step against the RRFP steps beside it.
+    steps = [record(s, {}, fixed_order=s % 2 == 0, seconds=1.2 if s % 2 == 0 else 1.0)
+             for s in range(2, 9)]
+    assert ab_lines(steps)[0] == (
+        "  measured (in-run A/B, 4 steps in the fixed order, each against the RRFP steps beside "
+        "it): fixed / RRFP step time 1.20x [1.20-1.20] over 4 pairs; RRFP faster in every pair")
+
+
+def test_importing_the_adapter_leaves_logging_alone():
+    """Only a training process holds its log lines until the logging rank is known: a
+    library import (a notebook, a test) keeps every record flowing to its handlers."""
+    import logging
+
+    import torchtitan_ext.register  # noqa: F401
+
+    assert not logging.getLogger().filters and not logging.getLogger("py.warnings").filters
