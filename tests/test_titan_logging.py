@@ -14,7 +14,7 @@ from rrfp.testing.stats import made_up_stats
 from rrfp.testing.worlds import run_local_world
 from tests.titan_helpers import (
     assert_one_rank_prints, failure_excerpt, logged_losses, LOSS, METERED, run_titan,
-    STATS_LINE, tensorboard_scalars, tensorboard_texts, UNMETERED)
+    STATS_LINE, tensorboard_scalars, tensorboard_texts, TITAN_0_2, UNMETERED)
 from torchtitan_ext.common.log_ranks import log_ranks, print_only_on, warn_if_loss_hidden
 
 
@@ -184,8 +184,9 @@ def test_the_summary_names_the_steps_that_held_more_than_the_fixed_schedule():
 def test_importing_the_adapter_leaves_logging_alone():
     """Only a training process holds its log lines until the logging rank is known: a
     library import (a notebook, a test) keeps every record flowing to its handlers."""
+    import importlib
     import logging
 
-    import torchtitan_ext.register  # noqa: F401
-
+    importlib.import_module("torchtitan_ext.register" if TITAN_0_2
+                            else "torchtitan_ext.config_registry")
     assert not logging.getLogger().filters and not logging.getLogger("py.warnings").filters

@@ -2,9 +2,9 @@
 
 torch's stages allocate a receive buffer per microbatch for every input and gradient;
 posting every receive at the step's start keeps all of them alive, so receive memory grows
-with the number of microbatches (a user of torch's pipelining reported such
-buffers filling much of the memory of middle stages of a large MoE model). Here each incoming channel owns ``size``
-slots. Receives are posted in the channel's message order, each into a free slot, which is
+with the number of microbatches (a user of torch's pipelining reported such buffers filling
+much of the memory of middle stages of a large MoE model). Here each incoming channel owns
+``size`` slots. Receives are posted in the channel's message order, each into a free slot, which is
 bound to its microbatch in the stage (the stage reads its input or gradient from there). A
 slot is free again once the action that last reads it has completed on the device, as
 the step's plan (``rrfp.core.plan``) says:
