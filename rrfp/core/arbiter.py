@@ -165,14 +165,14 @@ class Arbiter:
         """Hint position of the action to run next were every action ready: a gradient
         reduction that is ready (``choose`` runs those first), else the policy's lead."""
         reduce = self._head(("R",))
-        if reduce is not None and self._may_run(reduce):
+        if reduce is not None and self._block(reduce) is None:
             return reduce.index
         return self.policy.lead(self)
 
     def may_run(self, action: _Action) -> bool:
         """Whether ``action`` is ready to run now (head of its streams, inputs there)."""
         node = self._node_of(action)
-        return not self._done[node.index] and self._may_run(node)
+        return not self._done[node.index] and self._block(node) is None
 
     def has_arrived(self, message: tuple[Edge, int]) -> bool:
         return message in self._arrived
@@ -203,27 +203,47 @@ class Arbiter:
         ]
 
     def _blocked_by(self, node: Node) -> Wait | None:
-        """The first thing ``node`` waits for, or None if it may run now."""
-        for sid in node.streams:
-            head = self._streams[sid][self._heads[sid]]
-            if head != node.index:
-                return Wait(node.action, f"{describe(self.nodes[head].action)} to run first (stream order)")
-        for dep in node.deps:
-            if not self._done[dep]:
-                return Wait(node.action, f"{describe(self.nodes[dep].action)} on this rank")
-        if node.message is not None and node.message not in self._arrived:
-            edge, _ = node.message
+        """The first thing ``node`` waits for, explained, or None if it may run now."""
+        block = self._block(node)
+        if block is None:
+            return None
+        reason, waited = block
+        if reason == "order":
+            return Wait(node.action,
+                        f"{describe(self.nodes[waited].action)} to run first (stream order)")
+        if reason == "dependency":
+            return Wait(node.action, f"{describe(self.nodes[waited].action)} on this rank")
+        if reason == "message":
+            edge, _ = waited
             what = "input activation" if edge.is_forward else "output gradient"
             peer = self.hint.stage_to_rank[edge.src]
             return Wait(node.action, f"its {what} from stage {edge.src} on pipeline rank {peer}",
-                        peer_stage=edge.src, peer_rank=peer, message=node.message)
+                        peer_stage=edge.src, peer_rank=peer, message=waited)
+        limit = self.limits[node.stage]  # type: ignore[index]
+        return Wait(node.action, f"a backward of stage {node.stage} or another of this "
+                    f"rank's stages (backpressure: the stage holds "
+                    f"{self.in_flight[node.stage]} microbatches, limit {limit}; the rank "
+                    f"{self.held}, limit {self.rank_limit}; "
+                    f"{self._forwards_ahead} forwards ahead of the hint)")
+
+    def _block(self, node: Node) -> tuple[str, object] | None:
+        """What ``node`` waits for first, as ``(reason, what)``: ``"order"`` (the stream
+        head before it), ``"dependency"`` (a local action), ``"message"`` (an edge and
+        microbatch) or ``"memory"``; None if it may run now. The one readiness rule:
+        ``ready`` and ``record_launch`` test it, ``waits`` explains it (hot path: no text)."""
+        streams, heads = self._streams, self._heads
+        for sid in node.streams:
+            head = streams[sid][heads[sid]]
+            if head != node.index:
+                return "order", head
+        done = self._done
+        for dep in node.deps:
+            if not done[dep]:
+                return "dependency", dep
+        if node.message is not None and node.message not in self._arrived:
+            return "message", node.message
         if node.kind == "F" and self.limits is not None and not self._fits(node):
-            limit = self.limits[node.stage]
-            return Wait(node.action, f"a backward of stage {node.stage} or another of this "
-                        f"rank's stages (backpressure: the stage holds "
-                        f"{self.in_flight[node.stage]} microbatches, limit {limit}; the rank "
-                        f"{self.held}, limit {self.rank_limit}; "
-                        f"{self._forwards_ahead} forwards ahead of the hint)")
+            return "memory", None
         return None
 
     def _fits(self, node: Node) -> bool:
@@ -241,29 +261,13 @@ class Arbiter:
         return node.index == self.first_undone or (
             self._forwards_ahead + 1 <= self.rank_limit - self._future_peak[self.first_undone])
 
-    def _may_run(self, node: Node) -> bool:
-        """``_blocked_by(node) is None``, without building the explanation (hot path)."""
-        streams, heads = self._streams, self._heads
-        for sid in node.streams:
-            if streams[sid][heads[sid]] != node.index:
-                return False
-        done = self._done
-        for dep in node.deps:
-            if not done[dep]:
-                return False
-        if node.message is not None and node.message not in self._arrived:
-            return False
-        if node.kind == "F" and self.limits is not None:
-            return self._fits(node)
-        return True
-
     def ready(self) -> list[Node]:
         """Actions that may run now, in hint order (do not modify the list)."""
         # What may run changes only with deliver and record_launch; the step loop asks
         # again after a completion, which changes neither.
         if self._ready_of == self._changes:
             return self._ready
-        ready = [n for n in self.stream_heads() if self._may_run(n)]
+        ready = [n for n in self.stream_heads() if self._block(n) is None]
         if len(ready) > 1:
             ready.sort(key=_by_index)
         self._ready, self._ready_of = ready, self._changes
@@ -302,7 +306,7 @@ class Arbiter:
         actions in launch order. Messages it sends count only once they arrive.
         """
         node = self._node_of(action)
-        if self._done[node.index] or not self._may_run(node):
+        if self._done[node.index] or self._block(node) is not None:
             raise RuntimeError(f"{action} launched out of turn on rank {self.rank}")
         self._done[node.index] = True
         self._changes += 1

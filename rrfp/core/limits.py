@@ -13,6 +13,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from rrfp.core.plan import held_through
 from rrfp.core.settings import BufferLimit, parse_buffer_limit
 
 if TYPE_CHECKING:
@@ -143,16 +144,9 @@ def peak_bytes_held(plan: RankPlan, order: Iterable[_Action],
     """The most activation bytes a rank holds at once running its ``plan``'s actions in
     ``order`` (the hint's own, or one a step realized), a microbatch held on stage s
     holding ``bytes_per_microbatch[s]`` from its F until its release point."""
-    total = peak = 0
-    for action in order:
-        node = plan.node(action)
-        nbytes = bytes_per_microbatch[node.stage]
-        if node.kind == "F":
-            total += nbytes
-            peak = max(peak, total)
-        if node.releases:
-            total -= nbytes
-    return peak
+    return max((during for _, during, _ in held_through(
+        (plan.node(action) for action in order),
+        amount=lambda node: bytes_per_microbatch[node.stage])), default=0)
 
 
 def most_bytes_allowed(per_stage: Mapping[int, int], rank_limit: int,

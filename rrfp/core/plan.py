@@ -30,7 +30,7 @@ Each rule of a step is written in one function here:
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Hashable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from functools import cached_property
 from typing import Protocol
@@ -317,24 +317,32 @@ def _release_points(actions: Sequence[_Action]) -> frozenset[int]:
     return frozenset(last.values())
 
 
-def _held_after_each_prefix(nodes: Sequence[Node]) -> list[int]:
-    """Microbatches the rank's stages hold together after each prefix of the order: one
-    more at a forward, one less at a release point."""
-    held, total = [0], 0
+def held_through(nodes: Iterable[Node], key: Callable[[Node], Hashable] = lambda node: None,
+                 amount: Callable[[Node], int] = lambda node: 1,
+                 ) -> Iterator[tuple[Node, int, int]]:
+    """The held-activation accounting, written once: running ``nodes`` in order, a forward
+    adds ``amount(node)`` to its ``key(node)``'s total and the node at a microbatch's
+    release point takes that microbatch's amount away. Yields, per node, its key's total
+    while the node runs (its peak) and after it."""
+    totals: dict[Hashable, int] = {}
     for node in nodes:
-        total += (node.kind == "F") - node.releases
-        held.append(total)
-    return held
+        k = key(node)
+        total = totals.get(k, 0) + (amount(node) if node.kind == "F" else 0)
+        during = total
+        if node.releases:
+            total -= amount(node)
+        totals[k] = total
+        yield node, during, total
+
+
+def _held_after_each_prefix(nodes: Sequence[Node]) -> list[int]:
+    """Microbatches the rank's stages hold together after each prefix of the order."""
+    return [0, *(after for _, _, after in held_through(nodes))]
 
 
 def _stage_peaks(plan: RankPlan) -> dict[int, int]:
     """Per stage of the rank: the most microbatches the fixed order holds there at once."""
-    current = {s: 0 for s in plan.stages}
-    peaks = dict(current)
-    for node in plan.nodes:
-        if node.kind == "F":
-            current[node.stage] += 1
-            peaks[node.stage] = max(peaks[node.stage], current[node.stage])
-        if node.releases:
-            current[node.stage] -= 1
+    peaks = {s: 0 for s in plan.stages}
+    for node, during, _ in held_through(plan.nodes, key=lambda node: node.stage):
+        peaks[node.stage] = max(peaks[node.stage], during)
     return peaks
