@@ -38,7 +38,7 @@ def _rank_main(rank: int, world_size: int, pp: int) -> dict:
     start = time.perf_counter()
     seconds = {True: [], False: []}  # per call, by whether this rank is a member
     for ranks in pipelines:
-        for edge in hint.remote_edges():
+        for edge in hint.plan.remote_edges:
             members = sorted({ranks[edge.src], ranks[edge.dst]})
             call = time.perf_counter()
             dist.new_group(members)

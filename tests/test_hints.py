@@ -65,7 +65,7 @@ def test_peaks_edges_and_message_orders():
     assert hint.plan.streams_share_one_order()
     v = build_hint("ZBVZeroBubble", num_ranks=2, num_stages=4, n_microbatches=4)
     # Stages 1 and 2 share rank 1: their edge passes tensors locally, with no channel.
-    assert v.remote_edges() == [Edge(0, 1), Edge(1, 0), Edge(2, 3), Edge(3, 2)]
+    assert v.plan.remote_edges == (Edge(0, 1), Edge(1, 0), Edge(2, 3), Edge(3, 2))
     bfs = build_hint("LoopedBFS", num_ranks=2, num_stages=4, n_microbatches=4)
     assert bfs.plan.message_order(Edge(0, 1)) == (0, 1, 2, 3)
     assert bfs.plan.message_order(Edge(1, 0)) == (3, 2, 1, 0)

@@ -308,10 +308,10 @@ def receive_buffers(rank: int, world_size: int, hint: str, per_rank: int, layout
         limits = schedule.buffer_limits.per_stage
         local = set(schedule.hint.stages_on(rank))
         bound = sum((limits[e.dst] + 1 if e.is_forward else limits[e.dst]) * message
-                    for e in schedule.hint.remote_edges() if e.dst in local)
+                    for e in schedule.hint.plan.remote_edges if e.dst in local)
         result[M] = {"bytes": schedule.last_step_stats.receive_buffer_bytes, "bound": bound,
                      "per_microbatch": M * message * sum(
-                         1 for e in schedule.hint.remote_edges() if e.dst in local)}
+                         1 for e in schedule.hint.plan.remote_edges if e.dst in local)}
     return result
 
 

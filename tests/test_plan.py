@@ -76,6 +76,12 @@ def test_a_hand_off_between_stages_of_one_rank_is_no_message():
     assert plan.ranks[1].node(act("2F0")).deps == (plan.ranks[1].index_of[act("1F0")],)
     assert rank0.node(act("3I0")).sends == (Edge(3, 2),)
     assert plan.ranks[1].node(act("1F0")).sends == ()
+    # The executor hands such outputs over in place: forward to stage 2, gradient to 1.
+    assert plan.ranks[1].node(act("1F0")).hands_to == 2
+    assert plan.ranks[1].node(act("2I0")).hands_to == 1
+    assert rank0.node(act("3F0")).hands_to is None and rank0.node(act("3I0")).hands_to is None
+    assert rank0.node(act("0I0")).hands_to is None  # the first stage's gradient goes nowhere
+    assert plan.remote_edges == (Edge(0, 1), Edge(1, 0), Edge(2, 3), Edge(3, 2))
 
 
 def test_every_edge_between_ranks_carries_its_messages_in_the_producers_order():

@@ -336,7 +336,7 @@ def connection_order(hint: Hint) -> list[Edge]:
     """
     rounds_of: dict[int, set[int]] = {r: set() for r in range(hint.num_ranks)}
     keyed = []
-    for index, edge in enumerate(hint.remote_edges()):
+    for index, edge in enumerate(hint.plan.remote_edges):
         a, b = hint.stage_to_rank[edge.src], hint.stage_to_rank[edge.dst]
         round_ = next(r for r in itertools.count() if r not in rounds_of[a] | rounds_of[b])
         rounds_of[a].add(round_)

@@ -339,10 +339,6 @@ class Arbiter:
             self.in_flight[node.stage] -= 1
             self.held -= 1
 
-    def messages_sent_by(self, action: _Action) -> list[Edge]:
-        """Edges to other ranks ``action`` sends a message on once it has run."""
-        return list(self._node_of(action).sends)
-
     def _node_of(self, action: _Action) -> Node:
         try:
             return self.nodes[self._index_of[action]]
@@ -376,7 +372,7 @@ def check_deadlock_free(hint: Hint) -> None:
         for arbiter in arbiters.values():
             while (action := arbiter.choose()) is not None:
                 arbiter.record_launch(action)
-                for edge in arbiter.messages_sent_by(action):
+                for edge in arbiter.plan.node(action).sends:
                     arbiters[hint.stage_to_rank[edge.dst]].deliver(edge, action.microbatch_index)
                 progress = True
     stuck = {r: a.waits() for r, a in arbiters.items() if not a.finished}

@@ -45,7 +45,7 @@ from torch.distributed.pipelining.schedules import (
 )
 
 from rrfp._torch_compat import add_reduce_grad, is_bookkeeping
-from rrfp.core.actions import _Action, _ComputationType, B, Edge, F, I, OVERLAP_F_B, W
+from rrfp.core.actions import _Action, _ComputationType, B, F, I, OVERLAP_F_B, W
 from rrfp.core.plan import lower, StepPlan
 
 Policy = Literal["hint", "BF", "BFW"]
@@ -115,15 +115,6 @@ class Hint:
                 for r, acts in self.orders.items()
             },
         )
-
-    def remote_edges(self) -> list[Edge]:
-        """Edges whose two stages live on different ranks, in a canonical order."""
-        edges = []
-        for s in range(self.num_stages - 1):
-            if self.stage_to_rank[s] != self.stage_to_rank[s + 1]:
-                edges.append(Edge(s, s + 1))
-                edges.append(Edge(s + 1, s))
-        return edges
 
     @cached_property
     def plan(self) -> StepPlan:

@@ -32,6 +32,7 @@ from rrfp.core.actions import _Action, describe, Edge
 from rrfp.core.arbiter import Arbiter
 from rrfp.core.errors import PipelineStallError
 from rrfp.core.history import History
+from rrfp.core.plan import Node
 from rrfp.core.settings import DEFAULT_LAUNCH_DEPTH
 
 
@@ -74,8 +75,8 @@ class Device(Protocol):
 class Executor(Protocol):
     """What an action does on this rank."""
 
-    def work(self, action: _Action, sends: list[Edge]) -> Callable[[], None]:
-        """The action's compute, then the messages it sends on ``sends``."""
+    def work(self, node: Node) -> Callable[[], None]:
+        """The compute of ``node``'s action, then the messages it sends (``node.sends``)."""
         ...
 
     def completed(self, action: _Action) -> None:
@@ -200,7 +201,7 @@ class StepLoop:
 
     def _launch(self, action: _Action) -> None:
         start = self.clock()
-        self.device.launch(action, self.executor.work(action, self.arbiter.messages_sent_by(action)))
+        self.device.launch(action, self.executor.work(self.arbiter.plan.node(action)))
         self.launch_time += self.clock() - start
         self.arbiter.record_launch(action)
         self._on_device.append(action)

@@ -72,6 +72,8 @@ class Node:
     """The message (edge, microbatch) it receives from a producer on another rank."""
     sends: tuple[Edge, ...]
     """Edges to other ranks its output leaves on once it has run."""
+    hands_to: int | None
+    """The stage on this rank its output goes to in place (a local hand-off, no message)."""
     releases: bool
     """Whether it is its microbatch's last action on its stage: the activations the
     microbatch holds there (and the receive slot of its input) are let go when it ends."""
@@ -124,6 +126,15 @@ class StepPlan:
         """Per rank: the fixed order's peak of microbatches its stages hold together (the
         maximum over time of their sum, not the sum of their peaks)."""
         return {r: plan.peak for r, plan in self.ranks.items()}
+
+    @cached_property
+    def remote_edges(self) -> tuple[Edge, ...]:
+        """Edges whose two stages live on different ranks (one channel each), in stage
+        order, each forward edge before its backward twin: the order every rank builds
+        the channels in."""
+        return tuple(edge for s in range(self.num_stages - 1)
+                     for edge in (Edge(s, s + 1), Edge(s + 1, s))
+                     if crosses_ranks(edge, self.stage_to_rank))
 
     def message_order(self, edge: Edge) -> tuple[int, ...]:
         return self.message_orders[edge]
@@ -220,7 +231,7 @@ def _lower_rank(hint: Orders, rank: int, actions: Sequence[_Action],
             last_weight_grad[action.stage_index] = action
         nodes.append(_lowered_node(i, action, producers, index_of, stage_to_rank, rank,
                                    streams=tuple(stream_ids[k] for k in keys),
-                                   sends=_sends_of(action, stage_to_rank, hint.num_stages),
+                                   output=_output_of(action, stage_to_rank, hint.num_stages),
                                    releases=i in release_points))
     held = _held_after_each_prefix(nodes)
     future, running = [], 0
@@ -276,8 +287,8 @@ def _input_grad(present: frozenset[_Action], stage: int, microbatch: int) -> _Ac
 
 def _lowered_node(index: int, action: _Action, producers: tuple[_Action, ...],
                   index_of: Mapping[_Action, int], stage_to_rank: Mapping[int, int],
-                  rank: int, *, streams: tuple[int, ...], sends: tuple[Edge, ...],
-                  releases: bool) -> Node:
+                  rank: int, *, streams: tuple[int, ...],
+                  output: tuple[tuple[Edge, ...], int | None], releases: bool) -> Node:
     """A node: its producers on this rank become dependencies, one on another rank the
     message it receives."""
     deps, message = [], None
@@ -290,22 +301,30 @@ def _lowered_node(index: int, action: _Action, producers: tuple[_Action, ...],
             raise ValueError(f"rank {rank}'s hint runs {action} but not {producer}, "
                              "which it needs")
     return Node(index, action, kind_of(action), action.stage_index, action.microbatch_index,
-                streams, producers, tuple(deps), message, sends, releases)
+                streams, producers, tuple(deps), message, *output, releases)
 
 
-def _sends_of(action: _Action, stage_to_rank: Mapping[int, int],
-              num_stages: int) -> tuple[Edge, ...]:
-    """The edges to other ranks ``action``'s output leaves on."""
+def _output_of(action: _Action, stage_to_rank: Mapping[int, int],
+               num_stages: int) -> tuple[tuple[Edge, ...], int | None]:
+    """Where ``action``'s output goes: the edges to other ranks it leaves on, and the
+    stage of its own rank it is handed to in place."""
     s, ctype = action.stage_index, action.computation_type
     if ctype == F:
         edge = Edge(s, s + 1)
     elif ctype in INPUT_GRAD_KINDS:
         edge = Edge(s, s - 1)
     else:
-        return ()
-    if 0 <= edge.dst < num_stages and stage_to_rank[edge.dst] != stage_to_rank[s]:
-        return (edge,)
-    return ()
+        return (), None
+    if not 0 <= edge.dst < num_stages:
+        return (), None
+    if crosses_ranks(edge, stage_to_rank):
+        return (edge,), None
+    return (), edge.dst
+
+
+def crosses_ranks(edge: Edge, stage_to_rank: Mapping[int, int]) -> bool:
+    """Whether ``edge``'s two stages live on different ranks: a message, not a hand-off."""
+    return stage_to_rank[edge.src] != stage_to_rank[edge.dst]
 
 
 def _release_points(actions: Sequence[_Action]) -> frozenset[int]:

@@ -23,6 +23,7 @@ from rrfp._torch_compat import OutputsAtInputBackward, release_sent_outputs
 from rrfp.comm.receives import ReceiveRings, shape_header
 from rrfp.comm.transport import Transport
 from rrfp.core.actions import _Action, B, Edge, F, I, REDUCE_GRAD, W
+from rrfp.core.plan import Node
 from rrfp.devices.platform import Platform
 from rrfp.runtime.data_parallel import DataParallel
 from rrfp.runtime.meter import ActivationMeter
@@ -82,19 +83,20 @@ class StageExecutor:
     running: _Action | None = None
     """The action whose work runs now, or failed (None between actions)."""
 
-    def work(self, action: _Action, sends: list[Edge]) -> Callable[[], None]:
+    def work(self, node: Node) -> Callable[[], None]:
         def run() -> None:
-            self.running = action
-            self.compute(action)
-            for edge in sends:
-                self.send(action, edge)
+            self.running = node.action
+            self.compute(node)
+            for edge in node.sends:
+                self.send(node.action, edge)
             self.running = None
         return run
 
     def completed(self, action: _Action) -> None:
         self.receives.completed(action)
 
-    def compute(self, action: _Action) -> None:
+    def compute(self, node: Node) -> None:
+        action = node.action
         ctype = action.computation_type
         profiled = torch.autograd.profiler._is_profiler_enabled
         function = self.custom.function_for(action)
@@ -102,14 +104,14 @@ class StageExecutor:
               else contextlib.nullcontext()):
             if function is not None:
                 with self._metered(action):
-                    loss = self.custom.run(function, action, self.stages)
+                    loss = self.custom.run(function, node)
                 if loss is not None:
                     self.losses[action.microbatch_index] = loss
                 return
             if ctype == F:
-                self._forward(action)
+                self._forward(node)
             elif ctype in (B, I):
-                self._backward(action, full=ctype == B)
+                self._backward(node, full=ctype == B)
             elif ctype == W:
                 self.stages[action.stage_index].backward_weight_one_chunk(
                     action.microbatch_index, last_backward=False)
@@ -137,28 +139,28 @@ class StageExecutor:
         s = action.stage_index
         self.saved_per_microbatch[s] = max(self.saved_per_microbatch.get(s, 0), saved.bytes)
 
-    def _forward(self, action: _Action) -> None:
-        s, mb = action.stage_index, action.microbatch_index
+    def _forward(self, node: Node) -> None:
+        s, mb = node.stage, node.microbatch
         stage, inputs = self.stages[s], self.inputs
-        with self._metered(action):
+        with self._metered(node.action):
             output = stage.forward_one_chunk(mb, inputs.arg_mbs[mb], inputs.kwarg_mbs[mb],
                                              save_forward_output=inputs.return_outputs)
         self.outputs.forwarded(s, mb, output)
         if stage.is_last and self.loss is not None:
             self.losses[mb] = self.loss(output, inputs.target_mbs[mb], inputs.loss_kwargs)
-        if s + 1 in self.stages:
-            self.stages[s + 1].set_local_fwd_input(output, mb)
+        if node.hands_to is not None:
+            self.stages[node.hands_to].set_local_fwd_input(output, mb)
 
-    def _backward(self, action: _Action, full: bool) -> None:
-        s, mb = action.stage_index, action.microbatch_index
+    def _backward(self, node: Node, full: bool) -> None:
+        s, mb = node.stage, node.microbatch
         stage = self.stages[s]
         # last_backward=False everywhere: data-parallel gradient reduction happens at
         # REDUCE_GRAD, in the hint's fixed stage order, never inside a backward.
         stage.backward_one_chunk(mb, loss=self.losses.get(mb) if stage.is_last else None,
                                  full_backward=full, last_backward=False)
         self.outputs.backward_done(stage, mb, full)
-        if s - 1 in self.stages:
-            self.stages[s - 1].set_local_bwd_input(stage.get_local_bwd_output(mb), mb)
+        if node.hands_to is not None:
+            self.stages[node.hands_to].set_local_bwd_input(stage.get_local_bwd_output(mb), mb)
 
     def send(self, action: _Action, edge: Edge) -> None:
         stage = self.stages[action.stage_index]

@@ -34,8 +34,9 @@ from torch.distributed.pipelining.schedules import (_PipelineContext, _PipelineS
 from torch.distributed.pipelining.stage import _PipelineStageBase
 
 from rrfp._torch_compat import REDUCTION_WAITS
-from rrfp.core.actions import _Action, B, F, I, OVERLAP_F_B, W
+from rrfp.core.actions import _Action, B, OVERLAP_F_B, W
 from rrfp.core.hints import compute_actions, Hint, HintSource, read_csv
+from rrfp.core.plan import Node
 
 
 class IncompatibleStagesError(ValueError, RuntimeError):
@@ -79,20 +80,14 @@ class _Arrived:
 
 
 @contextlib.contextmanager
-def receive_posted(fwd_recv_ops: dict, bwd_recv_ops: dict, action: _Action,
-                   local: dict[int, Any]) -> Iterator[None]:
-    """While a custom function runs ``action``: the action's receive, complete, where torch's
-    runtime keeps it (``fwd_recv_ops``/``bwd_recv_ops`` by stage and microbatch); what the
-    function leaves there is removed after. ``local``: this rank's stages by index."""
-    stage = local[action.stage_index]
-    key = (action.stage_index, action.microbatch_index)
+def receive_posted(fwd_recv_ops: dict, bwd_recv_ops: dict, node: Node) -> Iterator[None]:
+    """While a custom function runs ``node``'s action: the message it receives (if any),
+    complete, where torch's runtime keeps it (``fwd_recv_ops``/``bwd_recv_ops`` by stage
+    and microbatch); what the function leaves there is removed after."""
+    key = (node.stage, node.microbatch)
     ops = None
-    if action.computation_type == F and not stage.is_first and (
-            action.stage_index - 1 not in local):
-        ops = fwd_recv_ops
-    elif action.computation_type in (B, I) and not stage.is_last and (
-            action.stage_index + 1 not in local):
-        ops = bwd_recv_ops
+    if node.message is not None:
+        ops = fwd_recv_ops if node.message[0].is_forward else bwd_recv_ops
     if ops is not None:
         ops[key] = [_Arrived()]
     try:
@@ -118,14 +113,13 @@ class CustomFunctions:
     def function_for(self, action: _Action) -> Callable | None:
         return self.functions.get(action.computation_type)
 
-    def run(self, function: Callable, action: _Action,
-            stages: dict[int, _PipelineStageBase]) -> torch.Tensor | None:
+    def run(self, function: Callable, node: Node) -> torch.Tensor | None:
         """``function`` in place of the action's compute, as torch's runtime runs it;
         returns the loss a last stage's forward computed (it is RRFP's loss too)."""
         losses_before = len(self.internal_losses)
-        with receive_posted(self.fwd_recv_ops, self.bwd_recv_ops, action, stages):
-            function(action, self.context)
-        if action.computation_type == F and len(self.internal_losses) > losses_before:
+        with receive_posted(self.fwd_recv_ops, self.bwd_recv_ops, node):
+            function(node.action, self.context)
+        if node.kind == "F" and len(self.internal_losses) > losses_before:
             return self.internal_losses[-1]
         return None
 

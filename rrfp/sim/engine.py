@@ -21,6 +21,7 @@ from rrfp.core.graph import step_graph
 from rrfp.core.hints import Hint
 from rrfp.core.history import History
 from rrfp.core.limits import MemoryLimits
+from rrfp.core.plan import Node
 from rrfp.core.loop import Arrival, Completion, StepLoop
 from rrfp.core.policy import make_policy, Policy, POLICIES
 from rrfp.core.settings import DEFAULT_LAUNCH_DEPTH
@@ -144,13 +145,13 @@ class _Simulation:
         """The latency of every message between ranks in the step (for the informed
         yardstick, which does not know which message has which)."""
         return [self.latency(edge, mb) if self.latency is not None else 0.0
-                for edge in self.hint.remote_edges() for mb in self.hint.plan.message_order(edge)]
+                for edge in self.hint.plan.remote_edges for mb in self.hint.plan.message_order(edge)]
 
-    def work(self, action: _Action, sends: list[Edge]) -> Callable[[], None]:
+    def work(self, node: Node) -> Callable[[], None]:
         """Run at the action's end: its messages leave then."""
         def send() -> None:
-            for edge in sends:
-                message = (edge, action.microbatch_index)
+            for edge in node.sends:
+                message = (edge, node.microbatch)
                 self.push(self.true_transit(message, self.now),
                           self.hint.stage_to_rank[edge.dst], message)
         return send
