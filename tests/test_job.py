@@ -415,8 +415,10 @@ def _state(rank: int, waits=(), channels=None, completed=(), on_device=()) -> di
 
 
 def _wait(action: str, peer: int, channel: str, mb: int) -> dict:
+    src = int(channel.split("->")[0])
+    kind = "F" if int(channel.split("->")[1]) > src else "B"
     return {"action": action, "reason": "its input", "peer": peer, "channel": channel,
-            "microbatch": mb}
+            "microbatch": mb, "producer": f"stage {src} {kind} microbatch {mb}"}
 
 
 def test_the_holder_is_the_silent_rank_the_waits_lead_to_before_a_cycle_among_the_others():
@@ -440,7 +442,7 @@ def test_a_message_sent_and_never_received_names_its_sender_and_channel():
     states = {
         0: _state(0, channels={"0->1": {"peer": 1, "receives": False, "sent": [0, 1],
                                         "arrived": [], "outstanding": []}},
-                  completed=["0:F:0", "0:F:1"]),
+                  completed=["stage 0 F microbatch 0", "stage 0 F microbatch 1"]),
         1: _state(1, [_wait("stage 1 F microbatch 1", 0, "0->1", 1)],
                   channels={"0->1": {"peer": 0, "receives": True, "sent": [],
                                      "arrived": [0], "outstanding": [1]}}),

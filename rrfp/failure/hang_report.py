@@ -29,7 +29,7 @@ from dataclasses import dataclass
 
 from rrfp.comm.board import FailureBoard
 from rrfp.comm.transport import Transport
-from rrfp.core.actions import _Action, describe, Edge
+from rrfp.core.actions import describe, Edge
 from rrfp.core.loop import StepLoop
 
 logger = logging.getLogger(__name__)
@@ -47,10 +47,6 @@ def channel_name(edge: Edge) -> str:
     return f"{edge.src}->{edge.dst}"
 
 
-def _action_key(action: _Action) -> str:
-    return f"{action.stage_index}:{action.computation_type.value}:{action.microbatch_index}"
-
-
 def rank_state(*, rank: int, pipeline_rank: int, stages: list[int], step: int,
                error: BaseException | None, loop: StepLoop | None,
                transport: Transport) -> dict:
@@ -63,25 +59,30 @@ def rank_state(*, rank: int, pipeline_rank: int, stages: list[int], step: int,
     if loop is None:
         return state
     arbiter = loop.arbiter
+    plan = arbiter.hint.plan
     global_ranks = transport.channels.global_ranks
     completed = [c.action for c in loop.completions]
     state.update({
         "launched": len(arbiter.realized), "actions": len(arbiter.nodes),
         "last_launched": describe(arbiter.realized[-1]) if arbiter.realized else None,
         "last_completed": describe(completed[-1]) if completed else None,
-        "completed": [_action_key(a) for a in completed],
+        "completed": [describe(a) for a in completed],
         "on_device": [describe(a) for a in loop.on_device],
         "ready": list(dict.fromkeys(describe(node.action) for node in arbiter.ready())),
         "waits": [{"action": describe(w.action), "reason": w.reason,
                    "peer": global_ranks[w.peer_rank] if w.peer_rank is not None else None,
                    "channel": channel_name(w.message[0]) if w.message else None,
-                   "microbatch": w.message[1] if w.message else None}
+                   "microbatch": w.message[1] if w.message else None,
+                   "producer": describe(plan.sender(*w.message)) if w.message else None}
                   for w in dict.fromkeys(arbiter.waits())],  # a head of two streams: once
         "channels": {channel_name(edge): {
             "peer": channel.src_rank if channel.rank == 1 else channel.dst_rank,
             "receives": channel.rank == 1,
             "sent": list(ledger.sent), "arrived": list(ledger.arrived),
-            "outstanding": ledger.outstanding}
+            "outstanding": ledger.outstanding,
+            # Who sends each of its messages, from the plan: the report names the action.
+            "producers": ([[mb, describe(plan.sender(edge, mb))]
+                           for mb in plan.message_order(edge)] if channel.rank == 1 else [])}
             for edge, channel in transport.channels.items()
             if (ledger := transport.ledger.get(edge)) is not None},
     })
@@ -108,17 +109,8 @@ class Holder:
         return f"rrfp hang report: global rank {self.rank}{on} holds the others: {self.why}"
 
 
-def _producer(channel: str, microbatch: int) -> tuple[str, ...]:
-    """How the action that produces ``microbatch``'s message on ``channel`` may be named
-    (``describe``): F upstream, B or I downstream."""
-    src, dst = (int(s) for s in channel.split("->"))
-    kinds = ("F",) if dst > src else ("B", "I")
-    return tuple(f"stage {src} {kind} microbatch {microbatch}" for kind in kinds)
-
-
-def _completed(state: State, action: str) -> bool:
-    stage, kind, _, mb = action.split()[1:]
-    return f"{stage}:{kind}:{mb}" in state.get("completed", ())
+def _completed(state: State, action: str | None) -> bool:
+    return action is not None and action in state.get("completed", ())
 
 
 def _direct(states: Mapping[int, State], rank: int, wait: Mapping) -> Holder | None:
@@ -138,7 +130,8 @@ def _direct(states: Mapping[int, State], rank: int, wait: Mapping) -> Holder | N
     skipped = next((m for i, m in enumerate(expected)
                     if m not in sent and any(later in sent for later in expected[i + 1:])), None)
     if skipped is not None:
-        ran = next((a for a in _producer(channel, skipped) if _completed(theirs, a)), None)
+        producers = {mb: action for mb, action in mine.get("producers", ())}
+        ran = producers.get(skipped) if _completed(theirs, producers.get(skipped)) else None
         return Holder(producer, channel, (f"it ran {ran} but " if ran else "it ")
                       + f"never sent microbatch {skipped} (it sent {sent}); messages on a "
                       f"channel match in order, so global rank {rank} took the later ones "
@@ -147,14 +140,12 @@ def _direct(states: Mapping[int, State], rank: int, wait: Mapping) -> Holder | N
     if mb in sent:
         return Holder(producer, channel, f"it sent microbatch {mb}, which never arrived; "
                       + waiting, UNSENT)
-    actions = _producer(channel, mb)
-    done = next((a for a in actions if _completed(theirs, a)), None)
-    if done is not None:
-        return Holder(producer, channel, f"it ran {done} but never sent its message; "
+    action = wait.get("producer")
+    if _completed(theirs, action):
+        return Holder(producer, channel, f"it ran {action} but never sent its message; "
                       + waiting, UNSENT)
-    stuck = next((a for a in actions if a in theirs.get("on_device", ())), None)
-    if stuck is not None:
-        return Holder(producer, channel, f"its device never completed {stuck} (blocked "
+    if action is not None and action in theirs.get("on_device", ()):
+        return Holder(producer, channel, f"its device never completed {action} (blocked "
                       f"inside the action's compute, e.g. in a collective); " + waiting, STUCK)
     return None
 
