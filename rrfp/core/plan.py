@@ -20,12 +20,15 @@ Each rule of a step is written in one function here:
 * **Dependencies** (``_producers_of``): F(s, m) needs F(s-1, m)'s output; B or I(s, m) needs
   F(s, m) and the input-gradient action of (s+1, m); W(s, m) needs I(s, m); a stage's
   gradient reduction needs its last weight-gradient action.
-* **Messages** (``_lowered_node``): a producer on another rank sends its output on the edge
-  (its stage, the consumer's stage); ``_sends_of``: an action's output leaves on the edge to
-  the next stage (F) or the previous one (B, I) when that stage is on another rank.
+* **Messages and hand-offs** (``_lowered_node``, ``_output_of``, ``crosses_ranks``): an
+  action's output goes to the next stage (F) or the previous one (B, I): as a message on
+  that edge when the stage is on another rank (``Node.sends``, ``Node.message`` at the
+  consumer, ``StepPlan.remote_edges``), handed over in place when it is on the same rank
+  (``Node.hands_to``).
 * **Release points** (``_release_points``): a microbatch's activations on a stage are held
   from its forward until its last action there: B, or W when backward is split (after I
   autograd keeps the state W needs); in a forward-only step the forward itself.
+  ``held_through`` is that accounting over any order, in microbatches or bytes.
 """
 
 from __future__ import annotations
