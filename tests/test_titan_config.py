@@ -273,9 +273,9 @@ SPELLINGS = [
     (dict(buffer_limit="2x hint", policy=None, launch_depth=0),
      dict(buffer_limit='"2x hint"', policy='""', launch_depth='"none"'),
      ["--limit", "2x hint", "--launch-depth", "0"]),
-    (dict(buffer_limit="Hint+1", policy="window", launch_depth="none"),
-     dict(buffer_limit='"hint+1"', policy='"Window"', launch_depth='"NONE"'),
-     ["--limit", "HINT + 1", "--policy", "WINDOW", "--launch-depth", "NONE"]),
+    (dict(buffer_limit="Hint+1", policy="arrival", launch_depth="none"),
+     dict(buffer_limit='"hint+1"', policy='"Arrival"', launch_depth='"NONE"'),
+     ["--limit", "HINT + 1", "--policy", "ARRIVAL", "--launch-depth", "NONE"]),
     (dict(buffer_limit="hint", policy="fixed", launch_depth=2),
      dict(buffer_limit='"hint"', policy='"FIXED"', launch_depth="2"),
      ["--policy", "Fixed"]),
@@ -340,7 +340,7 @@ def test_each_setting_means_the_same_from_python_toml_and_the_simulator(tmp_path
     limits = [built[0][i][1] for i in range(len(SPELLINGS))]
     assert limits == [{0: 6, 1: 6}, {0: 6, 1: 6}, {0: 10, 1: 6}, {0: 6, 1: 4}, {0: 5, 1: 3}]
     assert [built[0][i][2:] for i in range(len(SPELLINGS))] == [
-        ("critical", math.inf), ("hint", 3), ("lookahead", math.inf), ("window", math.inf),
+        ("critical", math.inf), ("hint", 3), ("lookahead", math.inf), ("arrival", math.inf),
         ("fixed", 2)]
 
 

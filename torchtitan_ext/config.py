@@ -26,7 +26,7 @@ class RRFPConfig:
 
     policy: str = ""
     """Arbitration policy, case-insensitive: ``hint``, ``drain``, ``lookahead``,
-    ``critical``, ``arrival``, ``window``, ``BF``, ``BFW``, ``fixed``; empty = ScheduleRRFP's
+    ``critical``, ``arrival``, ``BF``, ``BFW``, ``fixed``; empty = ScheduleRRFP's
     default (the rule for BF/BFW; else ``lookahead`` at the hint's memory or where some rank
     has less than 2 microbatches of slack; with slack on every rank ``critical`` for one
     stage per rank, ``drain`` for ZBVZeroBubble, ``hint`` for InterleavedZeroBubble,

@@ -120,26 +120,6 @@ class BackwardFirst(HintLed):
         return ready[0]
 
 
-class ForwardWindow(HintLed):
-    """Readiness-first, but forwards and weight-gradients may not run past the hint's
-    next pending backward: they would delay a backward that may arrive right after.
-
-    Backwards run whenever ready. It always allows the hint's next action, so it cannot
-    deadlock where the fixed schedule does not; below the hint's memory it is greedy.
-    """
-
-    name = "window"
-
-    def choose(self, ready: Sequence[Node], arbiter: ArbiterView) -> Node | None:
-        if arbiter.below_hint_memory:
-            return ready[0]
-        pending_backward = arbiter.next_pending_backward()
-        for node in ready:
-            if node.kind == "BI" or node.index <= pending_backward:
-                return node
-        return None
-
-
 class Lookahead(HintLed):
     """Readiness-first with a guard: a ready action ranked below the hint's next action
     runs only if, by duration estimates from earlier steps, it ends before that next
@@ -439,7 +419,6 @@ _FACTORIES: dict[str, PolicyFactory] = {
     "BF": lambda history, clock: BackwardFirst("BF"),
     "BFW": lambda history, clock: BackwardFirst("BFW"),
     "fixed": lambda history, clock: FixedOrder(),
-    "window": lambda history, clock: ForwardWindow(),
     "arrival": lambda history, clock: ArrivalOrder(),
     "critical": lambda history, clock: CriticalPath(history),
     "lookahead": lambda history, clock: Lookahead(history, _needs(clock, "lookahead")),

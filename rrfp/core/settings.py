@@ -14,8 +14,7 @@ import re
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 
-POLICIES = ("hint", "drain", "fixed", "BF", "BFW", "window", "lookahead", "arrival",
-            "critical")
+POLICIES = ("hint", "drain", "fixed", "BF", "BFW", "lookahead", "arrival", "critical")
 """The arbitration policies ``rrfp.core.policy`` implements."""
 
 COORDINATIONS = ("leader", "agree")

@@ -2,3 +2,5 @@
 
 CLI: ``python -m rrfp.sim --help``; replay files: ``python -m rrfp.sim.replay``.
 """
+
+from rrfp.sim import policies  # noqa: F401, E402  (registers the studied policies)

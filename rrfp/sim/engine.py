@@ -23,17 +23,19 @@ from rrfp.core.history import History
 from rrfp.core.limits import MemoryLimits
 from rrfp.core.plan import Node
 from rrfp.core.loop import Arrival, Completion, StepLoop
-from rrfp.core.policy import make_policy, Policy, POLICIES
-from rrfp.core.settings import DEFAULT_LAUNCH_DEPTH
+from rrfp.core.policy import make_policy, Policy
+from rrfp.core.settings import DEFAULT_LAUNCH_DEPTH, policy_names
 from rrfp.core.sizes import StepSizes
 from rrfp.core.stats import Span
 from rrfp.sim.foresight import (ClairvoyantFit, EstimatedChains, EstimatedCritical,
                                 FORESIGHT_CRITICAL, foresight_chains, INFORMED_CRITICAL,
                                 informed_chains, InformedFit, median_transit, Transit)
 
-SIM_POLICIES = (*POLICIES, ClairvoyantFit.name, InformedFit.name, FORESIGHT_CRITICAL,
+SIM_POLICIES = (*policy_names(), ClairvoyantFit.name, InformedFit.name, FORESIGHT_CRITICAL,
                 INFORMED_CRITICAL)
-"""What ``simulate`` runs: the runtime's policies and the simulator-only yardsticks."""
+"""What ``simulate`` runs: the runtime's policies, those registered when the simulator
+is imported (the studied ones of ``rrfp.sim.policies`` among them) and the simulator-only
+yardsticks."""
 Duration = Callable[[_Action], float]
 """Seconds (or any time unit) the compute of an action takes."""
 Latency = Callable[[Edge, int], float]
