@@ -263,7 +263,7 @@ def test_the_step_loop_launches_only_while_fewer_than_launch_depth_actions_are_i
     device, wakeup = _make_device(device_kind), Wakeup()
 
     class Executor:
-        def work(self, action, sends):
+        def work(self, node):
             return _busy_work(device_kind, 0.005)
 
         def completed(self, action):
@@ -291,7 +291,7 @@ def test_a_polled_loop_records_one_wait_per_idle_stretch_not_one_per_poll():
     device, wakeup = EmulatedDevice(), Wakeup()
 
     class Executor:
-        def work(self, action, sends):
+        def work(self, node):
             return _busy_work("emulated", 0.02)
 
         def completed(self, action):
