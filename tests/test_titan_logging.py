@@ -24,7 +24,9 @@ def test_main_job_trains_on_cpu_and_logs_rrfp_stats(tmp_path):
     assert code == 0, failure_excerpt(out)
     assert_one_rank_prints(out)
     # torchtitan's start-up lines and Python's warnings too: held until the rank is known.
-    assert out.count("torchtitan version") == 1 and out.count("Starting job") == 1, out[:3000]
+    assert out.count("torchtitan version") == 1, out[:3000]
+    if TITAN_0_2:  # torchtitan 0.3 logs no such line
+        assert out.count("Starting job") == 1, out[:3000]
     assert out.count("'set_vital' is deprecated") <= 1, out[:3000]
     losses = logged_losses(out)
     assert sorted(losses) == list(range(1, 9))

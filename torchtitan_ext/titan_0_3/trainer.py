@@ -23,6 +23,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
+import sys
 from dataclasses import dataclass, field
 
 from torchtitan_ext.common.version import CONFIG_FN_INSTEAD, require
@@ -122,6 +123,8 @@ class RRFPTrainer(Trainer):
             config.metrics = RRFPMetricsProcessor.Config(**{
                 f.name: getattr(config.metrics, f.name)
                 for f in dataclasses.fields(MetricsProcessor.Config) if f.init})
+        if not sys.stdout.isatty():  # a file or a pipe: no colour codes in it
+            config.metrics.disable_color_printing = True
         super().__init__(config)
 
     def init_distributed(self):
