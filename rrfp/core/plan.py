@@ -296,8 +296,9 @@ def _lowered_node(index: int, action: _Action, producers: tuple[_Action, ...],
     message it receives."""
     deps, message = [], None
     for producer in producers:
-        if stage_to_rank[producer.stage_index] != rank:
-            message = (Edge(producer.stage_index, action.stage_index), action.microbatch_index)
+        edge = Edge(producer.stage_index, action.stage_index)
+        if crosses_ranks(edge, stage_to_rank):
+            message = (edge, action.microbatch_index)
         elif producer in index_of:
             deps.append(index_of[producer])
         else:
