@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from rrfp.advise.measured import MeasuredRun
 from rrfp.advise.predict import Prediction, predictions, Replay, variability
 from rrfp.core.limits import fixed_peak_bytes
+from rrfp.core.tuning import ab_speedups
 
 MIN_STEPS = 3
 """Fewer measured training steps than this are too few to predict from."""
@@ -19,21 +20,6 @@ DEFAULT_MARGIN = 0.25
 activation bytes on top of them."""
 NOTABLE = 1.01
 """A predicted speedup below this is no gain worth a setting."""
-
-
-def ab_speedups(steps: Sequence[tuple[bool, float]]) -> list[float]:
-    """The in-run A/B's measured speedups: for each fixed-order step (``(True, seconds)``),
-    its time over the mean of the steps at the run's own setting next to it (before and
-    after), so that a drift in the machine's speed falls on both."""
-    ratios = []
-    for i, (fixed, seconds) in enumerate(steps):
-        if not fixed:
-            continue
-        neighbours = [steps[j][1] for j in (i - 1, i + 1)
-                      if 0 <= j < len(steps) and not steps[j][0]]
-        if neighbours:
-            ratios.append(seconds / statistics.mean(neighbours))
-    return ratios
 
 
 def spread(values: Sequence[float]) -> str:

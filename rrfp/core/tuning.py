@@ -1,0 +1,309 @@
+"""Self-driving RRFP: which setting each step runs, decided from the steps' measured times.
+
+A torch-free state machine that the runtime and the simulator drive alike: the caller asks
+``next_run()`` what the coming step runs, runs it, and reports its seconds to
+``observe()``. Predicting the candidate settings is the caller's work (it needs the
+simulator, and runs off the training's critical path): when ``wants_predictions`` names
+measured steps, the caller predicts every candidate from them and hands the result to
+``choose()``, steps going on meanwhile. The rules, with their constants in ``TuningRules``:
+
+1. **Measure.** The first ``measure_steps`` steps run the hint's own setting (``OWN``).
+2. **Choose.** The candidate with the best predicted speedup over the fixed schedule runs
+   from then on if that speedup is at least ``switch_margin``; otherwise the fixed order
+   itself (``FIXED_ORDER``), which no prediction can make slower. **Refine** once, on the
+   first ``refine_steps`` steps since measuring began: a candidate predicted faster than
+   the running one by ``refine_margin`` takes over.
+3. **Verify.** Every ``ab_every``-th step runs the fixed order (the in-run A/B; after
+   ``settle_pairs`` pairs, every ``ab_every_settled``-th). Each such step paired with its
+   neighbours gives a measured speedup (``ab_speedups``). **Fall back** when the upper
+   one-sided ``confidence`` bound of the mean log speedup, over every pair since the
+   decision (at least ``min_pairs``), is below 0: the setting is slower than the fixed
+   order, beyond what the pairs' own spread explains. The next candidate that cleared the
+   margin runs, or the fixed order.
+4. **Re-tune.** The median of the last ``window`` steps at the setting against the median
+   of its first ``window``: when it moved by more than ``drift_fraction`` and by more than
+   ``drift_errors`` standard errors, on ``drift_hold`` steps in a row, at least ``dwell``
+   steps after the last decision, the setting keeps running while ``measure_steps`` new
+   steps are measured, and the choice is made again on them.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+__all__ = ["ab_speedups", "Candidate", "Decision", "FIXED_ORDER", "OWN", "Predicted",
+           "StepRun", "Tuner", "TuningRules"]
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """A setting the tuner may run: a ``buffer_limit`` within the budget and a policy."""
+
+    buffer_limit: str
+    policy: str | None = None
+    """None: ScheduleRRFP's default at that limit."""
+    use_sizes: bool = True
+    """Whether the policy is told the microbatches' sizes (where the caller gives them)."""
+
+    def describe(self) -> str:
+        if self == FIXED_ORDER:
+            return "the hint's fixed order"
+        policy = "the default policy" if self.policy is None else f"policy={self.policy!r}"
+        sizes = "" if self.use_sizes else ", sizes not used"
+        return f"buffer_limit={self.buffer_limit!r}, {policy}{sizes}"
+
+
+OWN = Candidate("hint")
+"""The hint's own setting: its memory, the default policy."""
+FIXED_ORDER = Candidate("hint", "fixed")
+"""The hint's fixed order: the fixed schedule itself."""
+
+
+@dataclass(frozen=True)
+class StepRun:
+    """What one step runs."""
+
+    setting: Candidate
+    ab_fixed: bool
+    """The in-run A/B's baseline step: the hint's fixed order, whatever the setting."""
+
+
+@dataclass(frozen=True)
+class Predicted:
+    setting: Candidate
+    speedup: float
+    """Predicted over the fixed schedule, from the measured steps."""
+
+
+@dataclass(frozen=True)
+class Decision:
+    """A change of what the tuner runs, and why."""
+
+    step: int
+    """The first step it applies to."""
+    setting: Candidate
+    reason: str
+    """``"measure"``, ``"switch"``, ``"refine"``, ``"no gain"``, ``"fall back"`` or
+    ``"drift"``."""
+    predicted: float | None = None
+    """The setting's predicted speedup over the fixed schedule."""
+    measured: float | None = None
+    """The in-run A/B's geometric mean speedup behind a fall-back or a drift."""
+
+    def line(self) -> str:
+        """One log line: what runs from which step, the prediction, the measurement."""
+        text = f"from step {self.step}: {self.setting.describe()} ({self.reason}"
+        if self.predicted is not None:
+            text += f"; predicted {self.predicted:.3f}x the fixed schedule"
+        if self.measured is not None:
+            text += f"; measured {self.measured:.3f}x by the in-run A/B"
+        return text + ")"
+
+
+@dataclass(frozen=True)
+class TuningRules:
+    """The tuner's constants (see the module's docstring for the rules they set)."""
+
+    measure_steps: int = 8
+    refine_steps: int = 40
+    refine_margin: float = 1.01
+    ab_every: int = 8
+    ab_every_settled: int = 32
+    settle_pairs: int = 4
+    switch_margin: float = 1.02
+    confidence: float = 0.99
+    min_pairs: int = 4
+    window: int = 10
+    drift_fraction: float = 0.10
+    drift_errors: float = 3.0
+    drift_hold: int = 5
+    dwell: int = 30
+
+    def __post_init__(self) -> None:
+        for name in ("measure_steps", "ab_every", "ab_every_settled", "min_pairs", "window",
+                     "drift_hold"):
+            if getattr(self, name) < 1 + (name.startswith("ab_")):
+                raise ValueError(f"TuningRules.{name} must be an int >= "
+                                 f"{1 + name.startswith('ab_')}, got {getattr(self, name)}")
+        if self.refine_steps <= self.measure_steps:
+            raise ValueError(f"TuningRules.refine_steps ({self.refine_steps}) must exceed "
+                             f"measure_steps ({self.measure_steps})")
+        if not 0.5 < self.confidence < 1:
+            raise ValueError(f"TuningRules.confidence must be in (0.5, 1), got {self.confidence}")
+
+
+def ab_speedups(steps: Sequence[tuple[bool, float]]) -> list[float]:
+    """The in-run A/B's measured speedups: for each fixed-order step (``(True, seconds)``),
+    its time over the mean of the steps at the run's own setting next to it (before and
+    after), so that a drift in the machine's speed falls on both."""
+    ratios = []
+    for i, (fixed, seconds) in enumerate(steps):
+        if not fixed:
+            continue
+        neighbours = [steps[j][1] for j in (i - 1, i + 1)
+                      if 0 <= j < len(steps) and not steps[j][0]]
+        if neighbours:
+            ratios.append(seconds / statistics.mean(neighbours))
+    return ratios
+
+
+def upper_bound(values: Sequence[float], confidence: float) -> float:
+    """The one-sided upper ``confidence`` bound of the mean of ``values`` (Student's t,
+    its quantile by the Cornish-Fisher expansion: within 3% of the exact one from 3
+    degrees of freedom on, a little below it)."""
+    n = len(values)
+    z = statistics.NormalDist().inv_cdf(confidence)
+    df = n - 1
+    t = (z + (z**3 + z) / (4 * df) + (5 * z**5 + 16 * z**3 + 3 * z) / (96 * df**2)
+         + (3 * z**7 + 19 * z**5 + 17 * z**3 - 15 * z) / (384 * df**3))
+    return statistics.mean(values) + t * statistics.stdev(values) / math.sqrt(n)
+
+
+@dataclass
+class _Since:
+    """What the tuner saw since its last decision."""
+
+    step: int
+    runs: list[tuple[bool, float]] = field(default_factory=list)
+    """(an A/B fixed-order step, seconds) per step."""
+    drifting: int = 0
+    """Steps in a row whose recent median strayed."""
+
+
+class Tuner:
+    """Which setting each step runs (see the module's docstring)."""
+
+    def __init__(self, rules: TuningRules = TuningRules()):
+        self.rules = rules
+        self.steps = 0
+        """Steps observed."""
+        self.setting = OWN
+        self.decisions: list[Decision] = [Decision(0, OWN, "measure")]
+        self._measuring_from: int | None = 0
+        """The first step of the steps being measured (None: not measuring)."""
+        self._rounds = self._prediction_rounds()
+        """How many measured steps each prediction still to come is made from."""
+        self._since = _Since(0)
+        self._ranked: list[Predicted] = []
+        self._rejected: set[Candidate] = set()
+
+    @property
+    def wants_predictions(self) -> range | None:
+        """The measured steps to predict every candidate from, once they ran (None: no
+        prediction is wanted now)."""
+        start = self._measuring_from
+        if start is None or self.steps - start < self._rounds[0]:
+            return None
+        return range(start, start + self._rounds[0])
+
+    def _prediction_rounds(self) -> list[int]:
+        return [self.rules.measure_steps, self.rules.refine_steps]
+
+    def next_run(self) -> StepRun:
+        """What the coming step runs."""
+        return StepRun(self.setting, self._ab_due())
+
+    def _ab_due(self) -> bool:
+        if self.setting == FIXED_ORDER:
+            return False
+        pairs = len(ab_speedups(self._since.runs))
+        every = (self.rules.ab_every if pairs < self.rules.settle_pairs
+                 else self.rules.ab_every_settled)
+        return (self.steps - self._since.step) % every == every - 1
+
+    def observe(self, run: StepRun, seconds: float) -> None:
+        """The step that ran ``run`` (``next_run()``'s answer) took ``seconds``."""
+        if not seconds >= 0:
+            raise ValueError(f"a step's time must be a number of seconds >= 0, got {seconds!r}")
+        self._since.runs.append((run.ab_fixed, seconds))
+        self.steps += 1
+        if not self._falls_back() and self._measuring_from is None:
+            self._watch_drift()
+
+    def choose(self, predictions: Sequence[Predicted]) -> Decision:
+        """Decide on the measured steps' ``predictions`` (one per candidate, the setting
+        running now among them or not); applies from the next step. Returns the decision
+        in force."""
+        if self.wants_predictions is None:
+            raise RuntimeError("choose() needs predictions of the measured steps: call it "
+                               "when wants_predictions names them")
+        first = len(self._rounds) == len(self._prediction_rounds())
+        self._rounds.pop(0)
+        if not self._rounds:
+            self._measuring_from = None
+        self._ranked = sorted((p for p in predictions if p.setting != FIXED_ORDER),
+                              key=lambda p: -p.speedup)
+        if first:
+            self._rejected.clear()
+        best = self._next_candidate()
+        if best is None:
+            if first or self.setting != FIXED_ORDER:
+                return self._decide(FIXED_ORDER, "no gain",
+                                    max((p.speedup for p in self._ranked), default=None))
+            return self.decisions[-1]
+        if first:
+            return self._decide(best.setting, "switch", best.speedup)
+        running = next((p.speedup for p in self._ranked if p.setting == self.setting), 1.0)
+        if best.setting != self.setting and best.speedup >= running * self.rules.refine_margin:
+            return self._decide(best.setting, "refine", best.speedup)
+        return self.decisions[-1]
+
+    def _next_candidate(self) -> Predicted | None:
+        return next((p for p in self._ranked if p.setting not in self._rejected
+                     and p.speedup >= self.rules.switch_margin), None)
+
+    def _decide(self, setting: Candidate, reason: str, predicted: float | None = None,
+                measured: float | None = None) -> Decision:
+        decision = Decision(self.steps, setting, reason, predicted, measured)
+        self.decisions.append(decision)
+        self.setting = setting
+        self._since = _Since(self.steps)
+        return decision
+
+    def _falls_back(self) -> bool:
+        """Fall back where the pairs since the decision say the setting is slower."""
+        logs = [math.log(r) for r in ab_speedups(self._since.runs) if r > 0]
+        if len(logs) < max(2, self.rules.min_pairs):
+            return False
+        if upper_bound(logs, self.rules.confidence) >= 0:
+            return False
+        measured = math.exp(statistics.mean(logs))
+        self._rejected.add(self.setting)
+        following = self._next_candidate()
+        if following is None:
+            self._decide(FIXED_ORDER, "fall back", measured=measured)
+        else:
+            self._decide(following.setting, "fall back", following.speedup, measured)
+        return True
+
+    def _watch_drift(self) -> None:
+        """Measure again where the steps at the setting drifted (see the rules)."""
+        rules, since = self.rules, self._since
+        times = [seconds for fixed, seconds in since.runs if not fixed]
+        if len(times) < 2 * rules.window:
+            return
+        first, last = times[:rules.window], times[-rules.window:]
+        reference, recent = statistics.median(first), statistics.median(last)
+        error = math.hypot(_median_error(first), _median_error(last))
+        strays = (abs(recent - reference) > rules.drift_fraction * reference
+                  and abs(recent - reference) > rules.drift_errors * error)
+        since.drifting = since.drifting + 1 if strays else 0
+        if since.drifting >= rules.drift_hold and self.steps - since.step >= rules.dwell:
+            pairs = ab_speedups(since.runs)
+            measured = (math.exp(statistics.mean(math.log(r) for r in pairs))
+                        if pairs else None)
+            self._decide(self.setting, "drift", measured=measured)
+            self._measuring_from = self.steps
+            self._rounds = self._prediction_rounds()
+
+
+def _median_error(values: Sequence[float]) -> float:
+    """The standard error of the median of ``values``, from their median absolute
+    deviation (normal data: 1.4826 MAD estimates the deviation; the median's error is
+    1.2533 times the mean's)."""
+    centre = statistics.median(values)
+    spread = 1.4826 * statistics.median(abs(v - centre) for v in values)
+    return 1.2533 * spread / math.sqrt(len(values))
