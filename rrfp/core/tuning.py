@@ -7,6 +7,10 @@ simulator, and runs off the training's critical path): when ``wants_predictions`
 measured steps, the caller predicts every candidate from them and hands the result to
 ``choose()``, steps going on meanwhile. The rules, with their constants in ``TuningRules``:
 
+0. **Blocks.** A decision takes effect at the first step of the next block of ``block``
+   steps, so that every rank of a job can read a block's plan (``plan_block``) once, from
+   one rank that decides, and switch at the same step.
+
 1. **Measure.** The first ``measure_steps`` steps run the hint's own setting (``OWN``).
 2. **Choose.** The candidate with the best predicted speedup over the fixed schedule runs
    from then on if that speedup is at least ``switch_margin``; otherwise the fixed order
@@ -21,10 +25,10 @@ measured steps, the caller predicts every candidate from them and hands the resu
    order, beyond what the pairs' own spread explains. The next candidate that cleared the
    margin runs, or the fixed order.
 4. **Re-tune.** The median of the last ``window`` steps at the setting against the median
-   of its first ``window``: when it moved by more than ``drift_fraction`` and by more than
+   of the steps at it before them: when it moved by more than ``drift_fraction`` and by more than
    ``drift_errors`` standard errors, on ``drift_hold`` steps in a row, at least ``dwell``
-   steps after the last decision, the setting keeps running while ``measure_steps`` new
-   steps are measured, and the choice is made again on them.
+   steps after the last decision, the setting keeps running while steps are measured
+   again (from the first of those ``drift_hold``), and the choice is made again on them.
 """
 
 from __future__ import annotations
@@ -107,6 +111,7 @@ class Decision:
 class TuningRules:
     """The tuner's constants (see the module's docstring for the rules they set)."""
 
+    block: int = 8
     measure_steps: int = 8
     refine_steps: int = 40
     refine_margin: float = 1.01
@@ -128,6 +133,10 @@ class TuningRules:
             if getattr(self, name) < 1 + (name.startswith("ab_")):
                 raise ValueError(f"TuningRules.{name} must be an int >= "
                                  f"{1 + name.startswith('ab_')}, got {getattr(self, name)}")
+        for name in ("ab_every", "ab_every_settled"):
+            if getattr(self, name) % self.block:
+                raise ValueError(f"TuningRules.{name} ({getattr(self, name)}) must be a "
+                                 f"multiple of block ({self.block})")
         if self.refine_steps <= self.measure_steps:
             raise ValueError(f"TuningRules.refine_steps ({self.refine_steps}) must exceed "
                              f"measure_steps ({self.measure_steps})")
@@ -187,6 +196,8 @@ class Tuner:
         self._rounds = self._prediction_rounds()
         """How many measured steps each prediction still to come is made from."""
         self._since = _Since(0)
+        self._pending: Decision | None = None
+        """A decision made, to take effect at its step (the next block's first)."""
         self._ranked: list[Predicted] = []
         self._rejected: set[Candidate] = set()
 
@@ -204,15 +215,23 @@ class Tuner:
 
     def next_run(self) -> StepRun:
         """What the coming step runs."""
-        return StepRun(self.setting, self._ab_due())
+        return self._run_at(self.steps)
 
-    def _ab_due(self) -> bool:
+    def plan_block(self) -> list[StepRun]:
+        """What each step of the block starting now runs (call it at a block's first
+        step): what one deciding rank tells the others."""
+        if self.steps % self.rules.block:
+            raise RuntimeError(f"plan_block() at step {self.steps}, inside a block of "
+                               f"{self.rules.block}: call it at a block's first step")
+        return [self._run_at(self.steps + k) for k in range(self.rules.block)]
+
+    def _run_at(self, step: int) -> StepRun:
         if self.setting == FIXED_ORDER:
-            return False
+            return StepRun(self.setting, False)
         pairs = len(ab_speedups(self._since.runs))
         every = (self.rules.ab_every if pairs < self.rules.settle_pairs
                  else self.rules.ab_every_settled)
-        return (self.steps - self._since.step) % every == every - 1
+        return StepRun(self.setting, (step - self._since.step) % every == every - 1)
 
     def observe(self, run: StepRun, seconds: float) -> None:
         """The step that ran ``run`` (``next_run()``'s answer) took ``seconds``."""
@@ -220,7 +239,9 @@ class Tuner:
             raise ValueError(f"a step's time must be a number of seconds >= 0, got {seconds!r}")
         self._since.runs.append((run.ab_fixed, seconds))
         self.steps += 1
-        if not self._falls_back() and self._measuring_from is None:
+        if self._pending is not None:
+            self._apply_pending()
+        elif not self._falls_back() and self._measuring_from is None:
             self._watch_drift()
 
     def choose(self, predictions: Sequence[Predicted]) -> Decision:
@@ -243,13 +264,17 @@ class Tuner:
             if first or self.setting != FIXED_ORDER:
                 return self._decide(FIXED_ORDER, "no gain",
                                     max((p.speedup for p in self._ranked), default=None))
-            return self.decisions[-1]
+            return self._in_force()
         if first:
             return self._decide(best.setting, "switch", best.speedup)
         running = next((p.speedup for p in self._ranked if p.setting == self.setting), 1.0)
         if best.setting != self.setting and best.speedup >= running * self.rules.refine_margin:
             return self._decide(best.setting, "refine", best.speedup)
-        return self.decisions[-1]
+        return self._in_force()
+
+    def _in_force(self) -> Decision:
+        """The latest decision, taken effect or pending."""
+        return self._pending or self.decisions[-1]
 
     def _next_candidate(self) -> Predicted | None:
         return next((p for p in self._ranked if p.setting not in self._rejected
@@ -257,11 +282,21 @@ class Tuner:
 
     def _decide(self, setting: Candidate, reason: str, predicted: float | None = None,
                 measured: float | None = None) -> Decision:
-        decision = Decision(self.steps, setting, reason, predicted, measured)
-        self.decisions.append(decision)
-        self.setting = setting
-        self._since = _Since(self.steps)
+        block = self.rules.block
+        decision = Decision(-(-self.steps // block) * block, setting, reason, predicted,
+                            measured)
+        self._pending = decision
+        self._apply_pending()
         return decision
+
+    def _apply_pending(self) -> None:
+        decision = self._pending
+        if decision is None or self.steps < decision.step:
+            return
+        self._pending = None
+        self.decisions.append(decision)
+        self.setting = decision.setting
+        self._since = _Since(self.steps)
 
     def _falls_back(self) -> bool:
         """Fall back where the pairs since the decision say the setting is slower."""
@@ -285,9 +320,10 @@ class Tuner:
         times = [seconds for fixed, seconds in since.runs if not fixed]
         if len(times) < 2 * rules.window:
             return
-        first, last = times[:rules.window], times[-rules.window:]
-        reference, recent = statistics.median(first), statistics.median(last)
-        error = math.hypot(_median_error(first), _median_error(last))
+        earlier, last = times[:-rules.window], times[-rules.window:]
+        reference, recent = statistics.median(earlier), statistics.median(last)
+        spread = _deviation(earlier)  # the longer stretch estimates it more steadily
+        error = 1.2533 * spread * math.sqrt(1 / len(earlier) + 1 / len(last))
         strays = (abs(recent - reference) > rules.drift_fraction * reference
                   and abs(recent - reference) > rules.drift_errors * error)
         since.drifting = since.drifting + 1 if strays else 0
@@ -296,14 +332,14 @@ class Tuner:
             measured = (math.exp(statistics.mean(math.log(r) for r in pairs))
                         if pairs else None)
             self._decide(self.setting, "drift", measured=measured)
-            self._measuring_from = self.steps
+            # The steps since the stray was first seen already ran in the new regime.
+            self._measuring_from = self.steps - rules.drift_hold
             self._rounds = self._prediction_rounds()
 
 
-def _median_error(values: Sequence[float]) -> float:
-    """The standard error of the median of ``values``, from their median absolute
-    deviation (normal data: 1.4826 MAD estimates the deviation; the median's error is
-    1.2533 times the mean's)."""
+def _deviation(values: Sequence[float]) -> float:
+    """The standard deviation of ``values`` estimated from their median absolute deviation
+    (1.4826 MAD for normal data), steady against outliers. The median of n values errs
+    by about 1.2533 of it over the square root of n."""
     centre = statistics.median(values)
-    spread = 1.4826 * statistics.median(abs(v - centre) for v in values)
-    return 1.2533 * spread / math.sqrt(len(values))
+    return 1.4826 * statistics.median(abs(v - centre) for v in values)

@@ -106,6 +106,22 @@ class _Runner:
         return result.makespan, result.histories
 
 
+def setting_times(hint: Hint, timings: Sequence[Timing], setting: Candidate, *,
+                  launch_depth: float = DEFAULT_LAUNCH_DEPTH, launch_cost: float = 0.0
+                  ) -> list[float]:
+    """Each step's makespan under ``setting`` alone (in order, its policy learning from its
+    own earlier steps)."""
+    return _times(_Runner(hint, launch_depth, launch_cost), setting, timings)
+
+
+def _times(runner: _Runner, setting: Candidate, timings: Sequence[Timing]) -> list[float]:
+    times, histories = [], None
+    for timing in timings:
+        makespan, histories = runner.step(setting, timing, histories)
+        times.append(makespan)
+    return times
+
+
 def predict(hint: Hint, timings: Sequence[Timing], settings: Sequence[Candidate], *,
             launch_depth: float = DEFAULT_LAUNCH_DEPTH, launch_cost: float = 0.0
             ) -> list[Predicted]:
@@ -114,14 +130,8 @@ def predict(hint: Hint, timings: Sequence[Timing], settings: Sequence[Candidate]
     the setting's."""
     runner = _Runner(hint, launch_depth, launch_cost)
     fixed = sum(runner.fixed(t) for t in timings)
-    predicted = []
-    for setting in settings:
-        total, histories = 0.0, None
-        for timing in timings:
-            makespan, histories = runner.step(setting, timing, histories)
-            total += makespan
-        predicted.append(Predicted(setting, fixed / total))
-    return predicted
+    return [Predicted(setting, fixed / sum(_times(runner, setting, timings)))
+            for setting in settings]
 
 
 def run(hint: Hint, timings: Sequence[Timing], *, budget: str = "hint+2",

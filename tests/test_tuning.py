@@ -1,0 +1,181 @@
+"""The self-driving tuner's decision paths, each forced with emulated step times
+(``rrfp.core.tuning``; no timing of this machine is read)."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from rrfp.core.tuning import (ab_speedups, Candidate, FIXED_ORDER, OWN, Predicted, Tuner,
+                              TuningRules, upper_bound)
+
+FAST = Candidate("hint+2")
+FASTER_ON_PAPER = Candidate("hint+2", "critical")
+NEXT = Candidate("hint+1")
+
+
+def drive(tuner: Tuner, steps: int, seconds, predictions=None) -> None:
+    """Run ``steps`` steps; ``seconds(step, run)`` is each one's time; predictions are
+    handed over as soon as the tuner wants them."""
+    for _ in range(steps):
+        run = tuner.next_run()
+        tuner.observe(run, seconds(tuner.steps, run))
+        if tuner.wants_predictions is not None:
+            tuner.choose(predictions or [])
+
+
+def times_by_setting(table: dict, noise: float = 0.0, seed: int = 0):
+    """Step times from a table {setting: seconds} (the A/B's steps: FIXED_ORDER's), each
+    times a seeded lognormal-ish noise factor."""
+    rng = random.Random(seed)
+
+    def seconds(step: int, run) -> float:
+        setting = FIXED_ORDER if run.ab_fixed else run.setting
+        return table[setting] * (1 + rng.uniform(-noise, noise))
+    return seconds
+
+
+def test_measures_at_the_hints_own_setting_then_switches_to_the_best_prediction():
+    tuner = Tuner()
+    measured = []
+    for _ in range(8):
+        measured.append(tuner.next_run().setting)
+        tuner.observe(tuner.next_run(), 1.0)
+    assert set(measured) == {OWN}
+    assert tuner.wants_predictions == range(0, 8)
+    decision = tuner.choose([Predicted(NEXT, 1.05), Predicted(FAST, 1.15)])
+    assert (decision.step, decision.setting, decision.reason) == (8, FAST, "switch")
+    assert tuner.next_run().setting == FAST
+    assert "predicted 1.150x" in decision.line()
+
+
+def test_no_candidate_clearing_the_margin_runs_the_fixed_order():
+    tuner = Tuner()
+    drive(tuner, 8, lambda step, run: 1.0,
+          [Predicted(OWN, 1.004), Predicted(FAST, 1.015)])
+    assert tuner.setting == FIXED_ORDER
+    assert tuner.decisions[-1].reason == "no gain"
+    # The fixed order needs no A/B against itself.
+    assert not any(tuner.plan_block()[k].ab_fixed for k in range(8))
+
+
+def test_falls_back_when_the_a_b_says_the_setting_is_slower():
+    tuner = Tuner()
+    drive(tuner, 200, times_by_setting({OWN: 1.0, FIXED_ORDER: 1.0, FAST: 1.25, NEXT: 0.9},
+                                       noise=0.05),
+          [Predicted(FAST, 1.2), Predicted(NEXT, 1.1)])
+    reasons = [(d.reason, d.setting) for d in tuner.decisions]
+    assert ("switch", FAST) in reasons and ("fall back", NEXT) in reasons
+    fall_back = next(d for d in tuner.decisions if d.reason == "fall back")
+    assert fall_back.measured is not None and fall_back.measured < 0.9
+    # It fell back within a few A/B pairs (one every 8 steps, at least 4 of them).
+    assert fall_back.step <= 8 + 8 * 6
+    assert tuner.setting == NEXT  # ... and the next candidate, faster, stays
+
+
+def test_falls_back_to_the_fixed_order_when_no_candidate_is_left():
+    tuner = Tuner()
+    drive(tuner, 120, times_by_setting({OWN: 1.0, FIXED_ORDER: 1.0, FAST: 1.25}),
+          [Predicted(FAST, 1.2)])
+    assert tuner.setting == FIXED_ORDER
+    assert tuner.decisions[-1].reason == "fall back"
+
+
+def test_one_unlucky_step_does_not_make_it_fall_back():
+    tuner = Tuner()
+    table = times_by_setting({OWN: 1.0, FIXED_ORDER: 1.0, FAST: 0.9}, noise=0.05)
+
+    def seconds(step: int, run) -> float:
+        return 5.0 if step == 24 else table(step, run)  # next to the A/B step at 23
+    drive(tuner, 200, seconds, [Predicted(FAST, 1.1)])
+    assert [d.reason for d in tuner.decisions] == ["measure", "switch"]
+
+
+def test_a_drift_in_the_step_times_measures_again_and_chooses_anew():
+    tuner = Tuner()
+
+    def seconds(step: int, run) -> float:
+        slow = 1.0 if step < 100 else 1.5  # the data mix changes at step 100
+        return slow * (1.0 if run.ab_fixed else 0.9)
+    drive(tuner, 160, seconds, [Predicted(FAST, 1.1)])
+    drift = [d for d in tuner.decisions if d.reason == "drift"]
+    assert len(drift) == 1 and 100 < drift[0].step <= 100 + 24
+    again = tuner.decisions[tuner.decisions.index(drift[0]) + 1]
+    assert again.reason == "switch" and again.step <= drift[0].step + 16
+
+
+def test_noise_alone_does_not_make_it_flap():
+    tuner = Tuner()
+    drive(tuner, 400, times_by_setting({OWN: 1.0, FIXED_ORDER: 1.0, FAST: 0.9}, noise=0.3,
+                                       seed=3),
+          [Predicted(FAST, 1.1)])
+    assert [d.reason for d in tuner.decisions] == ["measure", "switch"]
+
+
+def test_a_refined_prediction_takes_over_only_beyond_its_margin():
+    tuner = Tuner()
+    rounds = iter([[Predicted(FAST, 1.10), Predicted(NEXT, 1.05)],
+                   [Predicted(FAST, 1.10), Predicted(NEXT, 1.105)],  # within the margin
+                   ])
+    for _ in range(48):
+        run = tuner.next_run()
+        tuner.observe(run, 1.0 if run.ab_fixed else 0.9)
+        if tuner.wants_predictions is not None:
+            tuner.choose(next(rounds))
+    assert [d.reason for d in tuner.decisions] == ["measure", "switch"]
+
+    tuner = Tuner()
+    rounds = iter([[Predicted(FAST, 1.10), Predicted(NEXT, 1.05)],
+                   [Predicted(FAST, 1.08), Predicted(FASTER_ON_PAPER, 1.12)]])
+    for _ in range(48):
+        run = tuner.next_run()
+        tuner.observe(run, 1.0 if run.ab_fixed else 0.9)
+        if tuner.wants_predictions is not None:
+            assert tuner.wants_predictions.start == 0
+            tuner.choose(next(rounds))
+    assert [(d.reason, d.setting, d.step) for d in tuner.decisions][-1] == (
+        "refine", FASTER_ON_PAPER, 40)
+
+
+def test_decisions_take_effect_at_a_blocks_first_step_and_the_plan_says_each_step():
+    tuner = Tuner(TuningRules(measure_steps=5))
+    for _ in range(5):
+        tuner.observe(tuner.next_run(), 1.0)
+    decision = tuner.choose([Predicted(FAST, 1.2)])
+    assert decision.step == 8 and tuner.setting == OWN
+    plans = []
+    for step in range(5, 40):
+        if step % 8 == 0:
+            plans += tuner.plan_block()
+        run = tuner.next_run()
+        if step >= 8:
+            assert run == plans[step - 8]
+        tuner.observe(run, 1.0 if run.ab_fixed else 0.9)
+    assert tuner.setting == FAST
+    assert [step for step, run in enumerate(plans, start=8) if run.ab_fixed] == [15, 23, 31, 39]
+    with pytest.raises(RuntimeError, match="block"):
+        tuner.observe(tuner.next_run(), 1.0)
+        tuner.plan_block()
+
+
+def test_the_a_b_pairs_each_fixed_step_with_its_neighbours():
+    assert ab_speedups([(False, 1.0), (True, 1.5), (False, 2.0), (True, 3.0)]) == [1.0, 1.5]
+
+
+def test_the_upper_bound_is_students():
+    # Student's t at 0.99, 3 degrees of freedom: 4.541.
+    values = [0.0, 1.0, 2.0, 3.0]
+    exact = 1.5 + 4.541 * (5 / 3) ** 0.5 / 2
+    assert exact * 0.97 < upper_bound(values, 0.99) <= exact
+
+
+def test_the_rules_refuse_what_cannot_work():
+    with pytest.raises(ValueError, match="multiple of block"):
+        TuningRules(ab_every=12)
+    with pytest.raises(ValueError, match="refine_steps"):
+        TuningRules(refine_steps=8)
+    with pytest.raises(ValueError, match="seconds"):
+        Tuner().observe(Tuner().next_run(), float("nan"))
+    with pytest.raises(RuntimeError, match="predictions"):
+        Tuner().choose([])
