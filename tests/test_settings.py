@@ -48,7 +48,8 @@ BAD = {"buffer_limit": ("hint-1", "is not understood"),
        "meter_every": (0, "meter_every must be an int >= 1"),
        "stall_timeout": (0, "a number of seconds > 0"),
        "fixed_every": (1, "fixed_every must be 0 (no A/B) or an int >= 2"),
-       "report_folder": (3, "a folder's path or None")}
+       "report_folder": (3, "a folder's path or None"),
+       "tune_within": ("hint-2", "is not understood")}
 
 
 def test_every_field_has_a_refusal_that_names_it():
@@ -70,7 +71,17 @@ def test_settings_that_only_fail_together_or_over_the_hint_are_refused():
               "leave meter_activations on"),
              (Settings(buffer_limit="auto"), "buffer_limit: ", "reads the free memory"),
              (Settings(buffer_limit=1, policy="fixed"), "buffer_limit: ", "policy='fixed'"),
-             (Settings(buffer_limit=1, fixed_every=2), "fixed_every: ", "fixed_every=2")]
+             (Settings(buffer_limit=1, fixed_every=2), "fixed_every: ", "fixed_every=2"),
+             # Self-driving chooses the limit, the policy and its A/B itself.
+             (Settings(tune_within="hint+2", buffer_limit="hint+1"), "tune_within: ",
+              "leave buffer_limit at the default"),
+             (Settings(tune_within="hint+2", policy="critical"), "tune_within: ",
+              "leave policy at the default"),
+             (Settings(tune_within="hint+2", fixed_every=2), "tune_within: ",
+              "leave fixed_every at the default"),
+             (Settings(tune_within="busiest", meter_activations=False), "tune_within: ",
+              "leave meter_activations on"),
+             (Settings(tune_within="auto"), "tune_within: ", "give the bytes RRFP may use")]
     for given, field, says in cases:
         with pytest.raises(ValueError) as refused:
             check_settings(given, one_stage, free_memory_known=False, device="cpu")

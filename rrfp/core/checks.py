@@ -29,6 +29,8 @@ class CheckedSettings:
     """None: no bound."""
     stall_timeout: float
     fixed_every: int
+    tune_within: BufferLimit | None = None
+    """The self-driving budget (None: the setting runs as given)."""
 
 
 def check_settings(settings: Settings, hint: Hint, *, free_memory_known: bool,
@@ -58,9 +60,10 @@ def check_settings(settings: Settings, hint: Hint, *, free_memory_known: bool,
     check("meter_every", parse_meter_every)
     check("fixed_every", _fixed_every, hint, parsed["buffer_limit"])
     check("report_folder", _a_folder)
+    check("tune_within", _budget, settings, parsed["policy"], free_memory_known, device)
     return CheckedSettings(settings, parsed["buffer_limit"], parsed["policy"],
                            parsed["launch_depth"], parsed["stall_timeout"],
-                           parsed["fixed_every"])
+                           parsed["fixed_every"], parsed["tune_within"])
 
 
 def _limit_over(spec: object, hint: Hint, fixed_order: bool) -> BufferLimit:
@@ -85,6 +88,28 @@ def _fixed_every(every: object, hint: Hint, limit: BufferLimit) -> int:
         check_limits(first_step_limits(limit, hint), hint, limit.spec,
                      fixed_order=f"fixed_every={every}")
     return every
+
+
+def _budget(spec: object, settings: Settings, policy: str | None, free_memory_known: bool,
+            device: object) -> BufferLimit | None:
+    """The self-driving budget, where nothing else it chooses was set."""
+    if spec is None:
+        return None
+    budget = parse_buffer_limit(spec)
+    if budget.auto:
+        raise ValueError("'auto' leaves the budget to the device: give the bytes RRFP may "
+                         "use per rank (e.g. '12GiB'), 'busiest' or 'hint+k'")
+    chosen = {"buffer_limit": parse_buffer_limit(settings.buffer_limit) != BufferLimit(None),
+              "policy": policy is not None, "fixed_every": settings.fixed_every != 0}
+    given = [name for name, set_ in chosen.items() if set_]
+    if given:
+        raise ValueError(
+            f"tune_within={spec!r} chooses buffer_limit and the policy itself and runs its "
+            f"own in-run A/B: leave {', '.join(given)} at the default, or drop tune_within to "
+            "run the setting you give")
+    check_limit_can_be_measured(spec, meter_activations=settings.meter_activations,
+                                free_memory_known=free_memory_known, device=device)
+    return budget
 
 
 def a_flag(value: object, name: str) -> bool:

@@ -98,6 +98,14 @@ class Settings:
     """The in-run A/B: every k-th training step (k >= 2; 0: never) runs the hint's fixed
     order, launched without bound as torch's (docs/guide/advisor.md)."""
 
+    tune_within: int | str | None = None
+    """Self-driving: a memory budget within which RRFP chooses ``buffer_limit`` and the
+    policy itself, from the job's own measured steps, and keeps verifying its choice with
+    the in-run A/B (``"hint+k"``, ``"busiest"``, a byte budget per rank such as
+    ``"12GiB"``, or an int n of microbatches; docs/guide/self-driving.md). Leave
+    ``buffer_limit``, ``policy`` and ``fixed_every`` at their defaults with it. None: the
+    setting those fields give."""
+
     report_folder: str | None = None
     """Where the job's hang report goes when a step stalls (None: the current working
     directory); docs/guide/failures.md."""

@@ -210,6 +210,11 @@ class Tuner:
             return None
         return range(start, start + self._rounds[0])
 
+    @property
+    def measuring(self) -> bool:
+        """Whether the steps now running are measured for a prediction to come."""
+        return self._measuring_from is not None
+
     def _prediction_rounds(self) -> list[int]:
         return [self.rules.measure_steps, self.rules.refine_steps]
 

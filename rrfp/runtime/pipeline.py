@@ -39,6 +39,7 @@ from rrfp.core.loop import Arrival, Device, StepLoop
 from rrfp.core.policy import make_policy
 from rrfp.core.sizes import StepSizes
 from rrfp.core.stats import StepStats
+from rrfp.core.tuning import Candidate, FIXED_ORDER, StepRun
 from rrfp.core.wakeup import Wakeup
 from rrfp.devices.platform import Platform
 from rrfp.failure.hang_report import HangReport, rank_state
@@ -46,6 +47,7 @@ from rrfp.failure.job import JobGroups, JobWatch
 from rrfp.runtime.executor import LossFn, Reduction, StageExecutor, StepInputs
 from rrfp.runtime.limit_plan import LimitPlan
 from rrfp.runtime.meter import ActivationMeter
+from rrfp.runtime.self_driving import SelfDriving
 from rrfp.runtime.step_stats import step_stats
 from rrfp.runtime.torch_interface import CustomFunctions
 
@@ -79,7 +81,7 @@ class PipelineRuntime:
                  receives: ReceiveRings, limits: LimitPlan, coordination: Coordination,
                  metering: Metering, stall_timeout: float, launch_depth: float,
                  reorder_ahead: bool, job_groups: JobGroups, report: HangReport,
-                 fixed_every: int = 0):
+                 fixed_every: int = 0, self_driving: SelfDriving | None = None):
         self.hint, self.rank, self.stages = hint, rank, stages
         self._forward_only = hint.forward_only()
         self.platform, self.device, self.wakeup = platform, device, wakeup
@@ -89,6 +91,11 @@ class PipelineRuntime:
         self.reorder_ahead = reorder_ahead
         self.fixed_every = fixed_every
         """The in-run A/B: every this-many-th training step runs the fixed order (0: none)."""
+        self.self_driving = self_driving
+        """Self-driving: what each training step runs, as the job's deciding rank says."""
+        self._tuned_limits: dict[Candidate, LimitPlan] = {}
+        self._tuned_since = 0
+        """The training step from which the self-driving setting of now ran."""
         self.history = History()
         self.fit_sharing = FitSharing(transport.channels.store, dist.get_rank()
                                       if dist.is_initialized() else 0,
@@ -128,7 +135,6 @@ class PipelineRuntime:
                 self.activation_bytes_per_microbatch is not None):
             self.limits.settle(self.activation_bytes_per_microbatch, pp_group,
                                self.platform.device, self.platform.free_bytes)
-        meter = self._meter_for_this_step()
         origin = time.perf_counter()
 
         def clock() -> float:
@@ -143,9 +149,13 @@ class PipelineRuntime:
 
         hint = self.hint if training else self._forward_only
         self._expect_sizes(sizes if training else None)
+        tuned = self._tuned_step() if training else None
+        meter = self._meter_for_this_step(tuned is not None and (
+            self.training_steps_run - self._tuned_since < self.self_driving.rules.block))
         # The in-run A/B's fixed-order steps launch without bound, as torch's schedules do.
-        fixed = training and self.fixed_every > 0 and (
+        fixed = training and (self.fixed_every > 0 and (
             self.training_steps_run % self.fixed_every == self.fixed_every - 1)
+            or tuned is not None and (tuned.ab_fixed or tuned.setting == FIXED_ORDER))
         policy = (make_policy("fixed") if fixed else
                   make_policy(self.limits.policy, history=self.history, clock=clock)
                   if training else make_policy("hint"))  # forward only: plain readiness-first
@@ -183,6 +193,8 @@ class PipelineRuntime:
                 size_prediction_error=prediction_error)
             self.steps_run += 1
             self.training_steps_run += training
+        if tuned is not None:
+            self.self_driving.after_step(self.training_steps_run - 1, self.last_step_stats)
         if training and not fixed:
             loop.teach(self.history)
             if sizes is not None:
@@ -196,9 +208,29 @@ class PipelineRuntime:
         if self.history.sizes_tell_apart:
             self.history.models.adopt(self.fit_sharing.latest())
 
-    def _meter_for_this_step(self) -> ActivationMeter | None:
+    def _tuned_step(self) -> StepRun | None:
+        """What a self-driving training step runs; its limits and policy made the next
+        step's (``self.limits``)."""
+        if self.self_driving is None:
+            return None
+        tuned = self.self_driving.before_step(self.training_steps_run)
+        setting = tuned.setting
+        if setting == FIXED_ORDER or tuned.ab_fixed:
+            return tuned
+        plan = self._tuned_limits.get(setting)
+        if plan is None:
+            plan = LimitPlan(setting.buffer_limit, self.hint, self.rank, setting.policy)
+            self._tuned_limits[setting] = plan
+        if plan is not self.limits:
+            self.limits, self._tuned_since = plan, self.training_steps_run
+        return tuned
+
+    def _meter_for_this_step(self, new_setting: bool = False) -> ActivationMeter | None:
+        """The meter where this step is metered: the first training step, every
+        ``metering.every``-th, and (``new_setting``) the first block of steps of a
+        self-driving setting."""
         meter = self.metering.meter
-        if meter is None or (self.steps_run % self.metering.every
+        if meter is None or (self.steps_run % self.metering.every and not new_setting
                              and self.activation_bytes_per_microbatch is not None):
             return None
         meter.reset(p for stage in self.stages.values() for p in stage.submod.parameters())
@@ -355,6 +387,8 @@ class PipelineRuntime:
     def close(self, failed: bool = False, timeout: float = 10.0) -> None:
         """Stop the threads and close the channels (see ``ScheduleRRFP.close``)."""
         atexit.unregister(self._close_at_exit)
+        if self.self_driving is not None:
+            self.self_driving.close()
         self._failure = self._failure or "the schedule was closed"
         try:
             alive = self.transport.close(timeout, failed=failed,
@@ -446,6 +480,14 @@ class RuntimeReadout:
     @property
     def launch_depth(self) -> float:
         return self._runtime.launch_depth
+
+    @property
+    def tuning_decisions(self) -> list[str]:
+        """Self-driving (``Settings.tune_within``): each decision that took effect, one
+        line each (what runs from which step, why, predicted and measured speedups);
+        empty otherwise."""
+        driving = self._runtime.self_driving
+        return list(driving.decisions) if driving is not None else []
 
     @property
     def report_folder(self) -> str | None:

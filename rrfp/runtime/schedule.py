@@ -53,6 +53,7 @@ from rrfp.runtime.limit_plan import LimitPlan
 from rrfp.runtime.meter import ActivationMeter
 from rrfp.runtime.pipeline import (ClosedOnLeaving, Coordination, Metering, PipelineRuntime,
                                    RuntimeReadout)
+from rrfp.runtime.self_driving import Predictor, SelfDriving
 from rrfp.runtime.schedule_arguments import (stages_per_rank, TorchArguments,
                                              TorchScheduleArguments)
 from rrfp.runtime.torch_interface import (CustomFunctions, IncompatibleStagesError,
@@ -379,7 +380,8 @@ def _joined_job(hint: Hint, n_microbatches: int, checked: CheckedSettings) -> Jo
     given = checked.given
     agreed = {"buffer_limit": given.buffer_limit, "policy": checked.policy,
               "coordination": given.coordination, "launch_depth": checked.launch_depth,
-              "variable_shapes": given.variable_shapes, "fixed_every": checked.fixed_every}
+              "variable_shapes": given.variable_shapes, "fixed_every": checked.fixed_every,
+              "tune_within": given.tune_within}
     job = JobScope.new()
     agree_on_settings(job, {
         "hint": f"{hint.name} (orders {digest})", "n_microbatches": str(n_microbatches),
@@ -413,6 +415,10 @@ def _wired_runtime(hint: Hint, rank: int, stages: list[_PipelineStageBase], plat
         {s: peaks[s] for s in local}, hint.plan.rank_peaks()[rank], launch_depth,
         type(wiring.device).__name__, limits.summary)
     meter = ActivationMeter() if given.meter_activations else None
+    self_driving = (SelfDriving(checked.tune_within, hint, job,
+                                transport.channels.global_ranks, stall_timeout,
+                                predict_inline=wiring.predict_inline)
+                    if checked.tune_within is not None else None)
     return PipelineRuntime(
         hint, rank, {stage.stage_index: stage for stage in stages}, platform=platform,
         device=wiring.device, wakeup=wakeup, transport=transport,
@@ -420,6 +426,7 @@ def _wired_runtime(hint: Hint, rank: int, stages: list[_PipelineStageBase], plat
         coordination=coordination, metering=Metering(meter, given.meter_every),
         stall_timeout=stall_timeout, launch_depth=launch_depth,
         reorder_ahead=wiring.reorder_ahead, fixed_every=checked.fixed_every,
+        self_driving=self_driving,
         job_groups=JobGroups([*collective_groups(s.submod for s in stages), *beside,
                               coordination.twin.group if coordination.twin else None]),
         report=HangReport(transport.failures, job.name, given.report_folder,
@@ -429,9 +436,10 @@ def _wired_runtime(hint: Hint, rank: int, stages: list[_PipelineStageBase], plat
 @dataclass(frozen=True)
 class Wiring:
     """How a schedule's steps meet the hardware: the device its actions run on, and
-    (in studies) how long each outgoing message is held and whether any ready action may be
-    launched onto a busy device."""
+    (in studies) how long each outgoing message is held, whether any ready action may be
+    launched onto a busy device, and whether self-driving predicts in this process."""
 
     device: Device
     send_delay: SendDelay | None = None
     reorder_ahead: bool = False
+    predict_inline: Predictor | None = None

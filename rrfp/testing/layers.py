@@ -33,8 +33,9 @@ LAYERS: dict[str, tuple[str, frozenset[str]]] = {
              frozenset({"compat", "core", "devices"})),
     "failure": ("the job's watch and settings agreement, a stall's hang report",
                 frozenset({"compat", "core", "devices", "comm"})),
-    "runtime": ("ScheduleRRFP and a step's phases on torch's stages",
-                frozenset({"compat", "core", "devices", "comm", "failure"})),
+    "runtime": ("ScheduleRRFP and a step's phases on torch's stages; self-driving predicts "
+                "with the advisor",
+                frozenset({"compat", "core", "devices", "comm", "failure", "sim", "advise"})),
     "api": ("the public names: from rrfp import ...",
             frozenset({"compat", "core", "runtime"})),
     "sim": ("the discrete-event simulator, on the core's own arbiter and policies",

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from rrfp.comm.link_latency import SendDelay
 from rrfp.devices.platform import Platform
 from rrfp.runtime.schedule import ScheduleRRFP, Wiring
+from rrfp.runtime.self_driving import Predictor
 from rrfp.testing.emulation import EmulatedDevice
 
 
@@ -26,6 +27,10 @@ class Study:
     """Let any ready action be launched onto a busy device (default: ahead of the device
     only the policy's own next action is launched; deviations are chosen when it is
     idle)."""
+    predict_inline: Predictor | None = None
+    """Self-driving (``Settings.tune_within``): predict in this process as soon as the
+    measured steps ran (``rrfp.advise.tuning.predict_candidates``), so that decisions
+    come at known steps (None: in a child process at idle priority, as in a job)."""
 
 
 class StudySchedule(ScheduleRRFP):
@@ -42,4 +47,4 @@ class StudySchedule(ScheduleRRFP):
                 f"the emulated device and send delays run CPU stages (a sender thread's CUDA "
                 f"stream is not the compute stream); these stages are on {platform.device}")
         device = study.device if study.device is not None else platform.step_device()
-        return Wiring(device, study.send_delay, study.reorder_ahead)
+        return Wiring(device, study.send_delay, study.reorder_ahead, study.predict_inline)

@@ -1,0 +1,38 @@
+"""The self-driving tuner's predictions (``rrfp.core.tuning``): each candidate replayed on
+the job's measured steps by the advisor, in a process of its own.
+
+``python -m rrfp.advise.tuning`` reads a pickled ``(MeasuredRun, limits)`` on its
+standard input and writes the pickled ``list[Predicted]`` on its standard output: the
+runtime starts it at idle priority, so that predicting never takes a core from training
+(and, as a fresh interpreter, it imports nothing of the training script).
+"""
+
+from __future__ import annotations
+
+import pickle
+import sys
+from collections.abc import Sequence
+
+from rrfp.advise.measured import MeasuredRun
+from rrfp.advise.predict import NAMED_POLICIES, predictions, Setting
+from rrfp.core.tuning import Candidate, Predicted
+
+
+def predict_candidates(run: MeasuredRun, limits: Sequence[str]) -> list[Predicted]:
+    """Each candidate at ``limits`` (the default policy and the advisor's named ones)
+    replayed on the run's steps; settings that run alike are predicted once."""
+    settings = {Candidate(limit, policy): Setting(run.hint.name, limit, policy)
+                for limit in limits for policy in (None, *NAMED_POLICIES)}
+    _, rows = predictions(run, list(settings.values()))
+    by_setting = {row.setting: row.speedup for row in rows}
+    return [Predicted(candidate, by_setting[setting])
+            for candidate, setting in settings.items() if setting in by_setting]
+
+
+def main() -> None:
+    run, limits = pickle.load(sys.stdin.buffer)
+    pickle.dump(predict_candidates(run, limits), sys.stdout.buffer)
+
+
+if __name__ == "__main__":
+    main()

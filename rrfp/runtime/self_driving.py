@@ -1,0 +1,252 @@
+"""Self-driving RRFP in a job: one rank decides, every rank runs its decision at the same step.
+
+``Settings(tune_within=budget)`` hands the choice of ``buffer_limit`` and policy to
+``rrfp.core.tuning.Tuner`` within a memory budget. The job's first rank runs the tuner; the
+other ranks follow it. Steps go in blocks (``TuningRules.block``): at a block's first
+training step the deciding rank says the block's plan under a key of the job's board,
+and every rank reads it there (one wait on one key per rank and block: the control plane
+stays constant per rank). A plan says, for each step of the block, the setting and whether
+it is the in-run A/B's fixed-order step, and whether the ranks of the deciding rank's
+pipeline share the steps' traces (while the tuner measures). The deciding rank collects
+those traces at the next block, predicts every candidate from them in a child process at
+idle priority (``rrfp.advise``: the advisor's own replay), and hands the predictions to
+the tuner when they are ready; training never waits on a prediction.
+
+Candidates are the microbatch limits from the hint's own up to the budget (``"hint+k"``;
+a byte budget or ``"busiest"``: the largest ``"hint+k"`` whose worst mix of microbatches,
+at the first step's measured bytes per microbatch, fits every rank's budget), each under
+the default policy and the advisor's named ones. A budget below what the fixed schedule
+itself holds raises one ``ValueError`` on every rank at the first block's end, before any
+setting but the hint's own ran.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import json
+import logging
+import pickle
+import subprocess
+import sys
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import asdict, dataclass
+
+from rrfp.advise import lower_priority, run_from_trace_events
+from rrfp.advise.measured import MeasuredRun
+from rrfp.comm.board import FailureBoard, JobScope
+from rrfp.core.errors import PipelineStallError
+from rrfp.core.hints import Hint
+from rrfp.core.limits import fixed_peak_bytes, most_bytes_allowed, resolve_buffer_limits
+from rrfp.core.settings import BufferLimit
+from rrfp.core.stats import StepStats
+from rrfp.core.tuning import Candidate, Decision, Predicted, StepRun, Tuner, TuningRules
+
+logger = logging.getLogger(__name__)
+
+Predictor = Callable[[MeasuredRun, Sequence[str]], list[Predicted]]
+"""Each candidate's predicted speedup from a run's measured steps, at these limits."""
+PLAN = "tune/plan"
+TRACE = "tune/trace"
+
+
+@dataclass(frozen=True)
+class BlockPlan:
+    """What the deciding rank tells every rank for one block of steps."""
+
+    runs: tuple[tuple[str, str | None, bool], ...]
+    """Per step: (buffer_limit, policy, an A/B fixed-order step)."""
+    share: bool
+    """The ranks of the deciding rank's pipeline share each step's trace."""
+    decisions: tuple[str, ...] = ()
+    """The decisions that took effect since the last plan, one line each."""
+    error: str | None = None
+    """A ``ValueError`` every rank raises (a budget the fixed schedule does not fit)."""
+
+    def encode(self) -> str:
+        return json.dumps(asdict(self))
+
+    @staticmethod
+    def decode(text: str) -> "BlockPlan":
+        said = json.loads(text)
+        return BlockPlan(tuple(tuple(run) for run in said["runs"]), said["share"],
+                         tuple(said["decisions"]), said["error"])
+
+
+def candidate_limits(budget: BufferLimit, hint: Hint,
+                     bytes_per_microbatch: Mapping[int, int] | None) -> list[str]:
+    """The microbatch limits within ``budget``: ``"hint"`` to ``"hint+k"``. ``ValueError``
+    where even the hint's own peaks exceed a byte budget."""
+    if not budget.in_bytes:
+        top = resolve_buffer_limits(budget, hint)
+        own = resolve_buffer_limits("hint", hint)
+        extra = max(top.per_rank[r] - own.per_rank[r] for r in own.per_rank)
+        return ["hint", *(f"hint+{k}" for k in range(1, extra + 1))]
+    assert bytes_per_microbatch is not None
+    fixed = fixed_peak_bytes(hint, bytes_per_microbatch)
+    budgets = (dict.fromkeys(fixed, max(fixed.values())) if budget.busiest
+               else dict.fromkeys(fixed, budget.budget_bytes))
+    short = {r: fixed[r] for r in fixed if fixed[r] > budgets[r]}
+    if short:
+        raise ValueError(
+            f"tune_within={budget.spec!r}: the fixed schedule itself holds {short} B of "
+            f"activations on pipeline ranks {sorted(short)}, above the budget "
+            f"({budgets[min(short)]} B): give a budget of at least {max(short.values())} B")
+    limits = []
+    for k in range(0, hint.n_microbatches + 1):
+        spec = f"hint+{k}" if k else "hint"
+        resolved = resolve_buffer_limits(spec, hint)
+        if any(most_bytes_allowed(resolved.per_stage, resolved.per_rank[r],
+                                  bytes_per_microbatch, hint.stages_on(r)) > budgets[r]
+               for r in fixed):
+            break
+        limits.append(spec)
+    return limits
+
+
+def predicted_in_a_child(run: MeasuredRun, limits: Sequence[str]) -> list[Predicted]:
+    """``rrfp.advise.tuning.predict_candidates`` in a fresh interpreter at idle priority."""
+    child = subprocess.Popen([sys.executable, "-m", "rrfp.advise.tuning"],
+                             stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                             stderr=subprocess.PIPE)
+    try:
+        lower_priority(child.pid)
+    except OSError:  # it ends before it could be lowered, or the OS refuses: it still runs
+        pass
+    out, err = child.communicate(pickle.dumps((run, list(limits))))
+    if child.returncode:
+        raise RuntimeError(f"the self-driving prediction failed: {err.decode()[-2000:]}")
+    return pickle.loads(out)
+
+
+class SelfDriving:
+    """One rank's part in a self-driving job (see the module docstring)."""
+
+    def __init__(self, budget: BufferLimit, hint: Hint, job: JobScope,
+                 pipeline_ranks: Sequence[int], timeout: float,
+                 rules: TuningRules = TuningRules(), predict_inline: Predictor | None = None):
+        self.budget, self.hint, self.timeout, self.rules = budget, hint, timeout, rules
+        self.board = FailureBoard(None, job.me, job_store=job.store, job_ranks=job.ranks)
+        self._alone = job.store is None or len(job.ranks) < 2
+        """A job of one rank: nothing to tell."""
+        self.leader = job.ranks[0] if job.ranks else job.me
+        self.deciding = job.me == self.leader
+        self.sharing = self.leader in pipeline_ranks
+        self._pipeline_ranks = tuple(pipeline_ranks)
+        self.tuner = Tuner(rules) if self.deciding else None
+        self.decisions: list[str] = []
+        """Every rank: the lines of the decisions that took effect so far."""
+        self._plan: BlockPlan | None = None
+        self._traces: dict[int, list[dict]] = {}
+        self._shared: list[int] = []
+        self._limits: list[str] | None = None
+        self._prediction: concurrent.futures.Future | None = None
+        self._pool: concurrent.futures.ThreadPoolExecutor | None = None
+        self._predict_inline = predict_inline
+        """Studies: predict in this process, at once (None: in a child, off the critical
+        path)."""
+
+    def before_step(self, step: int) -> StepRun:
+        """What training step ``step`` runs (read at a block's first step)."""
+        block = self.rules.block
+        if step % block == 0:
+            self._plan = self._read_plan(step // block)
+            if self._plan.error is not None:
+                raise ValueError(self._plan.error)
+            for line in self._plan.decisions:
+                self.decisions.append(line)
+                logger.info("rrfp self-driving: %s", line)
+        assert self._plan is not None
+        limit, policy, ab_fixed = self._plan.runs[step % block]
+        return StepRun(Candidate(limit, policy), ab_fixed)
+
+    def after_step(self, step: int, stats: StepStats) -> None:
+        """Share the step's trace where the plan asks; the deciding rank observes it."""
+        assert self._plan is not None
+        if self._plan.share and self.sharing:
+            self.board.tell(f"{TRACE}/{step}", json.dumps(stats.chrome_trace_events()),
+                            job=True)
+            self._shared.append(step)
+        if self.tuner is not None:
+            self.tuner.observe(self.tuner.next_run(), stats.step_time)
+
+    def _read_plan(self, block: int) -> BlockPlan:
+        key = f"{PLAN}/{block}"
+        if self.tuner is not None and self._alone:
+            return self._decide()
+        if self.tuner is not None:
+            self.board.tell(key, self._decide().encode(), job=True)
+        said = self.board.collect(key, 2 * self.timeout, job=True, ranks=[self.leader])
+        if self.leader not in said:
+            raise PipelineStallError(
+                f"global rank {self.leader}, which decides the self-driving settings, said "
+                f"no plan for block {block} within twice stall_timeout ({2 * self.timeout:g} s)")
+        return BlockPlan.decode(said[self.leader])
+
+    def _decide(self) -> BlockPlan:
+        """The deciding rank: collect the shared traces, hand over ready predictions, start
+        wanted ones, and plan the block."""
+        tuner = self.tuner
+        assert tuner is not None
+        self._collect_traces()
+        before = len(tuner.decisions)
+        error = None
+        try:
+            self._predict()
+        except ValueError as e:
+            error = str(e)
+        runs = tuple((run.setting.buffer_limit, run.setting.policy, run.ab_fixed)
+                     for run in tuner.plan_block())
+        return BlockPlan(runs, tuner.measuring, tuple(d.line() for d in tuner.decisions[before:]),
+                         error)
+
+    def _collect_traces(self) -> None:
+        for step in self._shared:
+            said = self.board.collect(f"{TRACE}/{step}", self.timeout, job=True,
+                                      ranks=self._pipeline_ranks)
+            self._traces[step] = [event for rank in sorted(said)
+                                  for event in json.loads(said[rank])]
+        self._shared.clear()
+
+    def _predict(self) -> None:
+        tuner = self.tuner
+        assert tuner is not None
+        if self._prediction is not None and self._prediction.done():
+            predicted, self._prediction = self._prediction.result(), None
+            if tuner.wants_predictions is not None:
+                tuner.choose(predicted)
+        wanted = tuner.wants_predictions
+        if wanted is None or self._prediction is not None:
+            return
+        steps = [self._uniform(self._traces[s]) for s in wanted if s in self._traces]
+        if len(steps) < 2:
+            return
+        run = run_from_trace_events(steps, "self-driving")
+        if self._limits is None:
+            self._limits = candidate_limits(self.budget, self.hint, run.bytes_per_microbatch)
+        if self._predict_inline is not None:
+            tuner.choose(self._predict_inline(run, self._limits))
+        else:
+            self._prediction = self._executor().submit(predicted_in_a_child, run, self._limits)
+
+    @staticmethod
+    def _uniform(events: list[dict]) -> list[dict]:
+        """Steps of several settings read as one run's (the advisor's run has one)."""
+        for event in events:
+            if event.get("name") == "rrfp_step":
+                event["args"] = {**event["args"], "buffer_limit": "self-driving"}
+        return events
+
+    def _executor(self) -> concurrent.futures.ThreadPoolExecutor:
+        if self._pool is None:  # a thread that waits on the child (the GIL is released)
+            self._pool = concurrent.futures.ThreadPoolExecutor(
+                1, thread_name_prefix="rrfp-self-driving")
+        return self._pool
+
+    def close(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=False, cancel_futures=True)
+            self._pool = None
+
+    @property
+    def last_decision(self) -> Decision | None:
+        return self.tuner.decisions[-1] if self.tuner is not None else None

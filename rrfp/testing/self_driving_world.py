@@ -1,0 +1,138 @@
+"""A world for self-driving RRFP (``Settings(tune_within=...)``): the byte-limits world's
+stages (known, different bytes per microbatch) on an emulated asynchronous device, run by
+torch's 1F1B and then by a self-driving ScheduleRRFP over the same steps
+(``tests/test_self_driving.py`` asserts on it, ``benchmarks/self_driving_emulated.py``
+measures with it). The emulated durations depend only on (stage, step, microbatch, kind)
+and a family: both schedules run the same work."""
+
+from __future__ import annotations
+
+import random
+import time
+from collections.abc import Sequence
+
+import torch
+
+from rrfp.advise.measured import MeasuredRun
+from rrfp.advise.tuning import predict_candidates
+from rrfp.core.settings import Settings
+from rrfp.core.tuning import Candidate, Predicted
+from rrfp.runtime.meter import ActivationMeter, MeteredModule
+from rrfp.testing.byte_limits_world import ROWS, WIDENING, Widened, WIDTH
+from rrfp.testing.chains import build_stages, loss_fn, torch_schedule
+from rrfp.testing.emulation import EmulatedDevice, EmulatedDeviceTime
+from rrfp.testing.study import Study, StudySchedule
+
+FAMILIES = ("gains", "uniform", "static-loses", "regime-change")
+"""``uniform``: every action alike (nothing to gain); ``gains``: one microbatch in five takes four times as long, on every stage (a long
+sequence); ``static-loses``: stage 0 costs one to five times the others with the
+microbatch's images, the bottleneck; ``regime-change``: uniform until half the steps, then
+``gains``."""
+
+
+def predicts_no_gain(run: MeasuredRun, limits: Sequence[str]) -> list[Predicted]:
+    """Every candidate as fast as the fixed schedule: forces the "no gain" path."""
+    return [Predicted(Candidate(limit), 1.0) for limit in limits]
+
+
+PREDICTORS = {"advisor": predict_candidates, "no gain": predicts_no_gain}
+
+
+class FamilyClock:
+    """Emulated seconds of each (stage, microbatch, kind) in the current ``step``."""
+
+    def __init__(self, family: str, steps: int, seed: int, base_s: float):
+        if family not in FAMILIES:
+            raise ValueError(f"unknown family {family!r}: use one of {list(FAMILIES)}")
+        self.family, self.steps, self.seed, self.base_s = family, steps, seed, base_s
+        self.step = 0
+
+    def seconds(self, stage: int, mb: int, kind: str) -> float:
+        rng = random.Random(f"{self.seed}/{self.step}/{mb}")
+        long_sequence = rng.random() < 0.2
+        images = rng.randint(0, 8)
+        if self.family == "static-loses":
+            return self.base_s * ((1 + images / 2) if stage == 0 else 1.0)
+        if self.family == "uniform" or (self.family == "regime-change"
+                                        and self.step < self.steps // 2):
+            return self.base_s
+        return self.base_s * (4 if long_sequence else 1)
+
+    def wrap(self, stage: int, block: torch.nn.Module, n_microbatches: int
+             ) -> EmulatedDeviceTime:
+        return EmulatedDeviceTime(block, n_microbatches,
+                                  lambda mb: self.seconds(stage, mb, "F"),
+                                  lambda mb: self.seconds(stage, mb, "B"))
+
+
+def self_driving_world(rank: int, world_size: int, family: str, steps: int,
+                       budget: str = "hint+2", seed: int = 0, base_s: float = 0.002,
+                       predictor: str | None = "advisor") -> dict:
+    """1F1B on ``world_size`` ranks, one stage each, 4 microbatches per rank: torch's
+    Schedule1F1B (metered), then ScheduleRRFP with ``tune_within=budget`` (metered every
+    step), ``steps`` steps each; ``predictor``: one of ``PREDICTORS``, run at once in the
+    rank's process (None: the advisor in a child, as in a job: decisions come when it is
+    done). Returns per schedule the step times, and for the
+    self-driving one per step its policy, limits and peak bytes, whether its gradients
+    are bitwise torch's in every step, and the decisions it logged."""
+    num_stages, M = world_size, 4 * world_size
+    torch.manual_seed(0)
+    chain = [Widened(WIDENING[s % len(WIDENING)]) for s in range(num_stages)]
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(M * ROWS, WIDTH, generator=g, dtype=torch.float64)
+    y = torch.randn(M * ROWS, WIDTH, generator=g, dtype=torch.float64)
+    inputs = (x,) if rank == 0 else ()
+
+    def run(make_schedule, meter: ActivationMeter | None = None) -> dict:
+        clock = FamilyClock(family, steps, seed, base_s)
+
+        def wrap(s, block):
+            timed = clock.wrap(s, block, M)
+            return MeteredModule(timed, meter) if meter is not None else timed
+
+        stages, blocks = build_stages(chain, rank, world_size, "loop", wrap=wrap)
+        schedule = make_schedule(stages)
+        optimizer = torch.optim.SGD([p for b in blocks for p in b.parameters()], lr=0.1)
+        out: dict = {"grads": [], "times": [], "bytes": [], "policy": [], "limits": []}
+        for step in range(steps):
+            clock.step = step
+            for stage in stages:
+                (stage.submod.inner if meter is not None else stage.submod).reset()
+            if meter is not None:
+                meter.reset(p for b in blocks for p in b.parameters())
+            optimizer.zero_grad(set_to_none=True)
+            start = time.perf_counter()
+            schedule.step(*inputs, target=y, return_outputs=False)
+            out["times"].append(time.perf_counter() - start)
+            out["grads"].append([p.grad.clone() for b in blocks for p in b.parameters()])
+            stats = getattr(schedule, "last_step_stats", None)
+            if stats is not None:
+                out["policy"].append(stats.policy)
+                out["limits"].append(stats.rank_buffer_limit)
+                out["bytes"].append(stats.peak_activation_bytes)
+            elif meter is not None:
+                out["bytes"].append(meter.peak)
+            optimizer.step()
+        out["schedule"] = schedule
+        return out
+
+    fixed = run(lambda stages: torch_schedule("1F1B", stages, M), meter=ActivationMeter())
+    settings = Settings(tune_within=budget, stall_timeout=60, meter_every=1)
+    predict = None if predictor is None else PREDICTORS[predictor]
+    try:
+        tuned = run(lambda stages: StudySchedule(stages, M, loss_fn=loss_fn, hint="1F1B",
+                                                 settings=settings,
+                                                 study=Study(device=EmulatedDevice(),
+                                                             predict_inline=predict)))
+    except ValueError as e:
+        return {"error": str(e), "fixed_bytes": max(fixed["bytes"][1:])}
+    schedule = tuned["schedule"]
+    decisions = schedule.tuning_decisions
+    schedule.close()
+    return {
+        "fixed_times": fixed["times"], "fixed_bytes": max(fixed["bytes"][1:]),
+        "times": tuned["times"], "policy": tuned["policy"], "limits": tuned["limits"],
+        "bytes": tuned["bytes"], "decisions": decisions,
+        "bitwise": [all(torch.equal(a, b) for a, b in zip(ga, gb))
+                    for ga, gb in zip(tuned["grads"], fixed["grads"])],
+    }

@@ -1,0 +1,77 @@
+"""Self-driving RRFP in a job (``Settings(tune_within=...)``): every rank runs what the
+deciding rank chose, from the same step, on an emulated device; the gradients stay
+torch's fixed schedule's in every step (``rrfp.testing.self_driving_world``)."""
+
+from __future__ import annotations
+
+import pickle
+
+import pytest
+
+from rrfp.advise.tuning import predict_candidates
+from rrfp.runtime.self_driving import BlockPlan, predicted_in_a_child
+from rrfp.testing.self_driving_world import self_driving_world
+from rrfp.testing.worlds import run_local_world
+
+pytestmark = pytest.mark.timeout(300)
+
+STEPS = 20
+"""Enough for the first choice (the measured steps: 8) and a block after it."""
+
+
+def first_change(values: list) -> int | None:
+    return next((i for i in range(1, len(values)) if values[i] != values[i - 1]), None)
+
+
+def test_every_rank_switches_at_the_same_step_within_a_byte_budget_and_stays_bitwise():
+    # 1F1B on 2 ranks: each rank's fixed order holds 4096 B at its peak (rank 0: two
+    # microbatches of 2048 B; rank 1: one of 4096 B). 12 KiB lets each hold two more.
+    ranks = run_local_world(2, self_driving_world, "gains", STEPS, "12KiB", timeout=240)
+    decisions = {tuple(r["decisions"]) for r in ranks}
+    assert len(decisions) == 1, decisions
+    [(first, *_)] = decisions
+    assert first.startswith("from step 8: buffer_limit='hint+2'") and "switch" in first
+    for rank, r in enumerate(ranks):
+        assert r["fixed_bytes"] == 4096
+        assert first_change(r["limits"]) == 8, r["limits"]
+        assert r["limits"][8] == r["limits"][0] + 2
+        assert all(r["bitwise"]), rank
+        # Metered on the tensors in every step: never above the budget.
+        assert max(r["bytes"]) <= 12 * 1024, r["bytes"]
+    assert max(r["bytes"][-1] for r in ranks) > 4096  # the slack was used
+
+
+def test_where_nothing_is_predicted_to_gain_every_rank_runs_the_fixed_order():
+    ranks = run_local_world(2, self_driving_world, "uniform", STEPS, "hint+2", 0, 0.002,
+                            "no gain", timeout=240)
+    for r in ranks:
+        assert r["decisions"] == ["from step 8: the hint's fixed order (no gain; predicted "
+                                  "1.000x the fixed schedule)"]
+        assert r["policy"][8:] == ["fixed"] * (STEPS - 8)
+        assert all(r["bitwise"])
+
+
+def test_a_budget_the_fixed_schedule_does_not_fit_is_refused_on_every_rank():
+    ranks = run_local_world(2, self_driving_world, "gains", STEPS, "3KiB", timeout=240)
+    errors = {r.get("error") for r in ranks}
+    assert len(errors) == 1, errors
+    [error] = errors
+    assert error.startswith("tune_within='3KiB': the fixed schedule itself holds")
+    assert "give a budget of at least 4096 B" in error
+
+
+def test_a_plan_reads_back_as_it_was_said():
+    plan = BlockPlan((("hint+2", None, False), ("hint", "fixed", True)), True,
+                     ("from step 8: ...",), None)
+    assert BlockPlan.decode(plan.encode()) == plan
+
+
+def test_the_child_process_predicts_what_the_advisor_predicts(tmp_path):
+    from rrfp.advise import read_run
+    from tests.test_advise import write_run
+
+    write_run(tmp_path / "run", steps=4, ranks=2)
+    run, _ = read_run(str(tmp_path / "run"))
+    inline = predict_candidates(run, ["hint", "hint+1"])
+    assert predicted_in_a_child(run, ["hint", "hint+1"]) == inline
+    assert pickle.loads(pickle.dumps(inline)) == inline
