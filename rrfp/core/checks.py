@@ -92,8 +92,9 @@ def _fixed_every(every: object, hint: Hint, limit: BufferLimit) -> int:
 
 def _budget(spec: object, settings: Settings, policy: str | None, free_memory_known: bool,
             device: object) -> BufferLimit | None:
-    """The self-driving budget, where nothing else it chooses was set."""
-    if spec is None:
+    """The self-driving budget, where nothing else it chooses was set (None or ``""``:
+    none)."""
+    if spec is None or spec == "":
         return None
     budget = parse_buffer_limit(spec)
     if budget.auto:

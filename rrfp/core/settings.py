@@ -103,8 +103,8 @@ class Settings:
     policy itself, from the job's own measured steps, and keeps verifying its choice with
     the in-run A/B (``"hint+k"``, ``"busiest"``, a byte budget per rank such as
     ``"12GiB"``, or an int n of microbatches; docs/guide/self-driving.md). Leave
-    ``buffer_limit``, ``policy`` and ``fixed_every`` at their defaults with it. None: the
-    setting those fields give."""
+    ``buffer_limit``, ``policy`` and ``fixed_every`` at their defaults with it. None (or
+    ``""``): the setting those fields give."""
 
     report_folder: str | None = None
     """Where the job's hang report goes when a step stalls (None: the current working
