@@ -194,12 +194,13 @@ MUTATIONS = [
          "charts",)),
     Mutation(
         "ab_pairs_one_sided", "the A/B compares a fixed step with the RRFP steps on both sides",
-        "rrfp/advise/report.py", "for j in (i - 1, i + 1)", "for j in (i - 1,)",
-        ("tests/test_advise.py::test_the_ab_pairs_each_fixed_step_with_its_neighbours",)),
+        "rrfp/core/tuning.py", "for j in (i - 1, i + 1)", "for j in (i - 1,)",
+        ("tests/test_advise.py::test_the_ab_pairs_each_fixed_step_with_its_neighbours",
+         "tests/test_tuning.py::test_the_a_b_pairs_each_fixed_step_with_its_neighbours")),
     Mutation(
         "fixed_every_ignored", "the in-run A/B runs every k-th step in the fixed order",
-        "rrfp/runtime/pipeline.py", "fixed = training and self.fixed_every > 0 and (",
-        "fixed = False and self.fixed_every > 0 and (",
+        "rrfp/runtime/pipeline.py", "fixed = training and (self.fixed_every > 0 and (",
+        "fixed = training and (False and (",
         ("tests/test_advise.py::test_in_run_ab_measures_what_the_advisor_predicts_and_stays_"
          "bitwise",
          "tests/test_titan_training.py::test_rrfp_trains_exactly_as_the_fixed_schedule|in-run-ab")),
@@ -257,6 +258,23 @@ MUTATIONS = [
         "mb_sizes=microbatches.sizes)", "mb_sizes=None)",
         ("tests/test_titan_training.py::test_variable_shape_data_paths_train_and_their_loss_falls"
          "|documents",)),
+    Mutation(
+        "tuner_never_falls_back", "self-driving falls back when the in-run A/B says its "
+        "setting is slower", "rrfp/core/tuning.py",
+        "if upper_bound(logs, self.rules.confidence) >= 0:", "if True:",
+        ("tests/test_tuning.py::test_falls_back_when_the_a_b_says_the_setting_is_slower",
+         "tests/test_tuning.py::test_falls_back_to_the_fixed_order_when_no_candidate_is_left")),
+    Mutation(
+        "tuner_ignores_drift", "self-driving measures again when the step times drift",
+        "rrfp/core/tuning.py", "since.drifting = since.drifting + 1 if strays else 0",
+        "since.drifting = 0",
+        ("tests/test_tuning.py::test_a_drift_in_the_step_times_measures_again_and_chooses_anew",)),
+    Mutation(
+        "self_driving_plan_ignored", "every rank runs the setting the deciding rank chose",
+        "rrfp/runtime/pipeline.py", "        setting = tuned.setting\n",
+        "        setting = tuned.setting if self.self_driving.deciding else Candidate(\"hint\")\n",
+        ("tests/test_self_driving.py::test_every_rank_switches_at_the_same_step_within_a_byte_"
+         "budget_and_stays_bitwise",)),
 ]
 
 
