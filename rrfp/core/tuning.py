@@ -161,8 +161,8 @@ def ab_speedups(steps: Sequence[tuple[bool, float]]) -> list[float]:
 
 def upper_bound(values: Sequence[float], confidence: float) -> float:
     """The one-sided upper ``confidence`` bound of the mean of ``values`` (Student's t,
-    its quantile by the Cornish-Fisher expansion: within 3% of the exact one from 3
-    degrees of freedom on, a little below it)."""
+    its quantile by the Cornish-Fisher expansion, a little below the exact one with few
+    degrees of freedom: ``tests/test_tuning.py`` bounds the difference)."""
     n = len(values)
     z = statistics.NormalDist().inv_cdf(confidence)
     df = n - 1
