@@ -16,7 +16,7 @@ import logging
 import math
 import time
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import NoReturn
 
@@ -39,7 +39,7 @@ from rrfp.core.loop import Arrival, Device, StepLoop
 from rrfp.core.policy import make_policy
 from rrfp.core.sizes import StepSizes
 from rrfp.core.stats import StepStats
-from rrfp.core.tuning import Candidate, FIXED_ORDER, StepRun
+from rrfp.core.tuning import FIXED_ORDER
 from rrfp.core.wakeup import Wakeup
 from rrfp.devices.platform import Platform
 from rrfp.failure.hang_report import HangReport, rank_state
@@ -61,6 +61,16 @@ class Metering:
     meter: ActivationMeter | None
     """None: never (``meter_activations=False``)."""
     every: int
+
+    def for_step(self, steps_run: int, measured: bool, stages: Iterable[_PipelineStageBase],
+                 new_setting: bool = False) -> ActivationMeter | None:
+        """The meter, reset for the step after ``steps_run`` steps, where that step is
+        metered: the first training step (nothing ``measured`` yet), every ``every``-th,
+        and (``new_setting``) the first block of steps of a self-driving setting."""
+        if self.meter is None or (steps_run % self.every and not new_setting and measured):
+            return None
+        self.meter.reset(p for stage in stages for p in stage.submod.parameters())
+        return self.meter
 
 
 @dataclass
@@ -93,9 +103,6 @@ class PipelineRuntime:
         """The in-run A/B: every this-many-th training step runs the fixed order (0: none)."""
         self.self_driving = self_driving
         """Self-driving: what each training step runs, as the job's deciding rank says."""
-        self._tuned_limits: dict[Candidate, LimitPlan] = {}
-        self._tuned_since = 0
-        """The training step from which the self-driving setting of now ran."""
         self.history = History()
         self.fit_sharing = FitSharing(transport.channels.store, dist.get_rank()
                                       if dist.is_initialized() else 0,
@@ -149,9 +156,14 @@ class PipelineRuntime:
 
         hint = self.hint if training else self._forward_only
         self._expect_sizes(sizes if training else None)
-        tuned = self._tuned_step() if training else None
-        meter = self._meter_for_this_step(tuned is not None and (
-            self.training_steps_run - self._tuned_since < self.self_driving.rules.block))
+        tuned = None
+        if training and self.self_driving is not None:
+            tuned, self.limits = self.self_driving.before_step(self.training_steps_run,
+                                                               self.limits)
+        meter = self.metering.for_step(
+            self.steps_run, self.activation_bytes_per_microbatch is not None,
+            self.stages.values(),
+            tuned is not None and self.self_driving.meters(self.training_steps_run))
         # The in-run A/B's fixed-order steps launch without bound, as torch's schedules do.
         fixed = training and (self.fixed_every > 0 and (
             self.training_steps_run % self.fixed_every == self.fixed_every - 1)
@@ -207,34 +219,6 @@ class PipelineRuntime:
         self.history.expect_sizes(sizes)
         if self.history.sizes_tell_apart:
             self.history.models.adopt(self.fit_sharing.latest())
-
-    def _tuned_step(self) -> StepRun | None:
-        """What a self-driving training step runs; its limits and policy made the next
-        step's (``self.limits``)."""
-        if self.self_driving is None:
-            return None
-        tuned = self.self_driving.before_step(self.training_steps_run)
-        setting = tuned.setting
-        if setting == FIXED_ORDER or tuned.ab_fixed:
-            return tuned
-        plan = self._tuned_limits.get(setting)
-        if plan is None:
-            plan = LimitPlan(setting.buffer_limit, self.hint, self.rank, setting.policy)
-            self._tuned_limits[setting] = plan
-        if plan is not self.limits:
-            self.limits, self._tuned_since = plan, self.training_steps_run
-        return tuned
-
-    def _meter_for_this_step(self, new_setting: bool = False) -> ActivationMeter | None:
-        """The meter where this step is metered: the first training step, every
-        ``metering.every``-th, and (``new_setting``) the first block of steps of a
-        self-driving setting."""
-        meter = self.metering.meter
-        if meter is None or (self.steps_run % self.metering.every and not new_setting
-                             and self.activation_bytes_per_microbatch is not None):
-            return None
-        meter.reset(p for stage in self.stages.values() for p in stage.submod.parameters())
-        return meter
 
     def _run_loop(self, loop: StepLoop, origin: float, hint: Hint, training: bool,
                   coordinator: Coordinator | None, custom: CustomFunctions) -> None:
@@ -435,79 +419,6 @@ def _with_causes(error: BaseException, most: int = 4) -> str:
         text += f" <- caused by {type(cause).__name__}: {line}"
         cause = cause.__cause__ or cause.__context__
     return text
-
-
-class RuntimeReadout:
-    """What users read off a schedule's runtime (``self._runtime``, a ``PipelineRuntime``):
-    the limits and policy of the next step, the last step's stats, what earlier steps
-    taught the policies."""
-
-    _runtime: PipelineRuntime
-
-    @property
-    def history(self) -> History:
-        """What earlier steps showed this rank (device durations per stage and kind,
-        arrival times): what the ``lookahead`` and ``critical`` policies decide by."""
-        return self._runtime.history
-
-    @property
-    def fit_sharing_seconds(self) -> float:
-        """Seconds this rank spent so far sharing duration fits with the others (store
-        round trips; only in steps given sizes: ``ScheduleRRFP.step(mb_sizes=...)``)."""
-        return self._runtime.fit_sharing.seconds
-
-    @property
-    def buffer_limits(self) -> MemoryLimits:
-        """The memory limits of the next training step (``rrfp.core.limits.MemoryLimits``)."""
-        return self._runtime.limits.limits
-
-    @property
-    def byte_limits(self) -> ByteLimits | None:
-        """Where ``buffer_limit`` is in bytes: the microbatch limits derived from the first
-        step's bytes (from the second step on), with the budgets they keep."""
-        return self._runtime.limits.byte_limits
-
-    @property
-    def policy(self) -> str:
-        """The policy of the next training step."""
-        return self._runtime.limits.policy
-
-    @property
-    def limit_summary(self) -> str:
-        """One sentence on what ``buffer_limit`` allows on this rank (as logged)."""
-        return self._runtime.limits.summary
-
-    @property
-    def launch_depth(self) -> float:
-        return self._runtime.launch_depth
-
-    @property
-    def tuning_decisions(self) -> list[str]:
-        """Self-driving (``Settings.tune_within``): each decision that took effect, one
-        line each (what runs from which step, why, predicted and measured speedups);
-        empty otherwise."""
-        driving = self._runtime.self_driving
-        return list(driving.decisions) if driving is not None else []
-
-    @property
-    def report_folder(self) -> str | None:
-        """Where the job's hang report goes (``ScheduleRRFP``'s ``report_folder``)."""
-        return self._runtime.report.folder
-
-    @report_folder.setter
-    def report_folder(self, folder: str | None) -> None:
-        self._runtime.report.folder = folder
-
-    @property
-    def last_step_stats(self) -> StepStats | None:
-        """What happened in the last step on this rank (``rrfp.core.stats.StepStats``)."""
-        return self._runtime.last_step_stats
-
-    @property
-    def activation_bytes_per_microbatch(self) -> dict[int, int] | None:
-        """Per local stage, the most bytes one microbatch's forward saved for backward in
-        the last metered training step (None before one)."""
-        return self._runtime.activation_bytes_per_microbatch
 
 
 class ClosedOnLeaving:

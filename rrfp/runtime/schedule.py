@@ -51,8 +51,8 @@ from rrfp.runtime.executor import Reduction, StepInputs
 from rrfp.runtime.inputs import microbatch_inputs
 from rrfp.runtime.limit_plan import LimitPlan
 from rrfp.runtime.meter import ActivationMeter
-from rrfp.runtime.pipeline import (ClosedOnLeaving, Coordination, Metering, PipelineRuntime,
-                                   RuntimeReadout)
+from rrfp.runtime.pipeline import ClosedOnLeaving, Coordination, Metering, PipelineRuntime
+from rrfp.runtime.readout import RuntimeReadout
 from rrfp.runtime.self_driving import Predictor, SelfDriving
 from rrfp.runtime.schedule_arguments import (stages_per_rank, TorchArguments,
                                              TorchScheduleArguments)
@@ -415,7 +415,7 @@ def _wired_runtime(hint: Hint, rank: int, stages: list[_PipelineStageBase], plat
         {s: peaks[s] for s in local}, hint.plan.rank_peaks()[rank], launch_depth,
         type(wiring.device).__name__, limits.summary)
     meter = ActivationMeter() if given.meter_activations else None
-    self_driving = (SelfDriving(checked.tune_within, hint, job,
+    self_driving = (SelfDriving(checked.tune_within, hint, rank, job,
                                 transport.channels.global_ranks, stall_timeout,
                                 predict_inline=wiring.predict_inline)
                     if checked.tune_within is not None else None)

@@ -39,7 +39,9 @@ from rrfp.core.hints import Hint
 from rrfp.core.limits import fixed_peak_bytes, most_bytes_allowed, resolve_buffer_limits
 from rrfp.core.settings import BufferLimit
 from rrfp.core.stats import StepStats
-from rrfp.core.tuning import Candidate, Decision, Predicted, StepRun, Tuner, TuningRules
+from rrfp.core.tuning import (Candidate, Decision, FIXED_ORDER, Predicted, StepRun, Tuner,
+                              TuningRules)
+from rrfp.runtime.limit_plan import LimitPlan
 
 logger = logging.getLogger(__name__)
 
@@ -121,10 +123,11 @@ def predicted_in_a_child(run: MeasuredRun, limits: Sequence[str]) -> list[Predic
 class SelfDriving:
     """One rank's part in a self-driving job (see the module docstring)."""
 
-    def __init__(self, budget: BufferLimit, hint: Hint, job: JobScope,
+    def __init__(self, budget: BufferLimit, hint: Hint, rank: int, job: JobScope,
                  pipeline_ranks: Sequence[int], timeout: float,
                  rules: TuningRules = TuningRules(), predict_inline: Predictor | None = None):
-        self.budget, self.hint, self.timeout, self.rules = budget, hint, timeout, rules
+        self.budget, self.hint, self.rank = budget, hint, rank
+        self.timeout, self.rules = timeout, rules
         self.board = FailureBoard(None, job.me, job_store=job.store, job_ranks=job.ranks)
         self._alone = job.store is None or len(job.ranks) < 2
         """A job of one rank: nothing to tell."""
@@ -136,6 +139,9 @@ class SelfDriving:
         self.decisions: list[str] = []
         """Every rank: the lines of the decisions that took effect so far."""
         self._plan: BlockPlan | None = None
+        self._limit_plans: dict[Candidate, LimitPlan] = {}
+        self._setting_since = 0
+        """The training step from which the setting of now ran."""
         self._traces: dict[int, list[dict]] = {}
         self._shared: list[int] = []
         self._limits: list[str] | None = None
@@ -145,8 +151,9 @@ class SelfDriving:
         """Studies: predict in this process, at once (None: in a child, off the critical
         path)."""
 
-    def before_step(self, step: int) -> StepRun:
-        """What training step ``step`` runs (read at a block's first step)."""
+    def before_step(self, step: int, limits: LimitPlan) -> tuple[StepRun, LimitPlan]:
+        """What training step ``step`` runs (read at a block's first step), and the limits
+        it runs at (``limits``, the last step's, where it runs the fixed order)."""
         block = self.rules.block
         if step % block == 0:
             self._plan = self._read_plan(step // block)
@@ -157,7 +164,21 @@ class SelfDriving:
                 logger.info("rrfp self-driving: %s", line)
         assert self._plan is not None
         limit, policy, ab_fixed = self._plan.runs[step % block]
-        return StepRun(Candidate(limit, policy), ab_fixed)
+        run = StepRun(Candidate(limit, policy), ab_fixed)
+        if run.setting == FIXED_ORDER or ab_fixed:
+            return run, limits
+        plan = self._limit_plans.get(run.setting)
+        if plan is None:
+            plan = LimitPlan(limit, self.hint, self.rank, policy)
+            self._limit_plans[run.setting] = plan
+        if plan is not limits:
+            self._setting_since = step
+        return run, plan
+
+    def meters(self, step: int) -> bool:
+        """Whether training step ``step`` is in the first block of a new setting (the byte
+        meter then runs in every step)."""
+        return step - self._setting_since < self.rules.block
 
     def after_step(self, step: int, stats: StepStats) -> None:
         """Share the step's trace where the plan asks; the deciding rank observes it."""
