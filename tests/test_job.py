@@ -27,7 +27,7 @@ from rrfp.failure.job import agree_on_settings
 from rrfp.testing import nccl_like_collectives
 from rrfp.testing.chains import loss_fn, make_batch, make_chain, MLPBlock, run_steps
 from rrfp.testing.emulation import EmulatedDevice
-from rrfp.testing.nccl_like import use_channels
+from rrfp.testing.nccl_like import channels_for
 from rrfp.testing.probes import error_chain, rrfp_threads
 from rrfp.testing.study import Study, StudySchedule
 from rrfp.testing.worlds import run_local_world
@@ -205,7 +205,7 @@ def job_failure(rank: int, world_size: int, kind: str, parallel: str, how: str,
     all-reduce. Each rank returns what it raised and when; a hang report goes to
     ``folder``."""
     pp, replica, pipelines, _ = _layout(rank, parallel)
-    use_channels(kind)
+    channels = channels_for(kind)
     pp_group, replica_group = _groups(rank, parallel, kind)
     torch.manual_seed(0)
     chain = [MLPBlock().double() for _ in range(2)]
@@ -227,7 +227,8 @@ def job_failure(rank: int, world_size: int, kind: str, parallel: str, how: str,
                              coordination_group=replica_group if parallel == "tp" else None,
                              settings=Settings(stall_timeout=stall_timeout, report_folder=folder),
                              study=Study(device=EmulatedDevice()
-                                         if (kind, parallel) == ("nccl-like", "tp") else None))
+                                         if (kind, parallel) == ("nccl-like", "tp") else None,
+                                         channels=channels))
     run_steps(schedule, [stage], [strike], x, y, 1)
     strike.calls, strike.armed = 0, True  # the third forward of step 2: microbatch 2
     if parallel == "dp" and rank in pipelines[1]:

@@ -16,7 +16,7 @@ from rrfp._torch_compat import forward_states_held
 from rrfp.testing.chains import (bitwise_equal, build_stages, local_stage_indices, loss_fn,
                                  make_batch, make_chain, run_steps, torch_schedule)
 from rrfp.testing.emulation import EmulatedDevice, EmulatedDeviceTime
-from rrfp.testing.nccl_like import use_channels
+from rrfp.testing.nccl_like import channels_for
 from rrfp.testing.probes import error_chain, rrfp_threads
 from rrfp.testing.study import Study, StudySchedule
 from rrfp.testing.worlds import run_local_world
@@ -113,16 +113,18 @@ def test_a_failed_step_under_split_backward_leaves_no_unfinished_microbatch_held
         assert result["bound"] == 0, (rank, result)
 
 
-def recovers_as_gpipe(chain, snapshot, rank: int, world_size: int, M: int, x, y) -> bool:
+def recovers_as_gpipe(chain, snapshot, rank: int, world_size: int, M: int, x, y,
+                      channels=None) -> bool:
     """Whether a new ScheduleRRFP, on fresh stages with the parameters ``snapshot`` holds
-    (this rank's blocks), steps bitwise as torch's GPipe."""
+    (this rank's blocks), steps bitwise as torch's GPipe (``channels``: ``channels_for``'s
+    maker; None: rrfp's own)."""
     full = list(chain)
     for s, saved in zip(local_stage_indices(rank, world_size, world_size, "loop"), snapshot):
         full[s] = saved
     stages, blocks = build_stages(full, rank, world_size, "loop")
     recovered = StudySchedule(stages, M, loss_fn=loss_fn, hint="GPipe",
                               settings=Settings(stall_timeout=300, launch_depth=1),
-                              study=Study(device=EmulatedDevice()))
+                              study=Study(device=EmulatedDevice(), channels=channels))
     got = run_steps(recovered, stages, blocks, x, y, 1)
     recovered.close()
     fixed_stages, fixed_blocks = build_stages(full, rank, world_size, "loop")
@@ -234,7 +236,7 @@ def failure_reaches_every_rank(rank: int, world_size: int, kind: str, how: str) 
     in the second step one rank fails mid-step (``how``): ``"forward"`` (rank 0, stage 0's
     forward of microbatch 2), ``"loss"`` (the last rank, microbatch 2's loss), ``"send"``
     (rank 1's second activation send: on ``"nccl-like"`` channels its work completes with
-    an error, on gloo the send call raises). Channels: ``kind`` (``use_channels``). Every
+    an error, on gloo the send call raises). Channels: ``kind`` (``channels_for``). Every
     rank records what it raised and when; then each builds a new schedule in the same
     process, whose step must be bitwise torch's GPipe."""
     from rrfp.comm.channels import Channel
@@ -243,7 +245,8 @@ def failure_reaches_every_rank(rank: int, world_size: int, kind: str, how: str) 
     failing = {"forward": 0, "loss": world_size - 1, "send": 1}[how]
     plant = how == "send" and rank == failing
     # The second activation of the second step (the first step sent M).
-    use_channels(kind, fail_send_at={(1, 2): M + 1} if plant and kind == "nccl-like" else None)
+    channels = channels_for(kind, fail_send_at={(1, 2): M + 1} if plant and kind == "nccl-like"
+                            else None)
     if plant and kind == "gloo":
         real_send, sent = Channel.send, []
 
@@ -283,7 +286,7 @@ def failure_reaches_every_rank(rank: int, world_size: int, kind: str, how: str) 
     schedule = StudySchedule(stages, M, loss_fn=loss if how == "loss" and rank == failing
                             else loss_fn, hint="GPipe",
                              settings=Settings(stall_timeout=300, launch_depth=1),
-                             study=Study(device=EmulatedDevice()))
+                             study=Study(device=EmulatedDevice(), channels=channels))
     run_steps(schedule, stages, blocks, x, y, 1)
     snapshot = [copy.deepcopy(b) for b in blocks]
     armed, calls[0] = True, 0
@@ -302,8 +305,7 @@ def failure_reaches_every_rank(rank: int, world_size: int, kind: str, how: str) 
     armed = False
     if plant and kind == "gloo":
         Channel.send = real_send
-    use_channels(kind)
-    bitwise = recovers_as_gpipe(chain, snapshot, rank, world_size, M, x, y)
+    bitwise = recovers_as_gpipe(chain, snapshot, rank, world_size, M, x, y, channels_for(kind))
     return {"error": error, "failed_rank": failed_rank, "raised_at": raised_at,
             "failed_at": FAILED_AT[0] if FAILED_AT else None,
             "bitwise": bitwise, "threads_at_end": rrfp_threads()}
@@ -344,7 +346,7 @@ def clean_close_then_peer_steps(rank: int, world_size: int, kind: str) -> dict:
     (0.2 s), so its activation ring (2 slots) has not posted the receives of the last
     microbatches when rank 0 has sent everything. Rank 0 closes its schedule right after
     its step; rank 1 must still complete its own (no message of rank 0's dropped)."""
-    use_channels(kind)
+    channels = channels_for(kind)
     M = 6
     chain = make_chain(world_size)
     x, y = make_batch(M)
@@ -353,7 +355,7 @@ def clean_close_then_peer_steps(rank: int, world_size: int, kind: str) -> dict:
     stages, blocks = build_stages(chain, rank, world_size, "loop", wrap=wrap)
     schedule = StudySchedule(stages, M, loss_fn=loss_fn, hint="1F1B",
                              settings=Settings(stall_timeout=300, launch_depth=1),
-                             study=Study(device=EmulatedDevice()))
+                             study=Study(device=EmulatedDevice(), channels=channels))
     run_steps(schedule, stages, blocks, x, y, 1)  # shape inference: torch's blocking P2P
     inputs = (x,) if rank == 0 else ()
     error = None

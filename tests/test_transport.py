@@ -20,7 +20,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from rrfp import ScheduleRRFP, Settings
+from rrfp import Settings
 from rrfp.comm import channels as channels_module
 from rrfp.comm.board import FailureBoard
 from rrfp.comm.channels import Channel, ChannelMap, make_channel_group
@@ -520,22 +520,21 @@ def lazily_connected_channels(rank: int, world_size: int, connect: bool) -> dict
     connection step (one exchange per channel, in one order, at construction)."""
     import functools
 
-    import rrfp.runtime.schedule
     from rrfp.comm.channels import create_channels
 
     def lazy(name, store, channel_rank, timeout, **naming):
         return LazilyConnectedGroup(store, channel_rank, timeout_s=3.0)
 
-    rrfp.runtime.schedule.create_channels = functools.partial(create_channels, group_factory=lazy,
-                                                      connect=connect)
     M = 4
     chain = make_chain(world_size)
     x, y = make_batch(M)
     stages, blocks = build_stages(chain, rank, world_size, "loop")
     fixed = run_steps(torch_schedule("1F1B", stages, M), stages, blocks, x, y, 2)
     stages, blocks = build_stages(chain, rank, world_size, "loop")
-    schedule = ScheduleRRFP(stages, M, loss_fn=loss_fn, hint="1F1B",
-                            settings=Settings(stall_timeout=30))
+    schedule = StudySchedule(stages, M, loss_fn=loss_fn, hint="1F1B",
+                             settings=Settings(stall_timeout=30),
+                             study=Study(channels=functools.partial(
+                                 create_channels, group_factory=lazy, connect=connect)))
     start = time.perf_counter()
     try:
         history = run_steps(schedule, stages, blocks, x, y, 2)

@@ -11,11 +11,11 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from rrfp import ScheduleRRFP, Settings
+from rrfp import Settings
 from rrfp.testing.chains import (BATCH_PER_MICROBATCH, bitwise_equal, build_stages, DIM,
                                  local_stage_indices, loss_fn, make_batch, make_chain)
 from rrfp.testing.emulation import EmulatedDevice
-from rrfp.testing.nccl_like import use_channels
+from rrfp.testing.nccl_like import channels_for
 from rrfp.testing.probes import error_chain
 from rrfp.testing.study import Study, StudySchedule
 from rrfp.testing.timing import random_device_time, random_send_delay, SECOND_ACTIVATION_LATE
@@ -36,8 +36,8 @@ def variable_shapes(rank: int, world_size: int, hint: str, per_rank: int, layout
     """Microbatches of different sequence lengths, and other lengths the next step: RRFP
     (variable_shapes, emulated device, random delays) vs RRFP's fixed policy on the same
     data, bitwise, and vs the unpipelined float64 model. ``kind``: the channels
-    (``use_channels``); on ``"nccl-like"`` ones, also what went over them."""
-    made = use_channels(kind)
+    (``channels_for``); on ``"nccl-like"`` ones, also what went over them."""
+    channels = channels_for(kind)
     num_stages, M = world_size * per_rank, 2 * world_size
     chain = make_chain(num_stages)
     local = local_stage_indices(rank, world_size, num_stages, layout)
@@ -53,7 +53,8 @@ def variable_shapes(rank: int, world_size: int, hint: str, per_rank: int, layout
         schedule = StudySchedule(stages, M, loss_fn=loss_fn, hint=hint,
                                  settings=Settings(policy=policy, variable_shapes=True,
                                                    buffer_limit="hint+1", stall_timeout=60),
-                                 study=Study(device=EmulatedDevice(), send_delay=send_delay))
+                                 study=Study(device=EmulatedDevice(), send_delay=send_delay,
+                                             channels=channels))
         optimizer = torch.optim.SGD([p for b in blocks for p in b.parameters()], lr=0.1)
         history = []
         for xs, ys in data:
@@ -90,8 +91,9 @@ def variable_shapes(rank: int, world_size: int, hint: str, per_rank: int, layout
     result = {"bitwise": bitwise_equal(rrfp, fixed), "error": max(errors),
               "out_of_order": stats.out_of_hint_order,
               "receive_bytes": stats.receive_buffer_bytes}
-    if made is not None:  # the dtypes sent over the (NCCL-like) data channels
-        result["data_dtypes"] = sorted({str(d) for g in made.made for d in g.sent_dtypes})
+    if channels is not None:  # the dtypes sent over the (NCCL-like) data channels
+        result["data_dtypes"] = sorted({str(d) for g in channels.groups.made
+                                         for d in g.sent_dtypes})
     return result
 
 
@@ -156,7 +158,6 @@ def messages_per_step(rank: int, world_size: int, variable: bool) -> dict:
     report it."""
     import functools
 
-    import rrfp.runtime.schedule
     from rrfp.comm.channels import create_channels, make_channel_group
 
     sends: list = []
@@ -165,13 +166,14 @@ def messages_per_step(rank: int, world_size: int, variable: bool) -> dict:
         return CountingGroup(make_channel_group(name, store, channel_rank, timeout, **naming),
                              sends)
 
-    rrfp.runtime.schedule.create_channels = functools.partial(create_channels, group_factory=counting)
     M = 4
     chain = make_chain(world_size)
     x, y = make_batch(M)
     stages, _ = build_stages(chain, rank, world_size, "loop")
-    schedule = ScheduleRRFP(stages, M, loss_fn=loss_fn, hint="1F1B",
-                            settings=Settings(variable_shapes=variable))
+    schedule = StudySchedule(stages, M, loss_fn=loss_fn, hint="1F1B",
+                             settings=Settings(variable_shapes=variable),
+                             study=Study(channels=functools.partial(create_channels,
+                                                                    group_factory=counting)))
     xs, ys = list(x.chunk(M)), list(y.chunk(M))
     for _ in range(2):
         sends.clear()  # the connection's token, then the first step's

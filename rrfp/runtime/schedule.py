@@ -30,7 +30,7 @@ from torch.distributed.pipelining.stage import _PipelineStageBase
 
 from rrfp._torch_compat import check_first_stage_inputs, check_torch
 from rrfp.comm.board import JobScope
-from rrfp.comm.channels import create_channels
+from rrfp.comm.channels import ChannelMap, create_channels
 from rrfp.comm.coordination import CoordinationGroup, refuse_uncovered_sharding
 from rrfp.comm.link_latency import SendDelay
 from rrfp.comm.receives import check_variable_shapes, ReceiveRings
@@ -401,9 +401,10 @@ def _wired_runtime(hint: Hint, rank: int, stages: list[_PipelineStageBase], plat
     given, stall_timeout = checked.given, checked.stall_timeout
     launch_depth = math.inf if checked.launch_depth is None else checked.launch_depth
     wakeup = Wakeup()
-    transport = Transport(create_channels(hint, stages[0].group, platform.device,
-                                          platform.channel_backend,
-                                          header_channels=given.variable_shapes),
+    make_channels = wiring.channels or create_channels
+    transport = Transport(make_channels(hint, stages[0].group, platform.device,
+                                        platform.channel_backend,
+                                        header_channels=given.variable_shapes),
                           wakeup, send_delay=wiring.send_delay,
                           receive_streams=platform.receive_streams(), job=job)
     local, peaks = hint.stages_on(rank), hint.plan.stage_peaks
@@ -437,9 +438,12 @@ def _wired_runtime(hint: Hint, rank: int, stages: list[_PipelineStageBase], plat
 class Wiring:
     """How a schedule's steps meet the hardware: the device its actions run on, and
     (in studies) how long each outgoing message is held, whether any ready action may be
-    launched onto a busy device, and whether self-driving predicts in this process."""
+    launched onto a busy device, whether self-driving predicts in this process, and how
+    the channels are made."""
 
     device: Device
     send_delay: SendDelay | None = None
     reorder_ahead: bool = False
     predict_inline: Predictor | None = None
+    channels: Callable[..., ChannelMap] | None = None
+    """None: ``rrfp.comm.channels.create_channels`` over the platform's backend."""

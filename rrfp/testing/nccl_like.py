@@ -26,9 +26,12 @@ import datetime
 import threading
 import time
 from collections import deque
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
+
+from rrfp.comm.channels import ChannelMap, create_channels
 
 POLL_S = 1e-3
 
@@ -211,21 +214,17 @@ def factory(blocking_abort: bool = False, fail_send_at: dict | None = None):
     return make
 
 
-def use_channels(kind: str, **fake):
-    """Make ScheduleRRFP build its channels as ``kind`` says: ``"gloo"`` (rrfp's own) or
-    ``"nccl-like"`` (these groups: polled, local abort, sends that complete only once the
-    peer receives). Returns the fake factory (or None)."""
-
-    import rrfp.runtime.schedule
-    from rrfp.comm.channels import create_channels
-
+def channels_for(kind: str, **fake) -> Callable[..., ChannelMap] | None:
+    """How a study's schedule builds its channels (``Study(channels=...)``): ``"gloo"``,
+    rrfp's own (None); ``"nccl-like"``, these groups (polled, local abort, sends that
+    complete only once the peer receives), whose factory is the maker's ``groups`` (its
+    ``made`` lists them)."""
     if kind == "gloo":
-        rrfp.runtime.schedule.create_channels = create_channels
         return None
-    made = factory(**fake)
+    groups = factory(**fake)
 
     def nccl_like_channels(hint, group, device, backend, **options):
-        return create_channels(hint, group, device, "nccl", group_factory=made, **options)
+        return create_channels(hint, group, device, "nccl", group_factory=groups, **options)
 
-    rrfp.runtime.schedule.create_channels = nccl_like_channels
-    return made
+    nccl_like_channels.groups = groups
+    return nccl_like_channels

@@ -4,8 +4,10 @@ onto a busy device. Users' schedules have none of them."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
+from rrfp.comm.channels import ChannelMap
 from rrfp.comm.link_latency import SendDelay
 from rrfp.devices.platform import Platform
 from rrfp.runtime.schedule import ScheduleRRFP, Wiring
@@ -31,6 +33,9 @@ class Study:
     """Self-driving (``Settings.tune_within``): predict in this process as soon as the
     measured steps ran (``rrfp.advise.tuning.predict_candidates``), so that decisions
     come at known steps (None: in a child process at idle priority, as in a job)."""
+    channels: Callable[..., ChannelMap] | None = None
+    """How the channels are made, e.g. ``rrfp.testing.nccl_like.channels_for("nccl-like")``
+    (None: rrfp's own, over the platform's backend)."""
 
 
 class StudySchedule(ScheduleRRFP):
@@ -47,4 +52,5 @@ class StudySchedule(ScheduleRRFP):
                 f"the emulated device and send delays run CPU stages (a sender thread's CUDA "
                 f"stream is not the compute stream); these stages are on {platform.device}")
         device = study.device if study.device is not None else platform.step_device()
-        return Wiring(device, study.send_delay, study.reorder_ahead, study.predict_inline)
+        return Wiring(device, study.send_delay, study.reorder_ahead, study.predict_inline,
+                      study.channels)
