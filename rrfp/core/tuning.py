@@ -26,9 +26,9 @@ measured steps, the caller predicts every candidate from them and hands the resu
    margin runs, or the fixed order.
 4. **Re-tune.** The median of the last ``window`` steps at the setting against the median
    of the steps at it before them: when it moved by more than ``drift_fraction`` and by more than
-   ``drift_errors`` standard errors, on ``drift_hold`` steps in a row, at least ``dwell``
-   steps after the last decision, the setting keeps running while steps are measured
-   again (from the first of those ``drift_hold``), and the choice is made again on them.
+   ``drift_errors`` standard errors, on ``drift_hold`` steps in a row, then (once at least
+   ``dwell`` steps passed since the last decision) the setting keeps running while the
+   steps from the next block on are measured again, and the choice is made again on them.
 """
 
 from __future__ import annotations
@@ -180,6 +180,8 @@ class _Since:
     """(an A/B fixed-order step, seconds) per step."""
     drifting: int = 0
     """Steps in a row whose recent median strayed."""
+    drifted: bool = False
+    """They strayed on ``drift_hold`` steps in a row (kept until the dwell has passed)."""
 
 
 class Tuner:
@@ -332,13 +334,14 @@ class Tuner:
         strays = (abs(recent - reference) > rules.drift_fraction * reference
                   and abs(recent - reference) > rules.drift_errors * error)
         since.drifting = since.drifting + 1 if strays else 0
-        if since.drifting >= rules.drift_hold and self.steps - since.step >= rules.dwell:
+        since.drifted = since.drifted or since.drifting >= rules.drift_hold
+        if since.drifted and self.steps - since.step >= rules.dwell:
             pairs = ab_speedups(since.runs)
             measured = (math.exp(statistics.mean(math.log(r) for r in pairs))
                         if pairs else None)
-            self._decide(self.setting, "drift", measured=measured)
-            # The steps since the stray was first seen already ran in the new regime.
-            self._measuring_from = self.steps - rules.drift_hold
+            decision = self._decide(self.setting, "drift", measured=measured)
+            # From the next block: where a job's ranks are told to share their traces.
+            self._measuring_from = decision.step
             self._rounds = self._prediction_rounds()
 
 

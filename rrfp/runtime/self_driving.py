@@ -139,6 +139,8 @@ class SelfDriving:
         self.decisions: list[str] = []
         """Every rank: the lines of the decisions that took effect so far."""
         self._plan: BlockPlan | None = None
+        self._told = 1
+        """Decisions told to the ranks so far (the first, measuring, goes unsaid)."""
         self._limit_plans: dict[Candidate, LimitPlan] = {}
         self._setting_since = 0
         """The training step from which the setting of now ran."""
@@ -209,7 +211,6 @@ class SelfDriving:
         tuner = self.tuner
         assert tuner is not None
         self._collect_traces()
-        before = len(tuner.decisions)
         error = None
         try:
             self._predict()
@@ -217,8 +218,9 @@ class SelfDriving:
             error = str(e)
         runs = tuple((run.setting.buffer_limit, run.setting.policy, run.ab_fixed)
                      for run in tuner.plan_block())
-        return BlockPlan(runs, tuner.measuring, tuple(d.line() for d in tuner.decisions[before:]),
-                         error)
+        told, self._told = self._told, len(tuner.decisions)
+        return BlockPlan(runs, tuner.measuring,
+                         tuple(d.line() for d in tuner.decisions[told:]), error)
 
     def _collect_traces(self) -> None:
         for step in self._shared:
