@@ -334,11 +334,15 @@ def build_schedule(schedule_name: str, settings: RRFPConfig, stages, n_microbatc
     )
     from torchtitan.tools.logging import logger
 
+    tuned = ("" if settings.tune_within in (None, "") else
+             f", self-driving within {settings.tune_within!r} (rrfp.tune_within: it chooses "
+             "the limit and policy from the run's first steps on)")
     logger.info(
         f"Using pipeline schedule {schedule_name}: ScheduleRRFP with hint {schedule.hint.name} "
         f"({schedule.hint.layout} placement), policy {schedule.policy}, buffer limit "
-        f"{settings.buffer_limit!r} (rrfp.buffer_limit), launch depth {schedule.launch_depth}, "
-        f"{n_microbatches} microbatches")  # what the limit allows: rrfp.schedule's line
+        f"{settings.buffer_limit!r} (rrfp.buffer_limit){tuned}, launch depth "
+        f"{schedule.launch_depth}, {n_microbatches} microbatches")
+    # (What the limit allows: rrfp.schedule's line.)
     return schedule
 
 
