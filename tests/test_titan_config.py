@@ -56,6 +56,23 @@ def test_schedule_names():
     (["--rrfp.meter_every", "0"], r"rrfp.meter_every: meter_every must be an int >= 1"),
     (["--rrfp.buffer_limit", "1GiB", "--rrfp.no-meter-activations"],
      "rrfp.buffer_limit: buffer_limit='1GiB' is counted in bytes, .* leave meter_activations on"),
+    # The main job sets fixed_every = 2 (its in-run A/B): the refusal says how to reset it.
+    (["--rrfp.tune_within", "hint+2"],
+     r"rrfp.tune_within: tune_within='hint\+2' chooses buffer_limit and the policy itself and "
+     r"runs its own in-run A/B: leave fixed_every at the default \(fixed_every=0\), or drop "
+     r"tune_within to run the setting you give; on the command line: --rrfp.fixed_every 0$"),
+    (["--rrfp.tune_within", "hint+2", "--rrfp.fixed_every", "0", "--rrfp.policy", "critical"],
+     r"rrfp.tune_within: .*: leave policy at the default .*; on the command line: "
+     r"--rrfp.policy ''$"),
+    (["--rrfp.tune_within", "busiest", "--rrfp.buffer_limit", "hint+1"],
+     r"rrfp.tune_within: .*: leave buffer_limit, fixed_every at their defaults .*; on the "
+     r"command line: --rrfp.buffer_limit hint --rrfp.fixed_every 0$"),
+    (["--rrfp.tune_within", "auto", "--rrfp.fixed_every", "0"],
+     "rrfp.tune_within: 'auto' leaves the budget to the device: give the bytes"),
+    (["--rrfp.tune_within", "1GiB", "--rrfp.fixed_every", "0", "--rrfp.no-meter-activations"],
+     "rrfp.tune_within: .* leave meter_activations on"),
+    (["--rrfp.tune_within", "hint-2", "--rrfp.fixed_every", "0"],
+     "rrfp.tune_within: buffer_limit='hint-2' is not understood"),
     (["--parallelism.context_parallel_degree", "2"],
      r"cannot run with parallelism.context_parallel_degree=2: .* set "
      r"parallelism.context_parallel_degree = 1, or use torch's fixed schedule "
@@ -144,7 +161,7 @@ def test_every_rrfp_setting_is_checked_before_anything_is_built():
                 "meter_activations": "true or false", "meter_every": "an int >= 1",
                 "stall_timeout": "a number of seconds > 0", "log_stats": "true or false",
                 "trace_folder": "a folder", "advise": "true or false",
-                "fixed_every": "an int >= 2"}
+                "fixed_every": "an int >= 2", "tune_within": "use 'hint'"}
     assert set(accepted) == {f.name for f in dataclasses.fields(RRFPConfig)}
     for name, says in accepted.items():
         with pytest.raises(ValueError) as refused:
@@ -180,7 +197,7 @@ def test_unknown_setting_names_are_named_with_the_nearest_setting(tmp_path):
         "unknown option --rrfp.bufer_limit (did you mean --rrfp.buffer_limit?); the rrfp "
         "settings are buffer_limit, policy, coordination, launch_depth, variable_shapes, "
         "meter_activations, meter_every, stall_timeout, log_stats, trace_folder, advise, "
-        "fixed_every")
+        "fixed_every, tune_within")
     assert unknown_options(["--rrfp.no-meter-activation", "--rrfp.xyz=1"]).startswith(
         "unknown options --rrfp.no-meter-activation (did you mean "
         "--rrfp.no-meter-activations?), --rrfp.xyz;")
@@ -190,7 +207,7 @@ def test_unknown_setting_names_are_named_with_the_nearest_setting(tmp_path):
         f"unknown setting 'bufer_limit' (did you mean 'buffer_limit'?) in the [rrfp] table "
         f"of {config_file}; the settings are buffer_limit, policy, coordination, "
         "launch_depth, variable_shapes, meter_activations, meter_every, stall_timeout, "
-        "log_stats, trace_folder, advise, fixed_every")
+        "log_stats, trace_folder, advise, fixed_every, tune_within")
     assert unknown_toml_keys([f"--job.config-file={os.path.join(ROOT, JOBS['main'][0])}"]) is None
 
 
@@ -258,6 +275,60 @@ def test_buffer_limit_is_an_int_or_a_string_in_toml(toml_value, cli_value, expec
     config = ConfigManager().parse_args(args)
     assert parse_buffer_limit(config.rrfp.buffer_limit) == expected
     check(config)
+
+
+@pytest.mark.parametrize("cli_value,expected", [("hint+2", BufferLimit(None, extra=2)),
+                                                ("7", BufferLimit(7)), ("busiest", None)])
+def test_tune_within_reaches_the_schedules_settings_from_the_command_line(cli_value, expected):
+    """``--rrfp.tune_within`` (with the main job's A/B reset) passes the check and is the
+    budget ScheduleRRFP gets; left out (empty), self-driving is off."""
+    from rrfp.core.checks import check_settings as check_rrfp_settings
+    from rrfp.core.hints import build_hint
+
+    hint = build_hint("Interleaved1F1B", num_ranks=2, num_stages=4, n_microbatches=8)
+    config = parse("--rrfp.tune_within", cli_value, "--rrfp.fixed_every", "0")
+    check(config)
+    settings = schedule_settings(config.rrfp)
+    assert settings.fixed_every == 0 and settings.buffer_limit == "hint"
+    budget = check_rrfp_settings(settings, hint, free_memory_known=False,
+                                 device="cpu").tune_within
+    assert budget is not None and budget.busiest == (cli_value == "busiest")
+    if expected is not None:
+        assert budget == expected
+    off = schedule_settings(parse().rrfp)
+    assert off.tune_within == ""
+    assert check_rrfp_settings(dataclasses.replace(off, fixed_every=0), hint,
+                               free_memory_known=False, device="cpu").tune_within is None
+
+
+@only_0_2
+@pytest.mark.parametrize("lines,message", [
+    (['tune_within = "hint+2"'], None),
+    (['tune_within = 3'], None),
+    (['tune_within = ""', "fixed_every = 2"], None),  # off: the main job as it is
+    (['tune_within = "hint+2"', "fixed_every = 2"],
+     "rrfp.tune_within: tune_within='hint+2' chooses buffer_limit and the policy itself and "
+     "runs its own in-run A/B: leave fixed_every at the default (fixed_every=0), or drop "
+     "tune_within to run the setting you give; on the command line: --rrfp.fixed_every 0"),
+    (['tune_within = "hint+2"', 'policy = "arrival"'], "leave policy at the default"),
+])
+def test_tune_within_in_toml(lines, message, tmp_path):
+    """The ``[rrfp]`` table's ``tune_within`` (the main job's ``fixed_every = 2`` line
+    replaced by ``lines``): the budget reaches ScheduleRRFP's settings, or the check
+    refuses it naming ``rrfp.tune_within`` and the option that resets what it chooses."""
+    with open(os.path.join(ROOT, JOBS["main"][0])) as f:
+        text = f.read()
+    fixed_every = next(line for line in text.splitlines() if line.startswith("fixed_every ="))
+    config_file = tmp_path / "train.toml"
+    config_file.write_text(text.replace(fixed_every, "\n".join(lines)))
+    config = parse_args("--job.config_file", str(config_file))
+    if message is not None:
+        with pytest.raises(ValueError, match=re.escape(message)):
+            check(config)
+        return
+    check(config)
+    tune_within = schedule_settings(config.rrfp).tune_within
+    assert tune_within == {'"hint+2"': "hint+2", "3": 3, '""': ""}[lines[0].split(" = ")[1]]
 
 
 # One setting per row, as a Python caller, train.toml's [rrfp] section and the simulator's
@@ -383,7 +454,7 @@ def test_bad_config_stops_before_training_with_a_clear_message(module, tmp_path)
 
 SETTINGS_LIST = ("buffer_limit, policy, coordination, launch_depth, variable_shapes, "
                  "meter_activations, meter_every, stall_timeout, log_stats, trace_folder, advise, "
-        "fixed_every")
+        "fixed_every, tune_within")
 
 
 @titan_integration

@@ -14,7 +14,8 @@ from rrfp.testing.stats import made_up_stats
 from rrfp.testing.worlds import run_local_world
 from tests.titan_helpers import (
     assert_one_rank_prints, failure_excerpt, logged_losses, LOSS, METERED, run_titan,
-    STATS_LINE, tensorboard_scalars, tensorboard_texts, TITAN_0_2, UNMETERED)
+    STATS_LINE, tensorboard_scalars, tensorboard_texts, tensorboard_values, TITAN_0_2,
+    UNMETERED)
 from torchtitan_ext.common.log_ranks import log_ranks, print_only_on, warn_if_loss_hidden
 
 
@@ -96,6 +97,32 @@ def test_main_job_trains_on_cpu_and_logs_rrfp_stats(tmp_path):
     assert advise_main([str(tmp_path), "--no-plots"]) == 0
 
 
+def test_a_self_driving_job_trains_and_says_what_it_ran(tmp_path):
+    """``--rrfp.tune_within hint+2`` on the main job (its A/B reset): the schedule is built
+    self-driving (said in its line), each step's setting goes to TensorBoard (the tuner's
+    own A/B runs step 8 in the fixed order), and the summary says no decision took effect
+    yet (the tuner measures the first steps) and why there is no verdict."""
+    from torchtitan_ext.common.run_advice import SELF_DRIVING_NO_VERDICT
+
+    code, out = run_titan(2, "--training.steps", "8", "--rrfp.tune_within", "hint+2",
+                          "--rrfp.fixed_every", "0", dump=str(tmp_path))
+    assert code == 0, failure_excerpt(out)
+    assert ("buffer limit 'hint' (rrfp.buffer_limit), self-driving within 'hint+2' "
+            "(rrfp.tune_within: ") in out
+    assert re.search(STATS_LINE.format(step=8, fixed=r" \(fixed order\)", label="",
+                                       activations=METERED), out), failure_excerpt(out)
+    values = tensorboard_values(tmp_path)
+    assert values["rrfp/self_driving/fixed_order"] == [0.0] * 7 + [1.0]
+    # Interleaved1F1B, 2 ranks x 2 stages, 8 microbatches: the hint's own limits ran.
+    assert values["rrfp/self_driving/rank_buffer_limit/pp0"] == [5.0] * 8
+    assert values["rrfp/self_driving/rank_buffer_limit/pp1"] == [3.0] * 8
+    summary = out[out.index("rrfp summary: 8 steps"):].splitlines()
+    assert summary[1] == ("  self-driving within tune_within='hint+2': no decision took "
+                          "effect; the hint's own setting ran while the tuner measured it")
+    assert f"  {SELF_DRIVING_NO_VERDICT}" in summary[:12], summary
+    assert "rrfp: timing variability" not in out  # no verdict was predicted
+
+
 def test_log_rank_chooses_the_ranks_that_print(monkeypatch, caplog):
     import logging
 
@@ -121,10 +148,11 @@ def test_log_rank_chooses_the_ranks_that_print(monkeypatch, caplog):
     assert not handler.filter(info) and handler.filter(error)
 
 
-def stats_exchange(rank: int, world_size: int) -> dict:
+def stats_exchange(rank: int, world_size: int, self_driving: bool = False) -> dict:
     """``StepStatsLog`` over three steps with made-up stats (out-of-hint = 10 x step +
-    rank), the last logged twice, only the last rank reading: the scalars it returns, and
-    which of this rank's keys its store still holds."""
+    rank; step 2 in the fixed order; a rank's microbatch limit 5 + step + rank), the last
+    logged twice, only the last rank reading: the scalars it returns, and which of this
+    rank's keys its store still holds."""
     from torchtitan_ext.common.stats_logging import stats_store, StepStatsLog
 
     class Schedule:
@@ -132,12 +160,14 @@ def stats_exchange(rank: int, world_size: int) -> dict:
 
     schedule = Schedule()
     log = StepStatsLog(schedule, dist.new_group(list(range(world_size))), replica=None,
-                       log_stats=True, trace_folder=None, reads=rank == world_size - 1)
+                       log_stats=True, trace_folder=None, reads=rank == world_size - 1,
+                       self_driving=self_driving)
     scalars = {}
     for step in (1, 2, 3, 3):
         schedule.last_step_stats = made_up_stats(
             rank, peak_activation_bytes=None if step == 2 else 64,
-            out_of_hint_order=10 * step + rank)
+            out_of_hint_order=10 * step + rank, policy="fixed" if step == 2 else "lookahead",
+            rank_buffer_limit=5 + step + rank)
         scalars[step] = log.log(step)
         dist.barrier()  # what the next training step's pipeline does
     store = stats_store(list(range(world_size)), 0)
@@ -163,6 +193,18 @@ def test_step_stats_are_gathered_through_the_store():
         activations = {k for k in scalars if "peak_activation_bytes" in k}
         assert activations == (set() if step == 2 else {
             "rrfp/peak_activation_bytes/pp0", "rrfp/peak_activation_bytes/pp1"})
+        assert not any("self_driving" in k for k in scalars)  # rrfp.tune_within off
+
+
+def test_a_self_driving_run_logs_the_setting_each_step_ran():
+    """With ``rrfp.tune_within``, the reading rank's scalars say per step whether it ran
+    the hint's fixed order and each rank's microbatch limit (what the tuner chose)."""
+    ranks = run_local_world(2, stats_exchange, True, timeout=120, store="tcp")
+    for step, scalars in ranks[1]["scalars"].items():
+        assert {k: v for k, v in scalars.items() if "self_driving" in k} == {
+            "rrfp/self_driving/fixed_order": float(step == 2),
+            "rrfp/self_driving/rank_buffer_limit/pp0": 5 + step,
+            "rrfp/self_driving/rank_buffer_limit/pp1": 6 + step}, step
 
 
 def test_the_summary_names_the_steps_that_held_more_than_the_fixed_schedule():
@@ -181,6 +223,84 @@ def test_the_summary_names_the_steps_that_held_more_than_the_fixed_schedule():
     assert ab_lines(steps)[0] == (
         "  measured (in-run A/B, 4 steps in the fixed order, each against the RRFP steps beside "
         "it): fixed / RRFP step time 1.20x [1.20-1.20] over 4 pairs; RRFP faster in every pair")
+
+
+DECISIONS = [
+    "from step 8: buffer_limit='hint+2', the default policy (switch; predicted 1.100x the "
+    "fixed schedule)",
+    "from step 16: the hint's fixed order (fall back; measured 0.950x by the in-run A/B)"]
+
+
+def advice_over_steps(tmp_path, tune_within: str, decisions: list[str], caplog,
+                      advise: bool = True) -> tuple:
+    """``RunAdvice`` on the rank that logs the loss, as ``log_step_stats`` makes it (by
+    default the advisor on, a long run: a first verdict would fit its CPU share), over 20 made-up
+    steps of two ranks, each eighth in the fixed order, the schedule's decisions taking
+    effect at steps 9 and 17 (torchtitan's numbers); then the trainer's close. Returns the
+    advice, the summary's lines and the TensorBoard texts."""
+    from torch.utils.tensorboard import SummaryWriter
+
+    from rrfp.core.hints import build_hint
+    from torchtitan_ext.common.run_advice import RunAdvice
+
+    class Schedule:
+        hint = build_hint("1F1B", num_ranks=2, num_stages=2, n_microbatches=4)
+        policy = "lookahead"
+        tuning_decisions: list[str] = []
+
+    schedule = Schedule()
+    torchtitan_writer = SummaryWriter(str(tmp_path / "tb" / "run"))  # torchtitan's, this process
+    advice = RunAdvice(schedule, source="traces", label=lambda s: f"pp{s.pp_rank}",
+                       advise=advise, total_steps=10**6, tensorboard_folder=str(tmp_path / "tb"),
+                       tune_within=tune_within)
+    started = []
+    for step in range(1, 21):
+        schedule.tuning_decisions = decisions[:(step - 1) // 8]
+        advice.add(step, [made_up_stats(rank, policy="fixed" if step % 8 == 0 else "lookahead",
+                                        step_time=1.0 + step % 8 / 100) for rank in (0, 1)])
+        started.append(advice.first_verdict is not None)
+    with caplog.at_level("INFO"):
+        advice.finish()
+    torchtitan_writer.close()
+    summary = caplog.text[caplog.text.index("rrfp summary"):].splitlines()
+    texts = tensorboard_texts(tmp_path) if (tmp_path / "tb").exists() else {}
+    return advice, started, summary, texts
+
+
+def test_a_self_driving_run_lists_its_decisions_in_place_of_the_verdict(tmp_path, caplog):
+    """Self-driving (``rrfp.tune_within``): each decision that took effect is kept once
+    (TensorBoard text ``rrfp/self_driving``, however often the schedule lists it) and
+    listed in the summary; the advisor, whose run is one setting's, starts no verdict, and
+    the summary says why in one line."""
+    from torchtitan_ext.common.run_advice import SELF_DRIVING_NO_VERDICT
+
+    advice, started, summary, texts = advice_over_steps(tmp_path, "hint+2", DECISIONS, caplog)
+    assert not any(started) and not advice.events
+    assert [text.strip() for text in texts["rrfp/self_driving"]] == DECISIONS
+    assert summary[1:4] == [
+        "  self-driving within tune_within='hint+2', the decisions that took effect (rrfp "
+        "counts steps from 0, torchtitan from 1):", f"    {DECISIONS[0]}", f"    {DECISIONS[1]}"]
+    assert summary[4].startswith("  measured (in-run A/B, 2 steps in the fixed order")
+    assert summary[-1] == f"  {SELF_DRIVING_NO_VERDICT}"
+    assert texts["rrfp/summary"][-1].strip().endswith(SELF_DRIVING_NO_VERDICT)
+
+
+def test_a_self_driving_run_without_decisions_says_so(tmp_path, caplog):
+    _, _, summary, _ = advice_over_steps(tmp_path, "busiest", [], caplog)
+    assert summary[1] == ("  self-driving within tune_within='busiest': no decision took "
+                          "effect; the hint's own setting ran while the tuner measured it")
+
+
+def test_without_tune_within_the_summary_has_no_self_driving_lines(tmp_path, caplog):
+    from torchtitan_ext.common.run_advice import RunAdvice, SELF_DRIVING_NO_VERDICT
+
+    # The advisor stays on (its verdicts: test_main_job_trains_on_cpu_and_logs_rrfp_stats).
+    assert RunAdvice(None, source="", label=str, advise=True, total_steps=1,
+                     tensorboard_folder=None, tune_within="").advise
+    _, _, summary, texts = advice_over_steps(tmp_path, "", [], caplog, advise=False)
+    assert not any("self-driving" in line or SELF_DRIVING_NO_VERDICT in line
+                   for line in summary), summary
+    assert "rrfp/self_driving" not in texts
 
 
 def test_importing_the_adapter_leaves_logging_alone():

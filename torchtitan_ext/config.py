@@ -86,6 +86,17 @@ class RRFPConfig:
     order on the same stages (bitwise the same results), and the measured ratio of step
     times, fixed over RRFP, is logged beside the advisor's prediction; 0: off."""
 
+    tune_within: int | str = ""
+    """Self-driving: a memory budget per rank within which RRFP chooses ``buffer_limit``
+    and the policy itself, from the run's own measured steps, and keeps checking its choice
+    with an in-run A/B of its own: ``"hint+k"``, ``"busiest"``, a byte budget such as
+    ``"12GiB"``, or an integer n of microbatches (``--rrfp.tune_within hint+2``); empty:
+    off, the setting ``buffer_limit`` and ``policy`` give runs. With it, ``buffer_limit``,
+    ``policy`` and ``fixed_every`` stay at their defaults (``"hint"``, empty, ``0``: a job
+    whose config sets ``fixed_every`` takes ``--rrfp.fixed_every 0``). Each decision is
+    logged as ``rrfp self-driving: ...`` and listed in the end-of-run summary
+    (docs/guide/self-driving.md)."""
+
 
 @dataclass(kw_only=True, slots=True)
 class JobConfig:

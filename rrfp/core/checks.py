@@ -90,6 +90,18 @@ def _fixed_every(every: object, hint: Hint, limit: BufferLimit) -> int:
     return every
 
 
+TUNED_DEFAULTS = {"buffer_limit": "hint", "policy": None, "fixed_every": 0}
+"""What ``tune_within`` needs of the settings it chooses: their defaults."""
+
+
+def chosen_beside_budget(settings: Settings, policy: str | None) -> list[str]:
+    """The fields of ``TUNED_DEFAULTS`` that ``settings`` set away from their defaults
+    (``policy``: the parsed policy), which a ``tune_within`` budget refuses."""
+    chosen = {"buffer_limit": parse_buffer_limit(settings.buffer_limit) != BufferLimit(None),
+              "policy": policy is not None, "fixed_every": settings.fixed_every != 0}
+    return [name for name, set_ in chosen.items() if set_]
+
+
 def _budget(spec: object, settings: Settings, policy: str | None, free_memory_known: bool,
             device: object) -> BufferLimit | None:
     """The self-driving budget, where nothing else it chooses was set (None or ``""``:
@@ -100,14 +112,14 @@ def _budget(spec: object, settings: Settings, policy: str | None, free_memory_kn
     if budget.auto:
         raise ValueError("'auto' leaves the budget to the device: give the bytes RRFP may "
                          "use per rank (e.g. '12GiB'), 'busiest' or 'hint+k'")
-    chosen = {"buffer_limit": parse_buffer_limit(settings.buffer_limit) != BufferLimit(None),
-              "policy": policy is not None, "fixed_every": settings.fixed_every != 0}
-    given = [name for name, set_ in chosen.items() if set_]
+    given = chosen_beside_budget(settings, policy)
     if given:
+        defaults = ", ".join(f"{name}={TUNED_DEFAULTS[name]!r}" for name in given)
         raise ValueError(
             f"tune_within={spec!r} chooses buffer_limit and the policy itself and runs its "
-            f"own in-run A/B: leave {', '.join(given)} at the default, or drop tune_within to "
-            "run the setting you give")
+            f"own in-run A/B: leave {', '.join(given)} at "
+            f"{'the default' if len(given) == 1 else 'their defaults'} ({defaults}), or drop "
+            "tune_within to run the setting you give")
     check_limit_can_be_measured(spec, meter_activations=settings.meter_activations,
                                 free_memory_known=free_memory_known, device=device)
     return budget

@@ -14,6 +14,10 @@
 * At the trainer's close, one summary block: steps, median step time, the measured A/B,
   mean idle fraction and out-of-hint actions per rank, peak activation bytes per rank
   against the fixed schedule's, the final verdict.
+* Self-driving (``rrfp.tune_within``): each decision that took effect goes to TensorBoard
+  as text (``rrfp/self_driving``; the schedule logs it to the console itself) and the
+  summary lists them; the verdict is left out, in one line (its steps ran several
+  settings: the advisor reads one setting's run, and the tuner chose by its predictions).
 
 The verdict and the summary also go to TensorBoard as text (``rrfp/verdict``,
 ``rrfp/summary``), in the run folder torchtitan's TensorBoard writer uses.
@@ -57,6 +61,12 @@ KEPT_STEPS = 20
 """The end-of-run verdict predicts from the last this-many steps."""
 FINAL_TIMEOUT_S = 300.0
 """The most the trainer's close waits for the end-of-run verdict."""
+
+
+SELF_DRIVING_NO_VERDICT = (
+    "advisor: no verdict under rrfp.tune_within: its steps ran several settings, and the "
+    "tuner chose among them by the same predictions (its decisions above)")
+"""The summary's line in place of the verdict in a self-driving run."""
 
 
 def verdict_cpu_seconds(actions: int) -> float:
@@ -187,11 +197,19 @@ class RunAdvice:
 
     def __init__(self, schedule: ScheduleRRFP, *, source: str,
                  label: Callable[[StepStats], str], advise: bool, total_steps: int,
-                 tensorboard_folder: str | None):
+                 tensorboard_folder: str | None, tune_within: int | str | None = ""):
         """``source``: how the verdict names the run (its traces' folder, where written);
         ``label``: a rank's name in the lines (``StepStats -> str``); ``advise``: whether
         to predict (the ``rrfp.advise`` setting); ``total_steps``: the step the run ends
-        at (torchtitan's ``training.steps``)."""
+        at (torchtitan's ``training.steps``); ``tune_within``: the self-driving budget
+        (``rrfp.tune_within``; empty: off). Self-driving, the steps run several settings,
+        which the advisor's verdict cannot read as one run's: the tuner's decisions take
+        its place (``SELF_DRIVING_NO_VERDICT``)."""
+        self.self_driving = tune_within not in (None, "")
+        self.tune_within = tune_within
+        self.decisions: list[str] = []
+        """The self-driving decisions that took effect, as the schedule says them."""
+        advise = advise and not self.self_driving
         self.schedule, self.source, self.label, self.advise = schedule, source, label, advise
         self.total_steps = total_steps
         self.text = TextLog(tensorboard_folder)
@@ -233,6 +251,8 @@ class RunAdvice:
             if len(self.records) == FIRST_VERDICT_AFTER + 1:
                 self._start_first_verdict(step)
         scalars = self._ab_pair()
+        if self.self_driving:
+            self._new_decisions(step)
         if self.first_verdict is not None and self.first_verdict.done():
             self._say_verdict(self.first_verdict, step,
                               f"from steps 2-{FIRST_VERDICT_AFTER + 1}")
@@ -250,6 +270,15 @@ class RunAdvice:
         logger.info(f"rrfp: the verdict comes at the end of the run: predicting now would "
                     f"take about {needs:.0f} s of CPU, over {FIRST_VERDICT_CPU_SHARE:.0%} of "
                     f"the {has:.0f} s the {steps_left} steps left have on {cores} cores")
+
+    def _new_decisions(self, step: int) -> None:
+        """Keep the self-driving decisions that took effect since the last step (the
+        schedule logs each itself, ``rrfp self-driving: ...``, on every rank), and write
+        them to TensorBoard as text (``rrfp/self_driving``)."""
+        new = self.schedule.tuning_decisions[len(self.decisions):]
+        self.decisions += new
+        for line in new:
+            self.text.add("rrfp/self_driving", line, step)
 
     def _ab_pair(self) -> dict[str, float]:
         """The in-run A/B's newest pair, once a step after its fixed-order step has run."""
@@ -310,6 +339,7 @@ class RunAdvice:
                  f"{self.schedule.policy}; step time {statistics.median(r.step_time for r in own) * 1e3:.1f} ms "
                  f"(median of steps {own[0].step}-{own[-1].step}"
                  + (", RRFP steps)" if len(own) < len(steps) else ")")]
+        lines += self._decision_lines()
         lines += ab_lines(steps)
         labels = list(own[0].idle)
         lines.append("  mean idle: " + ", ".join(
@@ -324,7 +354,20 @@ class RunAdvice:
                      "verdicts' child processes")
         if verdict is not None:
             lines.append(f"  {verdict}")
+        elif self.self_driving:
+            lines.append(f"  {SELF_DRIVING_NO_VERDICT}")
         return lines
+
+    def _decision_lines(self) -> list[str]:
+        """Self-driving: the budget and each decision that took effect, in order."""
+        if not self.self_driving:
+            return []
+        if not self.decisions:
+            return [f"  self-driving within tune_within={self.tune_within!r}: no decision took "
+                    "effect; the hint's own setting ran while the tuner measured it"]
+        return [f"  self-driving within tune_within={self.tune_within!r}, the decisions that "
+                "took effect (rrfp counts steps from 0, torchtitan from 1):",
+                *(f"    {line}" for line in self.decisions)]
 
     def _peaks(self, labels: list[str]) -> str:
         measured = {k: max((r.activation_bytes[k] for r in self.records

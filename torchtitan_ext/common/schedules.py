@@ -28,8 +28,8 @@ from torch.distributed.tensor import DTensor
 
 from rrfp import ScheduleRRFP
 from rrfp.core.hints import build_hint, Hint, HINT_NAMES, rule_reference, RULE_NAMES
-from rrfp.core.checks import a_flag, check_settings as check_rrfp_settings
-from rrfp.core.settings import Settings
+from rrfp.core.checks import a_flag, check_settings as check_rrfp_settings, chosen_beside_budget
+from rrfp.core.settings import parse_policy, Settings
 from rrfp.devices.platform import platform_for
 from torchtitan_ext.config import RRFPConfig
 
@@ -231,9 +231,14 @@ def check_settings(settings: RRFPConfig, hint: Hint, device_type: str) -> None:
            "trace_folder": lambda: a_folder(settings.trace_folder),
            "advise": lambda: a_flag(settings.advise, "advise")}
     try:
-        check_rrfp_settings(schedule_settings(settings), hint,
-                            free_memory_known=platform.free_bytes is not None,
-                            device=device_type)
+        try:
+            check_rrfp_settings(schedule_settings(settings), hint,
+                                free_memory_known=platform.free_bytes is not None,
+                                device=device_type)
+        except ValueError as e:
+            if not str(e).startswith("tune_within: "):
+                raise
+            raise ValueError(f"{e}{options_beside_budget(settings)}") from None
         for field_name, check in own.items():
             try:
                 check()
@@ -241,6 +246,18 @@ def check_settings(settings: RRFPConfig, hint: Hint, device_type: str) -> None:
                 raise ValueError(f"{field_name}: {e}") from None
     except ValueError as e:
         raise ValueError(f"rrfp.{e}") from None
+
+
+def options_beside_budget(settings: RRFPConfig) -> str:
+    """After ``rrfp.core.checks`` refused ``tune_within``: where it refused it beside
+    settings it chooses itself, the options that reset them (a job's config may set them,
+    as the main job sets ``fixed_every``), as ``"; on the command line: --rrfp.fixed_every
+    0"``; else empty (every other field passed the check)."""
+    given = chosen_beside_budget(schedule_settings(settings), parse_policy(settings.policy))
+    defaults = RRFPConfig()
+    options = " ".join(f"--rrfp.{name} {getattr(defaults, name)!s}" if getattr(defaults, name)
+                       != "" else f"--rrfp.{name} ''" for name in given)
+    return f"; on the command line: {options}" if given else ""
 
 
 def a_folder(value: object) -> str:
@@ -317,11 +334,15 @@ def build_schedule(schedule_name: str, settings: RRFPConfig, stages, n_microbatc
     )
     from torchtitan.tools.logging import logger
 
+    tuned = ("" if settings.tune_within in (None, "") else
+             f", self-driving within {settings.tune_within!r} (rrfp.tune_within: it chooses "
+             "the limit and policy from the run's first steps on)")
     logger.info(
         f"Using pipeline schedule {schedule_name}: ScheduleRRFP with hint {schedule.hint.name} "
         f"({schedule.hint.layout} placement), policy {schedule.policy}, buffer limit "
-        f"{settings.buffer_limit!r} (rrfp.buffer_limit), launch depth {schedule.launch_depth}, "
-        f"{n_microbatches} microbatches")  # what the limit allows: rrfp.schedule's line
+        f"{settings.buffer_limit!r} (rrfp.buffer_limit){tuned}, launch depth "
+        f"{schedule.launch_depth}, {n_microbatches} microbatches")
+    # (What the limit allows: rrfp.schedule's line.)
     return schedule
 
 

@@ -1,8 +1,9 @@
 """ScheduleRRFP's step statistics next to torchtitan's metrics: a short console line,
 TensorBoard scalars ``rrfp/<metric>/<rank label>`` (every metric; per stage, the error of
-the durations predicted from microbatch sizes, ``rrfp/size_prediction_error/stage<n>``)
-and Perfetto traces, at each metrics step; and on the rank that logs the loss, the
-advisor's verdict, the in-run A/B and the end-of-run summary
+the durations predicted from microbatch sizes, ``rrfp/size_prediction_error/stage<n>``;
+self-driving, the setting each step ran, ``rrfp/self_driving/...``) and Perfetto traces,
+at each metrics step; and on the rank that logs the loss, the advisor's verdict, the
+in-run A/B, the self-driving decisions and the end-of-run summary
 (``torchtitan_ext.common.run_advice``)."""
 
 from __future__ import annotations
@@ -64,6 +65,20 @@ def size_error_field(stats: StepStats) -> list[str]:
     return [f"size-predicted ±{max(errors.values()):.0%}"] if errors else []
 
 
+def self_driving_scalars(gathered: list[StepStats],
+                         label: Callable[[StepStats], str]) -> dict[str, float]:
+    """What a self-driving step ran (``rrfp.tune_within``), as TensorBoard scalars:
+    ``rrfp/self_driving/fixed_order`` (1: the hint's fixed order, the in-run A/B's step or
+    the fixed schedule chosen; else 0) and, per rank, the microbatches of activations its
+    stages might hold together, ``rrfp/self_driving/rank_buffer_limit/<rank label>``."""
+    scalars = {"rrfp/self_driving/fixed_order": float(gathered[0].policy == "fixed")}
+    for stats in gathered:
+        if stats.rank_buffer_limit is not None:
+            scalars[f"rrfp/self_driving/rank_buffer_limit/{label(stats)}"] = float(
+                stats.rank_buffer_limit)
+    return scalars
+
+
 def stats_store(ranks: list[int], log: int) -> dist.PrefixStore:
     """Where the pipeline of ``ranks`` exchanges its stats for a process's ``log``-th
     ``StepStatsLog``: the job's store, under a prefix of their own (in this torchrun
@@ -86,11 +101,14 @@ class StepStatsLog:
 
     def __init__(self, schedule: ScheduleRRFP, pp_group: dist.ProcessGroup, *,
                  replica: int | None, log_stats: bool, trace_folder: str | None,
-                 reads: bool = True):
+                 reads: bool = True, self_driving: bool = False):
         """``replica``: this pipeline's data-parallel index (None without data parallelism),
         shown in labels as ``dp<replica>/pp<rank>``; ``trace_folder``: where this rank writes
         ``step<N>.json`` (None: it writes no traces); ``reads``: whether this rank gathers
-        the pipeline's stats (False: it only posts its own, and logs nothing)."""
+        the pipeline's stats (False: it only posts its own, and logs nothing);
+        ``self_driving``: ``rrfp.tune_within`` is set (the setting each step ran goes to
+        TensorBoard too: ``self_driving_scalars``)."""
+        self.self_driving = self_driving
         self.advice: RunAdvice | None = None
         """The run's verdict, A/B and summary, on the rank that logs the loss."""
         self.schedule = schedule
@@ -131,6 +149,8 @@ class StepStatsLog:
                 errors = stats.size_prediction_error or {}
                 for stage, error in errors.items():
                     scalars[f"rrfp/size_prediction_error/{self.stage_label(stage)}"] = error
+            if self.self_driving:
+                scalars.update(self_driving_scalars(gathered, self.label))
             step_ms = max(stats.step_time for stats in gathered) * 1e3
             scalars["rrfp/step_time_ms"] = step_ms
             fixed = " (fixed order)" if gathered[0].policy == "fixed" else ""
@@ -189,12 +209,13 @@ def log_step_stats(trainer, schedule: ScheduleRRFP, settings, metrics_rank: int,
         schedule, parallel_dims.get_mesh("pp").get_group(),
         replica=None if batch_mesh is None else batch_mesh.get_local_rank(),
         log_stats=settings.log_stats, trace_folder=trace_folder,
-        reads=dist.get_rank() in {metrics_rank} | log_ranks(metrics_rank))
+        reads=dist.get_rank() in {metrics_rank} | log_ranks(metrics_rank),
+        self_driving=settings.tune_within not in (None, ""))
     if dist.get_rank() == metrics_rank:
         stats_log.advice = RunAdvice(
             schedule, source=trace_folder or "(set rrfp.trace_folder to keep the traces)",
             label=stats_log.label, advise=settings.advise, total_steps=total_steps,
-            tensorboard_folder=tensorboard_folder)
+            tensorboard_folder=tensorboard_folder, tune_within=settings.tune_within)
         torch_close = trainer.close
 
         @functools.wraps(torch_close)
