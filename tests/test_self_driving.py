@@ -30,11 +30,13 @@ def test_every_rank_switches_at_the_same_step_within_a_byte_budget_and_stays_bit
     decisions = {tuple(r["decisions"]) for r in ranks}
     assert len(decisions) == 1, decisions
     [(first, *_)] = decisions
-    assert first.startswith("from step 8: buffer_limit='hint+2'") and "switch" in first
+    # One microbatch in five four times as long: slack gains (which setting is best
+    # depends on the measured steps); 12 KiB allows up to two more.
+    assert first.startswith("from step 8: buffer_limit='hint+") and "(switch" in first, first
     for rank, r in enumerate(ranks):
         assert r["fixed_bytes"] == 4096
         assert first_change(r["limits"]) == 8, r["limits"]
-        assert r["limits"][8] == r["limits"][0] + 2
+        assert r["limits"][0] < r["limits"][8] <= r["limits"][0] + 2
         assert all(r["bitwise"]), rank
         # Metered on the tensors in every step: never above the budget.
         assert max(r["bytes"]) <= 12 * 1024, r["bytes"]

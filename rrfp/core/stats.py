@@ -110,7 +110,8 @@ class StepStats:
     """Steps the schedule ran before this one: the same count on every rank of the
     pipeline, so the trace can tell which step's send a receive answers."""
     buffer_limit: str = ""
-    """The ``buffer_limit`` setting as the user wrote it (``"hint"``, ``"busiest"``, ...)."""
+    """The ``buffer_limit`` setting as the user wrote it (``"hint"``, ``"busiest"``, ...);
+    self-driving: ``tune_within=`` and the budget (the step's limits: ``buffer_limits``)."""
     num_stages: int = 0
     """Stages of the whole pipeline (the hint's)."""
     n_microbatches: int = 0

@@ -156,10 +156,8 @@ class PipelineRuntime:
 
         hint = self.hint if training else self._forward_only
         self._expect_sizes(sizes if training else None)
-        tuned = None
-        if training and self.self_driving is not None:
-            tuned, self.limits = self.self_driving.before_step(self.training_steps_run,
-                                                               self.limits)
+        tuned, self.limits = (self.self_driving.before_step(self.training_steps_run, self.limits)
+                              if training and self.self_driving else (None, self.limits))
         meter = self.metering.for_step(
             self.steps_run, self.activation_bytes_per_microbatch is not None,
             self.stages.values(),
@@ -202,7 +200,8 @@ class PipelineRuntime:
                 rank=self.rank, device=self.device, meter=meter, limits=self.limits,
                 activation_bytes_per_microbatch=self.activation_bytes_per_microbatch,
                 receive_buffer_bytes=self.receives.peak_bytes, step=self.steps_run,
-                size_prediction_error=prediction_error)
+                size_prediction_error=prediction_error,
+                setting=self.self_driving.label if self.self_driving else None)
             self.steps_run += 1
             self.training_steps_run += training
         if tuned is not None:

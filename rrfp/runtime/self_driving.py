@@ -240,7 +240,7 @@ class SelfDriving:
         wanted = tuner.wants_predictions
         if wanted is None or self._prediction is not None:
             return
-        steps = [self._uniform(self._traces[s]) for s in wanted if s in self._traces]
+        steps = [self._traces[s] for s in wanted if s in self._traces]
         if len(steps) < 2:
             return
         run = run_from_trace_events(steps, "self-driving")
@@ -251,19 +251,16 @@ class SelfDriving:
         else:
             self._prediction = self._executor().submit(predicted_in_a_child, run, self._limits)
 
-    @staticmethod
-    def _uniform(events: list[dict]) -> list[dict]:
-        """Steps of several settings read as one run's (the advisor's run has one)."""
-        for event in events:
-            if event.get("name") == "rrfp_step":
-                event["args"] = {**event["args"], "buffer_limit": "self-driving"}
-        return events
-
     def _executor(self) -> concurrent.futures.ThreadPoolExecutor:
         if self._pool is None:  # a thread that waits on the child (the GIL is released)
             self._pool = concurrent.futures.ThreadPoolExecutor(
                 1, thread_name_prefix="rrfp-self-driving")
         return self._pool
+
+    @property
+    def label(self) -> str:
+        """What the steps' stats say in place of the ``buffer_limit`` setting."""
+        return f"tune_within={self.budget.spec!r}"
 
     def close(self) -> None:
         if self._pool is not None:

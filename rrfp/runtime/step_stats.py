@@ -19,10 +19,12 @@ def step_stats(loop: StepLoop, executor: StageExecutor, coordinator: Coordinator
                meter: ActivationMeter | None, limits: LimitPlan,
                activation_bytes_per_microbatch: dict[int, int] | None,
                receive_buffer_bytes: int, step: int,
-               size_prediction_error: dict[int, float] | None = None) -> StepStats:
+               size_prediction_error: dict[int, float] | None = None,
+               setting: str | None = None) -> StepStats:
     """``end``: the step's length in seconds; ``sent``: (messages, bytes) it sent;
     ``meter``: the byte meter if this step was metered; ``size_prediction_error``: per
-    stage, how far the durations predicted from the sizes fell from the measured ones."""
+    stage, how far the durations predicted from the sizes fell from the measured ones;
+    ``setting``: what the user set in place of ``buffer_limit`` (self-driving's budget)."""
     arbiter = loop.arbiter
     hint = arbiter.hint
     local = hint.stages_on(rank)
@@ -74,7 +76,7 @@ def step_stats(loop: StepLoop, executor: StageExecutor, coordinator: Coordinator
         coordination_time=coordinator.seconds if coordinator else 0.0,
         start_unix=time.time() - end,
         step=step,
-        buffer_limit=str(limits.setting.spec),
+        buffer_limit=setting or str(limits.setting.spec),
         num_stages=hint.num_stages,
         n_microbatches=hint.n_microbatches,
         placement=hint.layout,
