@@ -263,7 +263,7 @@ MUTATIONS = [
         "setting is slower", "rrfp/core/tuning.py",
         "if upper_bound(logs, self.rules.confidence) >= 0:", "if True:",
         ("tests/test_tuning.py::test_falls_back_when_the_a_b_says_the_setting_is_slower",
-         "tests/test_tuning.py::test_falls_back_to_the_fixed_order_when_no_candidate_is_left")),
+         "tests/test_tuning.py::test_falls_back_to_the_hints_own_setting_when_no_candidate_is_left")),
     Mutation(
         "tuner_ignores_drift", "self-driving measures again when the step times drift",
         "rrfp/core/tuning.py", "since.drifting = since.drifting + 1 if strays else 0",

@@ -27,37 +27,25 @@ import math
 import os
 import re
 import statistics
-import subprocess
 import sys
 import time
 
 from benchmarks.pages import write_page
+from benchmarks.titan_runs import run_job
 from rrfp.testing.ab import in_alternating_order
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CONFIG = "train_configs/documents_cpu.toml"
 STEP_LINE = re.compile(r"rrfp step\s+(\d+)(?: \(fixed order\))?: (\d+) ms")
 DECISION = re.compile(r"rrfp self-driving: (.*)")
 FIXED_PEAK = re.compile(r"\(fixed schedule ([\d.]+) MiB\)")
-ANSI = re.compile(r"\x1b\[[0-9;]*m")
 
 
-def run(extra: tuple[str, ...], steps: int, timeout: float = 900) -> str:
+def run(extra: tuple[str, ...], steps: int) -> str:
     """The console of one training run of the documents job with ``extra`` options."""
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2", "--standalone",
-           "-m", "torchtitan_ext.train", "--job.config_file", CONFIG,
-           "--training.steps", str(steps), "--rrfp.trace_folder", "", "--rrfp.no-advise",
-           "--metrics.no-enable-tensorboard",
-           "--job.dump_folder", os.path.join("outputs", "self_driving_real"), *extra]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1",
-           "PYTHONPATH": os.pathsep.join(filter(None, [ROOT, os.environ.get("PYTHONPATH")]))}
-    env.pop("LOG_RANK", None)
-    done = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True,
-                          timeout=timeout)
-    out = ANSI.sub("", done.stdout + done.stderr)
-    if done.returncode != 0:
-        raise RuntimeError(f"run {extra} failed ({done.returncode}):\n{out[-3000:]}")
-    return out
+    dump = os.path.join("outputs", "self_driving_real")
+    return run_job(dump, "--rrfp.trace_folder", "", "--rrfp.no-advise", *extra, steps=steps,
+                   job=["-m", "torchtitan_ext.train", "--job.config_file", CONFIG,
+                        "--job.dump_folder", dump, "--metrics.no-enable-tensorboard"])
 
 
 def seconds(out: str, steps: int) -> float:

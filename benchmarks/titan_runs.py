@@ -45,10 +45,13 @@ def activation_checkpoint_args(mode: str) -> list[str]:
     return [f"activation-checkpoint:{mode}"]
 
 
-def run_job(dump: str, *options: str, steps: int, timeout: float = 900) -> str:
-    """Train the main job ``steps`` steps with ``options``; its console output."""
+def run_job(dump: str, *options: str, steps: int, timeout: float = 900,
+            job: list[str] | None = None) -> str:
+    """Train the main job (``job``: another job's arguments, its dump folder included)
+    ``steps`` steps with ``options``; its console output."""
     command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2",
-               "--standalone", *job_args(dump), "--training.steps", str(steps), *options]
+               "--standalone", *(job_args(dump) if job is None else job),
+               "--training.steps", str(steps), *options]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1",
            "PYTHONPATH": os.pathsep.join(filter(None, [ROOT, os.environ.get("PYTHONPATH")]))}
     env.pop("LOG_RANK", None)

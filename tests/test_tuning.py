@@ -50,12 +50,24 @@ def test_measures_at_the_hints_own_setting_then_switches_to_the_best_prediction(
     assert "predicted 1.150x" in decision.line()
 
 
-def test_no_candidate_clearing_the_margin_runs_the_fixed_order():
+def test_no_candidate_clearing_the_margins_keeps_the_hints_own_setting():
     tuner = Tuner()
     drive(tuner, 8, lambda step, run: 1.0,
           [Predicted(OWN, 1.004), Predicted(FAST, 1.015)])
-    assert tuner.setting == FIXED_ORDER
+    assert tuner.setting == OWN
     assert tuner.decisions[-1].reason == "no gain"
+    # A candidate must also beat the hint's own setting's prediction by the refine margin.
+    tuner = Tuner()
+    drive(tuner, 8, lambda step, run: 1.0, [Predicted(OWN, 1.05), Predicted(FAST, 1.055)])
+    assert (tuner.setting, tuner.decisions[-1].reason) == (OWN, "no gain")
+
+
+def test_the_hints_own_setting_found_slower_falls_back_to_the_fixed_order():
+    tuner = Tuner()
+    drive(tuner, 80, times_by_setting({OWN: 1.25, FIXED_ORDER: 1.0}),
+          [Predicted(OWN, 1.004), Predicted(FAST, 1.015)])
+    assert tuner.setting == FIXED_ORDER
+    assert tuner.decisions[-1].reason == "fall back"
     # The fixed order needs no A/B against itself.
     assert not any(tuner.plan_block()[k].ab_fixed for k in range(8))
 
@@ -74,11 +86,11 @@ def test_falls_back_when_the_a_b_says_the_setting_is_slower():
     assert tuner.setting == NEXT  # ... and the next candidate, faster, stays
 
 
-def test_falls_back_to_the_fixed_order_when_no_candidate_is_left():
+def test_falls_back_to_the_hints_own_setting_when_no_candidate_is_left():
     tuner = Tuner()
     drive(tuner, 120, times_by_setting({OWN: 1.0, FIXED_ORDER: 1.0, FAST: 1.25}),
           [Predicted(FAST, 1.2)])
-    assert tuner.setting == FIXED_ORDER
+    assert tuner.setting == OWN
     assert tuner.decisions[-1].reason == "fall back"
 
 

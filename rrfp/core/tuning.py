@@ -13,8 +13,10 @@ measured steps, the caller predicts every candidate from them and hands the resu
 
 1. **Measure.** The first ``measure_steps`` steps run the hint's own setting (``OWN``).
 2. **Choose.** The candidate with the best predicted speedup over the fixed schedule runs
-   from then on if that speedup is at least ``switch_margin``; otherwise the fixed order
-   itself (``FIXED_ORDER``), which no prediction can make slower. **Refine** once, on the
+   from then on if that speedup is at least ``switch_margin`` and ``refine_margin`` times
+   the hint's own setting's; otherwise the hint's own setting keeps running (what the run
+   would do without choosing), or, once the A/B found it slower, the fixed order itself
+   (``FIXED_ORDER``). **Refine** once, on the
    first ``refine_steps`` steps since measuring began: a candidate predicted faster than
    the running one by ``refine_margin`` takes over.
 3. **Verify.** Every ``ab_every``-th step runs the fixed order (the in-run A/B; after
@@ -23,7 +25,7 @@ measured steps, the caller predicts every candidate from them and hands the resu
    one-sided ``confidence`` bound of the mean log speedup, over every pair since the
    decision (at least ``min_pairs``), is below 0: the setting is slower than the fixed
    order, beyond what the pairs' own spread explains. The next candidate that cleared the
-   margin runs, or the fixed order.
+   margins runs, else the hint's own setting, else (it too found slower) the fixed order.
 4. **Re-tune.** The median of the last ``window`` steps at the setting against the median
    of the steps at it before them: when it moved by more than ``drift_fraction`` and by more than
    ``drift_errors`` standard errors, on ``drift_hold`` steps in a row, then (once at least
@@ -268,8 +270,9 @@ class Tuner:
             self._rejected.clear()
         best = self._next_candidate()
         if best is None:
-            if first or self.setting != FIXED_ORDER:
-                return self._decide(FIXED_ORDER, "no gain",
+            plain = self._plain()
+            if first or self.setting != plain:
+                return self._decide(plain, "no gain",
                                     max((p.speedup for p in self._ranked), default=None))
             return self._in_force()
         if first:
@@ -284,8 +287,18 @@ class Tuner:
         return self._pending or self.decisions[-1]
 
     def _next_candidate(self) -> Predicted | None:
+        """The best candidate not rejected that clears the margins: over the fixed schedule,
+        and over the hint's own setting's prediction (what the run would do without
+        choosing)."""
+        own = next((p.speedup for p in self._ranked if p.setting == OWN), 1.0)
+        floor = max(self.rules.switch_margin, own * self.rules.refine_margin)
         return next((p for p in self._ranked if p.setting not in self._rejected
-                     and p.speedup >= self.rules.switch_margin), None)
+                     and p.setting != OWN and p.speedup >= floor), None)
+
+    def _plain(self) -> Candidate:
+        """Where no candidate clears the margins: the hint's own setting, unless the A/B
+        found it slower than the fixed order."""
+        return OWN if OWN not in self._rejected else FIXED_ORDER
 
     def _decide(self, setting: Candidate, reason: str, predicted: float | None = None,
                 measured: float | None = None) -> Decision:
@@ -316,7 +329,7 @@ class Tuner:
         self._rejected.add(self.setting)
         following = self._next_candidate()
         if following is None:
-            self._decide(FIXED_ORDER, "fall back", measured=measured)
+            self._decide(self._plain(), "fall back", measured=measured)
         else:
             self._decide(following.setting, "fall back", following.speedup, measured)
         return True
