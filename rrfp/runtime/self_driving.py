@@ -178,9 +178,9 @@ class SelfDriving:
         return run, plan
 
     def meters(self, step: int) -> bool:
-        """Whether training step ``step`` is in the first block of a new setting (the byte
-        meter then runs in every step)."""
-        return step - self._setting_since < self.rules.block
+        """Whether training step ``step`` is the first of a new setting (metered: the meter
+        costs CPU per saved tensor, so the other steps keep ``meter_every``)."""
+        return step == self._setting_since
 
     def after_step(self, step: int, stats: StepStats) -> None:
         """Share the step's trace where the plan asks; the deciding rank observes it."""
