@@ -79,3 +79,26 @@ def test_the_child_process_predicts_what_the_advisor_predicts(tmp_path):
     inline = predict_candidates(run, ["hint", "hint+1"])
     assert predicted_in_a_child(run, ["hint", "hint+1"]) == inline
     assert pickle.loads(pickle.dumps(inline)) == inline
+
+
+
+def test_a_failed_prediction_keeps_the_hints_own_setting(caplog):
+    import concurrent.futures
+
+    from rrfp.comm.board import JobScope
+    from rrfp.core.hints import build_hint
+    from rrfp.core.settings import parse_buffer_limit
+    from rrfp.runtime.self_driving import SelfDriving
+
+    hint = build_hint("1F1B", num_ranks=2, num_stages=2, n_microbatches=4)
+    driving = SelfDriving(parse_buffer_limit("hint+2"), hint, 0, JobScope("", None, ()),
+                          (0,), 10.0)
+    for _ in range(8):  # the measured steps
+        driving.tuner.observe(driving.tuner.next_run(), 1.0)
+    failed = concurrent.futures.Future()
+    failed.set_exception(RuntimeError("the child died"))
+    with caplog.at_level("WARNING"):
+        driving.hand_over(failed)
+    assert "the prediction failed" in caplog.text and "the child died" in caplog.text
+    assert driving.tuner.decisions[-1].reason == "no gain"
+    assert driving.tuner.setting.buffer_limit == "hint"

@@ -234,12 +234,13 @@ class SelfDriving:
         tuner = self.tuner
         assert tuner is not None
         if self._prediction is not None and self._prediction.done():
-            predicted, self._prediction = self._prediction.result(), None
-            if tuner.wants_predictions is not None:
-                tuner.choose(predicted)
+            done, self._prediction = self._prediction, None
+            self.hand_over(done)
         wanted = tuner.wants_predictions
         if wanted is None or self._prediction is not None:
             return
+        for old in [s for s in self._traces if s < wanted.start]:
+            del self._traces[old]  # measured for an earlier prediction
         steps = [self._traces[s] for s in wanted if s in self._traces]
         if len(steps) < 2:
             return
@@ -250,6 +251,19 @@ class SelfDriving:
             tuner.choose(self._predict_inline(run, self._limits))
         else:
             self._prediction = self._executor().submit(predicted_in_a_child, run, self._limits)
+
+    def hand_over(self, done: concurrent.futures.Future) -> None:
+        """The deciding rank: give the tuner a finished prediction; a failed one chooses
+        nothing over the hint's own setting (the job goes on), said in a warning."""
+        assert self.tuner is not None
+        try:
+            predicted = done.result()
+        except Exception as e:
+            logger.warning("rrfp self-driving: the prediction failed, so nothing is chosen "
+                           "over the hint's own setting: %s", e)
+            predicted = []
+        if self.tuner.wants_predictions is not None:
+            self.tuner.choose(predicted)
 
     def _executor(self) -> concurrent.futures.ThreadPoolExecutor:
         if self._pool is None:  # a thread that waits on the child (the GIL is released)
