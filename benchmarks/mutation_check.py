@@ -271,8 +271,8 @@ MUTATIONS = [
         ("tests/test_tuning.py::test_a_drift_in_the_step_times_measures_again_and_chooses_anew",)),
     Mutation(
         "self_driving_plan_ignored", "every rank runs the setting the deciding rank chose",
-        "rrfp/runtime/pipeline.py", "        setting = tuned.setting\n",
-        "        setting = tuned.setting if self.self_driving.deciding else Candidate(\"hint\")\n",
+        "rrfp/runtime/self_driving.py", "run = StepRun(Candidate(limit, policy), ab_fixed)",
+        "run = StepRun(Candidate(limit if self.deciding else \"hint\", policy), ab_fixed)",
         ("tests/test_self_driving.py::test_every_rank_switches_at_the_same_step_within_a_byte_"
          "budget_and_stays_bitwise",)),
 ]

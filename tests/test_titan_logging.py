@@ -109,8 +109,11 @@ def test_a_self_driving_job_trains_and_says_what_it_ran(tmp_path):
     assert code == 0, failure_excerpt(out)
     assert ("buffer limit 'hint' (rrfp.buffer_limit), self-driving within 'hint+2' "
             "(rrfp.tune_within: ") in out
+    # Metered in the first step (the first of the hint's own setting), not in the A/B's.
+    assert re.search(STATS_LINE.format(step=1, fixed="", label="", activations=METERED),
+                     out), failure_excerpt(out)
     assert re.search(STATS_LINE.format(step=8, fixed=r" \(fixed order\)", label="",
-                                       activations=METERED), out), failure_excerpt(out)
+                                       activations=UNMETERED), out), failure_excerpt(out)
     values = tensorboard_values(tmp_path)
     assert values["rrfp/self_driving/fixed_order"] == [0.0] * 7 + [1.0]
     # Interleaved1F1B, 2 ranks x 2 stages, 8 microbatches: the hint's own limits ran.
