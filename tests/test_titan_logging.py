@@ -71,8 +71,10 @@ def test_main_job_trains_on_cpu_and_logs_rrfp_stats(tmp_path):
     assert verdict, failure_excerpt(out)
     # Said once, in the summary, after a line that says it is being predicted.
     assert out.count(verdict[0]) == 1, failure_excerpt(out)
+    # Between the two, only another rank's C++ warnings may come (torch 2.14's store client
+    # warns when the watch's store wait is re-armed, in a run over its period under load).
     assert re.search(r"rrfp: predicting the verdict from the last \d+ steps \(about \d+ s of "
-                     r"CPU\)\n.*rrfp summary", out), failure_excerpt(out)
+                     r"CPU\)\n(?:\[rank\d+\]:.*\n)*.*rrfp summary", out), failure_excerpt(out)
     summary = out[out.index("rrfp summary: 8 steps, hint Interleaved1F1B, policy lookahead; "
                             "step time "):].splitlines()[:9]
     assert [line.split(" (")[0].split(":")[0] for line in summary[1:]] == [
