@@ -66,7 +66,7 @@ class Metering:
                  new_setting: bool = False) -> ActivationMeter | None:
         """The meter, reset for the step after ``steps_run`` steps, where that step is
         metered: the first training step (nothing ``measured`` yet), every ``every``-th,
-        and (``new_setting``) the first block of steps of a self-driving setting."""
+        and (``new_setting``) the first step of a self-driving setting."""
         if self.meter is None or (steps_run % self.every and not new_setting and measured):
             return None
         self.meter.reset(p for stage in stages for p in stage.submod.parameters())
