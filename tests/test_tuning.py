@@ -38,14 +38,16 @@ def times_by_setting(table: dict, noise: float = 0.0, seed: int = 0):
 
 def test_measures_at_the_hints_own_setting_then_switches_to_the_best_prediction():
     tuner = Tuner()
+    first = tuner.rules.measure_steps
     measured = []
-    for _ in range(8):
-        measured.append(tuner.next_run().setting)
+    for _ in range(first):
+        measured.append(tuner.next_run())
         tuner.observe(tuner.next_run(), 1.0)
-    assert set(measured) == {OWN}
-    assert tuner.wants_predictions == range(0, 8)
+    assert {run.setting for run in measured} == {OWN}
+    assert not any(run.ab_fixed for run in measured)  # no A/B before the first decision
+    assert tuner.wants_predictions == range(0, first)
     decision = tuner.choose([Predicted(NEXT, 1.05), Predicted(FAST, 1.15)])
-    assert (decision.step, decision.setting, decision.reason) == (8, FAST, "switch")
+    assert (decision.step, decision.setting, decision.reason) == (first, FAST, "switch")
     assert tuner.next_run().setting == FAST
     assert "predicted 1.150x" in decision.line()
 
@@ -69,7 +71,7 @@ def test_the_hints_own_setting_found_slower_falls_back_to_the_fixed_order():
     assert tuner.setting == FIXED_ORDER
     assert tuner.decisions[-1].reason == "fall back"
     # The fixed order needs no A/B against itself.
-    assert not any(tuner.plan_block()[k].ab_fixed for k in range(8))
+    assert not any(tuner.plan_block()[k].ab_fixed for k in range(tuner.rules.block))
 
 
 def test_falls_back_when_the_a_b_says_the_setting_is_slower():
@@ -129,7 +131,7 @@ def test_a_refined_prediction_takes_over_only_beyond_its_margin():
     tuner = Tuner()
     rounds = iter([[Predicted(FAST, 1.10), Predicted(NEXT, 1.05)],
                    [Predicted(FAST, 1.10), Predicted(NEXT, 1.105)],  # within the margin
-                   ])
+                   [Predicted(FAST, 1.10), Predicted(NEXT, 1.108)]])
     for _ in range(48):
         run = tuner.next_run()
         tuner.observe(run, 1.0 if run.ab_fixed else 0.9)
@@ -139,6 +141,7 @@ def test_a_refined_prediction_takes_over_only_beyond_its_margin():
 
     tuner = Tuner()
     rounds = iter([[Predicted(FAST, 1.10), Predicted(NEXT, 1.05)],
+                   [Predicted(FAST, 1.10), Predicted(NEXT, 1.05)],
                    [Predicted(FAST, 1.08), Predicted(FASTER_ON_PAPER, 1.12)]])
     for _ in range(48):
         run = tuner.next_run()
@@ -147,11 +150,11 @@ def test_a_refined_prediction_takes_over_only_beyond_its_margin():
             assert tuner.wants_predictions.start == 0
             tuner.choose(next(rounds))
     assert [(d.reason, d.setting, d.step) for d in tuner.decisions][-1] == (
-        "refine", FASTER_ON_PAPER, 40)
+        "refine", FASTER_ON_PAPER, tuner.rules.refine_at[-1])
 
 
 def test_decisions_take_effect_at_a_blocks_first_step_and_the_plan_says_each_step():
-    tuner = Tuner(TuningRules(measure_steps=5))
+    tuner = Tuner(TuningRules(block=8, measure_steps=5))
     for _ in range(5):
         tuner.observe(tuner.next_run(), 1.0)
     decision = tuner.choose([Predicted(FAST, 1.2)])
@@ -184,9 +187,11 @@ def test_the_upper_bound_is_students():
 
 def test_the_rules_refuse_what_cannot_work():
     with pytest.raises(ValueError, match="multiple of block"):
-        TuningRules(ab_every=12)
-    with pytest.raises(ValueError, match="refine_steps"):
-        TuningRules(refine_steps=8)
+        TuningRules(ab_every=10)
+    with pytest.raises(ValueError, match="refine_at"):
+        TuningRules(refine_at=(4,))
+    with pytest.raises(ValueError, match="refine_at"):
+        TuningRules(refine_at=(40, 16))
     with pytest.raises(ValueError, match="seconds"):
         Tuner().observe(Tuner().next_run(), float("nan"))
     with pytest.raises(RuntimeError, match="predictions"):

@@ -11,14 +11,15 @@ measured steps, the caller predicts every candidate from them and hands the resu
    steps, so that every rank of a job can read a block's plan (``plan_block``) once, from
    one rank that decides, and switch at the same step.
 
-1. **Measure.** The first ``measure_steps`` steps run the hint's own setting (``OWN``).
+1. **Measure.** The first ``measure_steps`` steps run the hint's own setting (``OWN``),
+   without the A/B's fixed-order steps until the first decision takes effect.
 2. **Choose.** The candidate with the best predicted speedup over the fixed schedule runs
    from then on if that speedup is at least ``switch_margin`` and ``refine_margin`` times
    the hint's own setting's; otherwise the hint's own setting keeps running (what the run
    would do without choosing), or, once the A/B found it slower, the fixed order itself
-   (``FIXED_ORDER``). **Refine** once, on the
-   first ``refine_steps`` steps since measuring began: a candidate predicted faster than
-   the running one by ``refine_margin`` takes over.
+   (``FIXED_ORDER``). **Refine** on the first
+   ``refine_at`` steps since measuring began (each entry once): a candidate predicted
+   faster than the running one by ``refine_margin`` takes over.
 3. **Verify.** Every ``ab_every``-th step runs the fixed order (the in-run A/B; after
    ``settle_pairs`` pairs, every ``ab_every_settled``-th). Each such step paired with its
    neighbours gives a measured speedup (``ab_speedups``). **Fall back** when the upper
@@ -113,12 +114,12 @@ class Decision:
 class TuningRules:
     """The tuner's constants (see the module's docstring for the rules they set)."""
 
-    block: int = 8
-    measure_steps: int = 8
-    refine_steps: int = 40
+    block: int = 4
+    measure_steps: int = 4
+    refine_at: tuple[int, ...] = (16, 40)
     refine_margin: float = 1.01
     ab_every: int = 8
-    ab_every_settled: int = 32
+    ab_every_settled: int = 64
     settle_pairs: int = 4
     switch_margin: float = 1.02
     confidence: float = 0.99
@@ -139,9 +140,10 @@ class TuningRules:
             if getattr(self, name) % self.block:
                 raise ValueError(f"TuningRules.{name} ({getattr(self, name)}) must be a "
                                  f"multiple of block ({self.block})")
-        if self.refine_steps <= self.measure_steps:
-            raise ValueError(f"TuningRules.refine_steps ({self.refine_steps}) must exceed "
-                             f"measure_steps ({self.measure_steps})")
+        rounds = [self.measure_steps, *self.refine_at]
+        if any(later <= earlier for earlier, later in zip(rounds, rounds[1:])):
+            raise ValueError(f"TuningRules.refine_at ({self.refine_at}) must rise, each "
+                             f"above measure_steps ({self.measure_steps})")
         if not 0.5 < self.confidence < 1:
             raise ValueError(f"TuningRules.confidence must be in (0.5, 1), got {self.confidence}")
 
@@ -220,7 +222,7 @@ class Tuner:
         return self._measuring_from is not None
 
     def _prediction_rounds(self) -> list[int]:
-        return [self.rules.measure_steps, self.rules.refine_steps]
+        return [self.rules.measure_steps, *self.rules.refine_at]
 
     def next_run(self) -> StepRun:
         """What the coming step runs."""
@@ -235,7 +237,8 @@ class Tuner:
         return [self._run_at(self.steps + k) for k in range(self.rules.block)]
 
     def _run_at(self, step: int) -> StepRun:
-        if self.setting == FIXED_ORDER:
+        if self.setting == FIXED_ORDER or len(self.decisions) == 1:
+            # Before the first decision no pair is kept: each decision starts its own.
             return StepRun(self.setting, False)
         pairs = len(ab_speedups(self._since.runs))
         every = (self.rules.ab_every if pairs < self.rules.settle_pairs
