@@ -275,6 +275,19 @@ MUTATIONS = [
         "run = StepRun(Candidate(limit if self.deciding else \"hint\", policy), ab_fixed)",
         ("tests/test_self_driving.py::test_every_rank_switches_at_the_same_step_within_a_byte_"
          "budget_and_stays_bitwise",)),
+    Mutation(
+        "self_driving_keeps_traces", "the store keeps no shared trace once the deciding rank "
+        "read it", "rrfp/runtime/self_driving.py",
+        "self.board.forget(f\"{TRACE}/{step}\", self._pipeline_ranks, job=True)", "pass",
+        ("tests/test_self_driving.py::test_every_rank_switches_at_the_same_step_within_a_byte_"
+         "budget_and_stays_bitwise",)),
+    Mutation(
+        "tuner_ab_while_measuring", "no A/B step runs before the first decision (its pair "
+        "would be dropped)", "rrfp/core/tuning.py",
+        "if self.setting == FIXED_ORDER or len(self.decisions) == 1:",
+        "if self.setting == FIXED_ORDER:",
+        ("tests/test_tuning.py::test_no_a_b_step_runs_before_the_first_decision_however_late_"
+         "it_comes",)),
 ]
 
 

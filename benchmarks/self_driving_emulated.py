@@ -9,9 +9,9 @@ over the same ``--steps`` steps: the throughput ratio over every step after the 
 (the measuring and the in-run A/B's steps counted), every step's metered peak bytes
 against the budget, the step at which each rank's setting changed, whether the gradients
 were bitwise torch's in every step, and the decisions. The predictions run as in a job, in
-a child process at idle priority, so a decision lands when it is done; with ``--inline``
-(a machine whose cores are busy with other work, where an idle-priority child would not
-run) on the deciding rank at once, their time counted in its steps. Emulated device
+a child process at ``nice 19``, so a decision lands when it is done; with ``--inline``
+(a machine whose cores are busy with other work, where the child would get little CPU)
+on the deciding rank at once, their time counted in its steps. Emulated device
 time: the compute sleeps as a kernel would run; every figure is emulated.
 """
 
@@ -90,7 +90,7 @@ def main(argv: list[str] | None = None) -> None:
         "*same*: every rank logged the same decisions; *bitwise*: every step's gradients "
         "equal torch's on every rank. Predictions: "
         + ("inline, on the deciding rank, their time counted in its steps (`--inline`)."
-           if args.inline else "in a child process at idle priority, as in a job."), "",
+           if args.inline else "in a child process at `nice 19`, as in a job."), "",
         f"**Lowest throughput: {min(ratios):.3f}x the fixed schedule.**", "",
         "| family | round | throughput | peak bytes / budget | switched at | same | bitwise | "
         "decisions (on every rank) |", "|---|---|---|---|---|---|---|---|", *lines]

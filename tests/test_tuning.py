@@ -44,12 +44,28 @@ def test_measures_at_the_hints_own_setting_then_switches_to_the_best_prediction(
         measured.append(tuner.next_run())
         tuner.observe(tuner.next_run(), 1.0)
     assert {run.setting for run in measured} == {OWN}
-    assert not any(run.ab_fixed for run in measured)  # no A/B before the first decision
     assert tuner.wants_predictions == range(0, first)
     decision = tuner.choose([Predicted(NEXT, 1.05), Predicted(FAST, 1.15)])
     assert (decision.step, decision.setting, decision.reason) == (first, FAST, "switch")
     assert tuner.next_run().setting == FAST
     assert "predicted 1.150x" in decision.line()
+
+
+def test_no_a_b_step_runs_before_the_first_decision_however_late_it_comes():
+    # A pair is kept only since the decision it checks: one before the first is lost.
+    tuner = Tuner()
+    late = 3 * tuner.rules.ab_every
+    runs = []
+    for _ in range(late):
+        runs.append(tuner.next_run())
+        tuner.observe(runs[-1], 1.0)
+    assert {run.setting for run in runs} == {OWN} and not any(run.ab_fixed for run in runs)
+    decision = tuner.choose([Predicted(FAST, 1.15)])
+    assert decision.step == late
+    for _ in range(tuner.rules.ab_every):
+        runs.append(tuner.next_run())
+        tuner.observe(runs[-1], 1.0)
+    assert [run.ab_fixed for run in runs[late:]].count(True) == 1
 
 
 def test_no_candidate_clearing_the_margins_keeps_the_hints_own_setting():

@@ -10,11 +10,16 @@ __all__ = ["AdviceError", "MeasuredRun", "read_run", "run_from_trace_events", "a
            "advise", "Advice", "lower_priority"]
 
 
-def lower_priority(pid: int = 0) -> None:
-    """Process ``pid`` (0: this one) at the lowest CPU priority: ``SCHED_IDLE`` where the
-    OS has it (a process that wakes takes the core from it at once, and the load balancer
-    counts its core as idle), else ``nice 19`` (this process only)."""
-    if hasattr(os, "sched_setscheduler") and hasattr(os, "SCHED_IDLE"):
+def lower_priority(pid: int = 0, *, idle: bool = True) -> None:
+    """Process ``pid`` (0: this one) at a low CPU priority. ``idle``: the lowest,
+    ``SCHED_IDLE`` where the OS has it (a process that wakes takes the core from it at
+    once, and the load balancer counts its core as idle; beside a busy process it gets
+    next to nothing), else ``nice 19``. Otherwise ``nice 19``: beside a busy process of
+    priority 0 on its core about 1.5% of that core (the kernel's weights 15 and 1024), all
+    of an idle core, so that work the job waits for always progresses."""
+    if idle and hasattr(os, "sched_setscheduler") and hasattr(os, "SCHED_IDLE"):
         os.sched_setscheduler(pid, os.SCHED_IDLE, os.sched_param(0))
+    elif hasattr(os, "setpriority"):
+        os.setpriority(os.PRIO_PROCESS, pid, 19)
     elif pid == 0:
         os.nice(19)

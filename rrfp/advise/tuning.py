@@ -3,7 +3,7 @@ the job's measured steps by the advisor, in a process of its own.
 
 ``python -m rrfp.advise.tuning`` reads a pickled ``(MeasuredRun, limits)`` on its
 standard input and writes the pickled ``list[Predicted]`` on its standard output: the
-runtime starts it at idle priority, so that predicting never takes a core from training
+runtime starts it at ``nice 19``, so that predicting takes little of a core training uses
 (and, as a fresh interpreter, it imports nothing of the training script).
 """
 

@@ -280,6 +280,14 @@ class FailureBoard:
         said = store.multi_get([keys[rank] for rank in present]) if present else []
         return {rank: value.decode() for rank, value in zip(present, said)}
 
+    def forget(self, key: str, ranks: Sequence[int], *, job: bool = False) -> None:
+        """Delete what ``ranks`` said under ``key`` (``tell``), once every reader has
+        read it: the store keeps no key of a finished exchange."""
+        store = self._job_store if job else self._store
+        if store is not None and self.lost is None:
+            for name in (*(f"{key}/{rank}" for rank in ranks), f"{key}/told"):
+                store.delete_key(name)
+
     def stop_sending(self, peers: Sequence[int], timeout: float) -> None:
         """Say that this rank issues no more sends on the pipeline's channels, then wait at
         most ``timeout`` seconds until each of ``peers`` (global ranks) has said so too;

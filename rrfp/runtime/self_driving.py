@@ -9,8 +9,11 @@ stays constant per rank). A plan says, for each step of the block, the setting a
 it is the in-run A/B's fixed-order step, and whether the ranks of the deciding rank's
 pipeline share the steps' traces (while the tuner measures). The deciding rank collects
 those traces at the next block, predicts every candidate from them in a child process at
-idle priority (``rrfp.advise``: the advisor's own replay), and hands the predictions to
-the tuner when they are ready; training never waits on a prediction.
+``nice 19`` (``rrfp.advise``: the advisor's own replay), and hands the predictions to
+the tuner when they are ready; training never waits on a prediction. The deciding rank
+deletes each trace once it read it, and each block's plan two blocks later (every rank
+read it by then: the job's ranks meet in each step's collectives), so the keys the mode
+leaves in the store do not grow with the steps.
 
 Candidates are the microbatch limits from the hint's own up to the budget (``"hint+k"``;
 a byte budget or ``"busiest"``: the largest ``"hint+k"`` whose worst mix of microbatches,
@@ -106,12 +109,14 @@ def candidate_limits(budget: BufferLimit, hint: Hint,
 
 
 def predicted_in_a_child(run: MeasuredRun, limits: Sequence[str]) -> list[Predicted]:
-    """``rrfp.advise.tuning.predict_candidates`` in a fresh interpreter at idle priority."""
+    """``rrfp.advise.tuning.predict_candidates`` in a fresh interpreter at ``nice 19``:
+    where every core trains it takes about 1.5% of one, so a decision comes late but
+    comes (``SCHED_IDLE``, the advisor's verdict's priority, could starve it)."""
     child = subprocess.Popen([sys.executable, "-m", "rrfp.advise.tuning"],
                              stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                              stderr=subprocess.PIPE)
     try:
-        lower_priority(child.pid)
+        lower_priority(child.pid, idle=False)
     except OSError:  # it ends before it could be lowered, or the OS refuses: it still runs
         pass
     out, err = child.communicate(pickle.dumps((run, list(limits))))
@@ -198,6 +203,8 @@ class SelfDriving:
             return self._decide()
         if self.tuner is not None:
             self.board.tell(key, self._decide().encode(), job=True)
+            if block >= 2:  # every rank read it: each finished a step of the block since
+                self.board.forget(f"{PLAN}/{block - 2}", [self.leader], job=True)
         said = self.board.collect(key, 2 * self.timeout, job=True, ranks=[self.leader])
         if self.leader not in said:
             raise PipelineStallError(
@@ -228,6 +235,7 @@ class SelfDriving:
                                       ranks=self._pipeline_ranks)
             self._traces[step] = [event for rank in sorted(said)
                                   for event in json.loads(said[rank])]
+            self.board.forget(f"{TRACE}/{step}", self._pipeline_ranks, job=True)
         self._shared.clear()
 
     def _predict(self) -> None:

@@ -74,7 +74,8 @@ def self_driving_world(rank: int, world_size: int, family: str, steps: int,
     rank's process (None: the advisor in a child, as in a job: decisions come when it is
     done). Returns per schedule the step times, and for the
     self-driving one per step its policy, limits and peak bytes, whether its gradients
-    are bitwise torch's in every step, and the decisions it logged."""
+    are bitwise torch's in every step, the decisions it logged, and how many keys the
+    store held more after it."""
     num_stages, M = world_size, 4 * world_size
     torch.manual_seed(0)
     chain = [Widened(WIDENING[s % len(WIDENING)]) for s in range(num_stages)]
@@ -119,6 +120,9 @@ def self_driving_world(rank: int, world_size: int, family: str, steps: int,
     fixed = run(lambda stages: torch_schedule("1F1B", stages, M), meter=ActivationMeter())
     settings = Settings(tune_within=budget, stall_timeout=60, meter_every=1)
     predict = None if predictor is None else PREDICTORS[predictor]
+    # The job's store is a prefix of the default one, which counts the keys of both.
+    store = torch.distributed.distributed_c10d._get_default_store()
+    keys_before = store.num_keys()
     try:
         tuned = run(lambda stages: StudySchedule(stages, M, loss_fn=loss_fn, hint="1F1B",
                                                  settings=settings,
@@ -129,7 +133,9 @@ def self_driving_world(rank: int, world_size: int, family: str, steps: int,
     schedule = tuned["schedule"]
     decisions = schedule.tuning_decisions
     schedule.close()
+    torch.distributed.barrier()  # every rank's keys are in
     return {
+        "keys_added": store.num_keys() - keys_before,
         "fixed_times": fixed["times"], "fixed_bytes": max(fixed["bytes"][1:]),
         "times": tuned["times"], "policy": tuned["policy"], "limits": tuned["limits"],
         "bytes": tuned["bytes"], "decisions": decisions,

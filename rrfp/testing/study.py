@@ -32,7 +32,7 @@ class Study:
     predict_inline: Predictor | None = None
     """Self-driving (``Settings.tune_within``): predict in this process as soon as the
     measured steps ran (``rrfp.advise.tuning.predict_candidates``), so that decisions
-    come at known steps (None: in a child process at idle priority, as in a job)."""
+    come at known steps (None: in a child process at `nice 19`, as in a job)."""
     channels: Callable[..., ChannelMap] | None = None
     """How the channels are made, e.g. ``rrfp.testing.nccl_like.channels_for("nccl-like")``
     (None: rrfp's own, over the platform's backend)."""
