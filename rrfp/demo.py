@@ -24,6 +24,7 @@ from torch.distributed.pipelining.schedules import get_schedule_class, PipelineS
 from rrfp import ScheduleRRFP, write_chrome_trace
 from rrfp.core.hints import build_hint, infer_layout, rule_reference
 from rrfp.core.settings import BUFFER_LIMIT_HELP, Settings
+from rrfp.core.text import counted
 from rrfp.testing.emulation import EmulatedDeviceTime
 from rrfp.testing.worlds import run_local_world
 
@@ -114,7 +115,8 @@ def main(argv: list[str] | None = None) -> None:
     fixed_name, policy, times, stats = run_local_world(args.ranks, _rank_main, args, timeout=600)[0]
     write_chrome_trace(stats, args.trace)
     fixed_s, rrfp_s = statistics.median(times["fixed"]), statistics.median(times["rrfp"])
-    print(f"{args.ranks} ranks x {args.stages_per_rank} stages, {args.microbatches} microbatches, "
+    print(f"{counted(args.ranks, 'rank')} x {counted(args.stages_per_rank, 'stage')}, "
+          f"{counted(args.microbatches, 'microbatch')}, "
           f"stage 0 forward of microbatch {args.slow_mb} takes {args.slow_s} s "
           f"(emulated device time; median of {args.steps} steps)")
     print(f"  torch {fixed_name:<28} {fixed_s * 1e3:8.1f} ms")

@@ -172,7 +172,7 @@ def test_too_few_steps_are_said(tmp_path):
     run, _ = read_run(str(tmp_path))
     advice = advise(run, "x")
     # Nothing predicted from them is said beside it: no variability, no speedup.
-    assert advice.verdict() == ("rrfp: only 2 measured step(s) after the first: too few to "
+    assert advice.verdict() == ("rrfp: only 2 measured steps after the first: too few to "
                                 "predict (3 or more); python -m rrfp.advise x")
     assert any("too few to predict from" in w for w in advice.warnings())
 

@@ -100,3 +100,17 @@ def test_something_else_than_settings_is_refused_saying_what_to_pass():
     with pytest.raises(ValueError, match=r"pass settings=rrfp.Settings\(buffer_limit=..."):
         check_settings({"buffer_limit": "hint"}, HINT,  # type: ignore[arg-type]
                        free_memory_known=False, device="cpu")
+
+
+def test_counts_in_messages_agree_with_their_nouns():
+    from rrfp.core.text import counted
+    from rrfp.core.limits import resolve_buffer_limits
+    from rrfp.runtime.limit_plan import limit_summary
+
+    assert [counted(n, "microbatch") for n in (0, 1, 2)] == [
+        "0 microbatches", "1 microbatch", "2 microbatches"]
+    assert counted(1, "rank") == "1 rank" and counted(3, "stage") == "3 stages"
+    # 1F1B on 2 ranks with 2 microbatches: the last rank holds one.
+    hint = build_hint("1F1B", num_ranks=2, num_stages=2, n_microbatches=2)
+    text = limit_summary("hint", resolve_buffer_limits("hint", hint), hint, 1)
+    assert "(1 microbatch on this rank)" in text, text

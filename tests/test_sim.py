@@ -269,7 +269,7 @@ def test_cli_replays_measured_timings(tmp_path, capsys):
     # The pipeline's shape comes from the timings file.
     main(["--replay", str(tmp_path / "timings.json"), "--hint", "GPipe", "--policy", "hint"])
     out = capsys.readouterr().out
-    assert (f"GPipe: 2 ranks x 1 stages (loop), 8 microbatches, replay "
+    assert (f"GPipe: 2 ranks x 1 stage (loop), 8 microbatches, replay "
             f"{tmp_path / 'timings.json'}, limit 'hint', policy hint") in out
     assert "for 1 seeds" in out
     # Replayed timings are seconds: makespans are shown in ms.

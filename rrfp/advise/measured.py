@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from rrfp.core.hints import build_hint, Hint, HINT_NAMES
 from rrfp.core.limits import MemoryLimits
 from rrfp.core.stats import Span, STEP_METADATA
+from rrfp.core.text import counted
 from rrfp.sim.replay import timing_from_trace
 from rrfp.sim.workloads import Timing
 
@@ -234,7 +235,7 @@ def run_of(steps: Sequence[MeasuredStep], source: str) -> MeasuredRun:
     used = tuple(s for s in steps if s.number > 0 and s.training)
     if not used:
         raise AdviceError(
-            f"{source}: its {len(steps)} step(s) are the first (warm-up) or forward-only "
+            f"{source}: its {counted(len(steps), 'step')} are the first (warm-up) or forward-only "
             "ones; the advisor needs training steps after the first: run more steps")
     own = [s for s in used if not s.fixed_order] or list(used)
     per_action = [r["decision_time"] / len(r["hint_order"]) for s in used

@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from rrfp.advise.measured import MeasuredRun
 from rrfp.advise.predict import Prediction, predictions, Replay, variability
 from rrfp.core.limits import fixed_peak_bytes
+from rrfp.core.text import counted
 from rrfp.core.tuning import ab_speedups
 
 MIN_STEPS = 3
@@ -65,7 +66,7 @@ class Advice:
     def warnings(self) -> list[str]:
         said = []
         if self.too_few:
-            said.append(f"only {len(self.run.steps)} measured training step(s) after the "
+            said.append(f"only {counted(len(self.run.steps), 'measured training step')} after the "
                         f"first: too few to predict from ({MIN_STEPS} or more: run more "
                         "steps with traces on)")
         if self.variability < MIN_VARIABILITY:
@@ -100,7 +101,7 @@ class Advice:
         keeps the job's peak; this run's own; the measured A/B where there is one. Too few
         steps: that alone (and the A/B), no figure predicted from them."""
         if self.too_few:
-            said = [f"rrfp: only {len(self.run.steps)} measured step(s) after the first: "
+            said = [f"rrfp: only {counted(len(self.run.steps), 'measured step')} after the first: "
                     f"too few to predict ({MIN_STEPS} or more)"]
             if self.measured_ab:
                 said.append(f"measured {statistics.median(self.measured_ab):.2f}x by the "
@@ -161,8 +162,9 @@ class Advice:
             f"run: {self.source}: {len(run.steps)} training steps (schedule steps "
             f"{run.steps[0].number}-{run.steps[-1].number}; {run.left_out} left out: the "
             f"first and forward-only), hint {run.hint.name} ({run.hint.layout} placement, "
-            f"{run.hint.num_ranks} ranks x {run.hint.num_stages // run.hint.num_ranks} stages), "
-            f"{run.hint.n_microbatches} microbatches, buffer_limit={run.buffer_limit!r}, "
+            f"{counted(run.hint.num_ranks, 'rank')} x "
+            f"{counted(run.hint.num_stages // run.hint.num_ranks, 'stage')}), "
+            f"{counted(run.hint.n_microbatches, 'microbatch')}, buffer_limit={run.buffer_limit!r}, "
             f"policy {run.policy}, {run.device}",
             f"measured: step {statistics.median(own_times) * 1e3:.1f} ms (median), timing "
             f"variability {self.variability:.1%}; the simulator replays the run's steps at "

@@ -25,6 +25,7 @@ from rrfp.core.limits import (byte_budgets, ByteLimits, check_limits, first_step
                               limits_within_bytes, MemoryLimits)
 from rrfp.core.policy import default_policy
 from rrfp.core.settings import BufferLimit, parse_buffer_limit
+from rrfp.core.text import counted
 
 logger = logging.getLogger(__name__)
 
@@ -118,21 +119,21 @@ def limit_summary(spec: str | int, limits: MemoryLimits, hint: Hint, rank: int) 
     rank_peaks = hint.plan.rank_peaks()
     allowed, held = limits.per_rank[rank], rank_peaks[rank]
     busiest, most = max(rank_peaks.values()), max(limits.per_rank.values())
-    job = (f" No rank may hold more than the fixed schedule's busiest rank ({busiest} "
-           "microbatches), so the job's peak is unchanged." if most <= busiest else
-           f" The busiest rank may hold {most} microbatches, {most - busiest} more than the "
+    job = (f" No rank may hold more than the fixed schedule's busiest rank "
+           f"({counted(busiest, 'microbatch')}), so the job's peak is unchanged." if most <= busiest else
+           f" The busiest rank may hold {counted(most, 'microbatch')}, {most - busiest} more than the "
            "fixed schedule's busiest rank ('busiest' keeps the job's peak).")
     if allowed == held:
         return (f"buffer_limit={spec!r} allows no activation memory beyond the fixed "
-                f"schedule's ({held} microbatches on this rank), so RRFP mostly follows the "
+                f"schedule's ({counted(held, 'microbatch')} on this rank), so RRFP mostly follows the "
                 f"hint; speed needs memory slack, e.g. buffer_limit='hint+2' (measured "
                 f"gains: {GAINS_PAGE}).{job}")
     if allowed > held:
-        return (f"buffer_limit={spec!r} allows {allowed} microbatches of activations on this "
-                f"rank, {allowed - held} more than the fixed schedule holds, to run ready "
+        return (f"buffer_limit={spec!r} allows {counted(allowed, 'microbatch')} of activations "
+                f"on this rank, {allowed - held} more than the fixed schedule holds, to run ready "
                 f"work out of hint order (measured gains: {GAINS_PAGE}).{job}")
-    return (f"buffer_limit={spec!r} allows {allowed} microbatches of activations on this "
-            f"rank, fewer than the {held} the fixed schedule holds: less memory, and "
+    return (f"buffer_limit={spec!r} allows {counted(allowed, 'microbatch')} of activations "
+            f"on this rank, fewer than the {held} the fixed schedule holds: less memory, and "
             f"usually slower than the fixed schedule.{job}")
 
 
@@ -148,7 +149,7 @@ def byte_limit_summary(spec: str | int, byte_limits: ByteLimits, rank: int,
            "rank holds, so the job's peak activation bytes are unchanged." if most <= busiest
            else f" The busiest rank's limits allow {most} B, {most - busiest} B more than the "
            "fixed schedule's busiest rank holds ('busiest' keeps the job's peak).")
-    return (f"buffer_limit={spec!r} allows {limits.per_rank[rank]} microbatches on this rank "
+    return (f"buffer_limit={spec!r} allows {counted(limits.per_rank[rank], 'microbatch')} on this rank "
             f"({ {s: limits.per_stage[s] for s in local} } per "
             f"stage): at most {allowed} B of activations, within its {budget} B "
             f"(the fixed order holds {byte_limits.fixed_peak_bytes[rank]} B here).{job}")

@@ -20,6 +20,7 @@ from rrfp.core.hints import build_hint, Hint, HINT_NAMES, RULE_NAMES, rule_refer
 from rrfp.core.limits import resolve_buffer_limits
 from rrfp.core.settings import (BUFFER_LIMIT_HELP, DEFAULT_LAUNCH_DEPTH, LAUNCH_DEPTH_HELP,
                                 parse_buffer_limit, parse_launch_depth, parse_policy, policy_help)
+from rrfp.core.text import counted
 from rrfp.sim.engine import SIM_POLICIES
 from rrfp.sim.study import compare, SWEEP_LIMITS, sweep_limits, timing_for
 from rrfp.sim.workloads import SIZE_WORKLOADS, Timing, WORKLOADS, WorkloadParams
@@ -248,8 +249,8 @@ def main(argv: list[str] | None = None) -> None:
                     sizes_known=args.sizes_known)
             for seed in range(seeds)]
     elapsed = time.perf_counter() - start
-    print(f"{hint.name}: {args.pp} ranks x {hint.num_stages // args.pp} stages ({hint.layout}), "
-          f"{args.microbatches} microbatches, {label}, limit {args.limit!r}, "
+    print(f"{hint.name}: {counted(args.pp, 'rank')} x {counted(hint.num_stages // args.pp, 'stage')} "
+          f"({hint.layout}), {counted(args.microbatches, 'microbatch')}, {label}, limit {args.limit!r}, "
           f"policy {rows[0].policy}, launch depth {args.launch_depth}, launch cost "
           f"{args.launch_cost}{', sizes known' if args.sizes_known else ''} (simulated)")
     # Replayed timings are in seconds, shown in ms; workloads in units of one mean forward.

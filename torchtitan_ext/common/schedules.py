@@ -30,6 +30,7 @@ from rrfp import ScheduleRRFP
 from rrfp.core.hints import build_hint, Hint, HINT_NAMES, rule_reference, RULE_NAMES
 from rrfp.core.checks import a_flag, check_settings as check_rrfp_settings, chosen_beside_budget
 from rrfp.core.settings import parse_policy, Settings
+from rrfp.core.text import counted
 from rrfp.devices.platform import platform_for
 from torchtitan_ext.config import RRFPConfig
 
@@ -341,7 +342,7 @@ def build_schedule(schedule_name: str, settings: RRFPConfig, stages, n_microbatc
         f"Using pipeline schedule {schedule_name}: ScheduleRRFP with hint {schedule.hint.name} "
         f"({schedule.hint.layout} placement), policy {schedule.policy}, buffer limit "
         f"{settings.buffer_limit!r} (rrfp.buffer_limit){tuned}, launch depth "
-        f"{schedule.launch_depth}, {n_microbatches} microbatches")
+        f"{schedule.launch_depth}, {counted(n_microbatches, 'microbatch')}")
     # (What the limit allows: rrfp.schedule's line.)
     return schedule
 
