@@ -4,7 +4,10 @@ torch's fixed schedule's in every step (``rrfp.testing.self_driving_world``)."""
 
 from __future__ import annotations
 
+import os
 import pickle
+import subprocess
+import sys
 
 import pytest
 
@@ -109,3 +112,20 @@ def test_a_failed_prediction_keeps_the_hints_own_setting(caplog):
     assert "the prediction failed" in caplog.text and "the child died" in caplog.text
     assert driving.tuner.decisions[-1].reason == "no gain"
     assert driving.tuner.setting.buffer_limit == "hint"
+
+
+@pytest.mark.skipif(not hasattr(os, "SCHED_IDLE"), reason="Linux scheduling classes")
+def test_the_prediction_child_gets_a_share_of_a_busy_core_not_only_idle_time():
+    # SCHED_IDLE would starve it where every core trains; nice 19 keeps a small share.
+    from rrfp.advise import lower_priority
+
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
+    try:
+        lower_priority(child.pid, idle=False)
+        assert os.sched_getscheduler(child.pid) == os.SCHED_OTHER
+        assert os.getpriority(os.PRIO_PROCESS, child.pid) == 19
+        lower_priority(child.pid)
+        assert os.sched_getscheduler(child.pid) == os.SCHED_IDLE
+    finally:
+        child.kill()
+        child.wait()
