@@ -34,7 +34,7 @@ from dataclasses import dataclass
 
 import torch.distributed as dist
 
-from rrfp.comm.channels import generation_store
+from rrfp.comm.store_keys import generation_store
 from rrfp.core.errors import PeerFailedError, PipelineStallError, StoreLostError
 
 logger = logging.getLogger(__name__)

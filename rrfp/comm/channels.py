@@ -40,13 +40,14 @@ import itertools
 import logging
 import os
 import threading
-import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
+from rrfp.comm.store_keys import generation_store
+from rrfp.comm.threads import concurrently
 from rrfp.core.actions import Edge
 from rrfp.core.hints import Hint
 
@@ -226,55 +227,6 @@ class ChannelMap(dict):
         """The generation's store prefix (the failure board lives under it: ``rrfp.comm.board``)."""
         self.global_ranks = tuple(global_ranks)
         """Global ranks of the pipeline, by pipeline rank."""
-
-def concurrently(calls: dict[str, Callable[[], None]], timeout: float) -> list[threading.Thread]:
-    """Run each call on its own thread; wait for all of them together for at most
-    ``timeout`` seconds; return the threads still running (errors are logged)."""
-    def run(name: str, call: Callable[[], None]) -> None:
-        try:
-            call()
-        except Exception as e:
-            logger.warning("%s: %s", name, e)
-
-    threads = [threading.Thread(target=run, args=(name, call), name=name, daemon=True)
-               for name, call in calls.items()]
-    for thread in threads:
-        thread.start()
-    deadline = time.perf_counter() + timeout
-    for thread in threads:
-        thread.join(max(0.0, deadline - time.perf_counter()))
-    return [t for t in threads if t.is_alive()]
-
-_generations: dict[tuple[str, tuple[int, ...]], int] = {}
-RESTART_COUNT = "TORCHELASTIC_RESTART_COUNT"
-"""torchrun's count of worker-group restarts: part of every rrfp prefix in the store."""
-
-
-def attempt_prefix() -> str:
-    """``rrfp/attempt-<a>/``, where every rrfp key in the store lives: ``a`` is torchrun's
-    restart count (``TORCHELASTIC_RESTART_COUNT``; 0 without torchrun)."""
-    return f"rrfp/attempt-{os.environ.get(RESTART_COUNT) or '0'}/"
-
-
-def generation_store(scope: str, ranks: Sequence[int]) -> tuple[str, dist.PrefixStore]:
-    """A new generation's prefix in the default store for groups over ``ranks``
-    (``rrfp/attempt-<a>/<scope>/<ranks>/<generation>/``; ``scope`` "" for a pipeline's
-    channels; no ranks: ``rrfp/attempt-<a>/<scope>/<generation>/``, for the whole job), and
-    the store under it. Every member makes as many generations for the same ranks and
-    scope as the others, so they agree on the prefix without talking; a new generation
-    starts with keys of its own, which no stale receive or failure of an earlier one
-    reaches. ``a`` is torchrun's restart count (``TORCHELASTIC_RESTART_COUNT``, 0 without
-    torchrun): restarted workers count generations from 0 again, and torchrun's shared
-    store (its default) still holds the dead attempt's keys, among them the addresses its
-    channels' groups connected to."""
-    key = (scope, tuple(ranks))
-    generation = _generations.get(key, 0)
-    _generations[key] = generation + 1
-    members = "-".join(map(str, ranks))
-    prefix = (f"{attempt_prefix()}{scope + '/' if scope else ''}"
-              f"{members + '/' if members else ''}{generation}/")
-    return prefix, dist.PrefixStore(prefix, dist.distributed_c10d._get_default_store())
-
 
 def create_channels(
     hint: Hint,

@@ -40,7 +40,8 @@ from torch.distributed.pipelining.stage import _PipelineStageBase
 from torch.distributed.tensor import DTensor
 
 from rrfp.comm.board import FailureBoard
-from rrfp.comm.channels import generation_store, make_channel_group
+from rrfp.comm.channels import make_channel_group
+from rrfp.comm.store_keys import generation_store
 from rrfp.core.actions import _Action
 from rrfp.core.arbiter import Arbiter
 from rrfp.core.errors import PipelineStallError

@@ -36,7 +36,8 @@ import torch
 import torch.distributed as dist
 
 from rrfp.comm.board import FAILURE_POLL_S, FailureBoard, JobScope, QUIET_WAIT_S
-from rrfp.comm.channels import ChannelMap, concurrently
+from rrfp.comm.channels import ChannelMap
+from rrfp.comm.threads import concurrently
 from rrfp.comm.ledger import Ledger
 from rrfp.comm.link_latency import DelayedSender, SendDelay
 from rrfp.core.actions import Edge

@@ -52,7 +52,8 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from rrfp.comm.board import FailureBoard, is_timeout, JobScope
-from rrfp.comm.channels import break_gloo_group, concurrently
+from rrfp.comm.channels import break_gloo_group
+from rrfp.comm.threads import concurrently
 from rrfp.core.errors import PipelineStallError
 from rrfp.core.wakeup import Wakeup
 

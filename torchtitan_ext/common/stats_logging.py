@@ -20,7 +20,7 @@ import torch.distributed as dist
 from torchtitan.tools.logging import logger
 
 from rrfp import ScheduleRRFP, StepStats, write_chrome_trace
-from rrfp.comm.channels import attempt_prefix
+from rrfp.comm.store_keys import attempt_prefix
 from torchtitan_ext.common.log_ranks import log_ranks
 from torchtitan_ext.common.run_advice import RunAdvice
 
@@ -82,7 +82,7 @@ def self_driving_scalars(gathered: list[StepStats],
 def stats_store(ranks: list[int], log: int) -> dist.PrefixStore:
     """Where the pipeline of ``ranks`` exchanges its stats for a process's ``log``-th
     ``StepStatsLog``: the job's store, under a prefix of their own (in this torchrun
-    attempt's, ``rrfp.comm.channels.attempt_prefix``)."""
+    attempt's, ``rrfp.comm.store_keys.attempt_prefix``)."""
     return dist.PrefixStore(f"{attempt_prefix()}stats/{'-'.join(map(str, ranks))}/{log}/",
                             dist.distributed_c10d._get_default_store())
 
