@@ -503,6 +503,7 @@ def transport_checks(rank: int, world: int, device: torch.device) -> bool:
     from rrfp.testing.emulation import EmulatedDevice
     from rrfp.core.wakeup import Wakeup
     from rrfp.core.hints import build_hint
+    from rrfp.comm.board import FailureBoard
     from rrfp.comm.channels import create_channels
     from rrfp.core.errors import PeerFailedError
     from rrfp.devices.platform import platform_for, ReceiveStreams
@@ -521,8 +522,10 @@ def transport_checks(rank: int, world: int, device: torch.device) -> bool:
         hint = build_hint(hint_name, num_ranks=world, num_stages=world * stages_per_rank,
                           n_microbatches=world * stages_per_rank, layout="loop")
         platform = platform_for(device)
-        return Transport(create_channels(hint, None, device, platform.channel_backend),
-                         Wakeup(), receive_streams=platform.receive_streams())
+        channels = create_channels(hint, None, device, platform.channel_backend)
+        return Transport(channels, Wakeup(), FailureBoard(channels.store, rank,
+                                                          channels.global_ranks),
+                         receive_streams=platform.receive_streams())
 
     # Receive buffers come from torch.empty: no kernel writes them on the compute stream,
     # which a receive posted under the side stream does not wait for.

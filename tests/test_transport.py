@@ -46,7 +46,7 @@ def _pair(store: dist.Store, edge: Edge, **fake) -> tuple[Channel, Channel]:
 
 
 def _transport(channels: list[Channel]) -> Transport:
-    return Transport(ChannelMap({c.edge: c for c in channels}), Wakeup())
+    return Transport(ChannelMap({c.edge: c for c in channels}), Wakeup(), FailureBoard(None, 0))
 
 
 def _sequential_abort(channels: list[Channel]) -> None:
@@ -306,7 +306,7 @@ def test_receives_and_their_buffers_are_posted_under_a_side_stream_not_the_compu
     edge = Edge(0, 1)
     transport = Transport(ChannelMap({edge: Channel(edge, 0, 1, 1, "nccl",
                                                     _RecordingGroup(cuda))}), Wakeup(),
-                          receive_streams=streams)
+                          FailureBoard(None, 0), receive_streams=streams)
     template = torch.zeros(1)
     buffers = [transport.receive_buffer(torch.Size([4, 2]), template) for _ in range(2)]
     transport.post_receive(edge, 0, buffers)

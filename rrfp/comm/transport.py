@@ -35,7 +35,7 @@ from typing import NamedTuple
 import torch
 import torch.distributed as dist
 
-from rrfp.comm.board import FAILURE_POLL_S, FailureBoard, JobScope, QUIET_WAIT_S
+from rrfp.comm.board import FAILURE_POLL_S, FailureBoard, QUIET_WAIT_S
 from rrfp.comm.channels import ChannelMap
 from rrfp.comm.threads import concurrently
 from rrfp.comm.ledger import Ledger
@@ -266,10 +266,9 @@ class _SendCompletion:
 class Transport:
     """Sends and receives of one rank's stages over their channels."""
 
-    def __init__(self, channels: ChannelMap, wakeup: Wakeup, *,
+    def __init__(self, channels: ChannelMap, wakeup: Wakeup, failures: FailureBoard, *,
                  send_delay: SendDelay | None = None,
-                 receive_streams: "ReceiveStreams | None" = None,
-                 job: JobScope | None = None):
+                 receive_streams: "ReceiveStreams | None" = None):
         self.channels = channels
         polled = any(c.backend_name == "nccl" for c in channels.values())
         self._arrivals = _Polling(wakeup) if polled else _WaiterThreads(
@@ -289,10 +288,8 @@ class Transport:
         self._header_arrivals = _WaiterThreads(wakeup) if headed else None
         self._header_sends = _SendCompletion(False, self._describe_send) if headed else None
         self.receive_streams = receive_streams or ReceiveStreams(None)
-        self.failures = FailureBoard(
-            channels.store, dist.get_rank() if dist.is_initialized() else 0,
-            channels.global_ranks, job_store=job.store if job is not None else None,
-            job_ranks=job.ranks if job is not None else ())
+        self._failures = failures
+        """Checked while waiting on sends; where the rank says it stopped sending."""
         self.ledger = Ledger()
         """This step's messages per channel (``Ledger.start_step`` clears it)."""
         self._closed = False
@@ -369,7 +366,7 @@ class Transport:
             return arrived
         except RuntimeError as e:
             try:
-                self.failures.check(force=True)
+                self._failures.check(force=True)
             except PeerFailedError as peer:
                 raise peer from e
             raise
@@ -379,9 +376,9 @@ class Transport:
         deadline = time.perf_counter() + timeout
         for sender in self._delayed.values():
             sender.drain(deadline)
-        self._sends.finish(deadline, self.failures.check)
+        self._sends.finish(deadline, self._failures.check)
         if self._header_sends is not None:
-            self._header_sends.finish(deadline, self.failures.check)
+            self._header_sends.finish(deadline, self._failures.check)
 
     def _stop_sending(self) -> None:
         """Before gloo channels are aborted: this rank says it sends no more and waits (at
@@ -392,9 +389,9 @@ class Transport:
         if not any(c.backend_name == "gloo" or c.headers is not None
                    for c in self.channels.values()):
             return  # NCCL's abort is local
-        me = self.failures.me
+        me = self._failures.me
         peers = {r for c in self.channels.values() for r in (c.src_rank, c.dst_rank)} - {me}
-        self.failures.stop_sending(sorted(peers), QUIET_WAIT_S)
+        self._failures.stop_sending(sorted(peers), QUIET_WAIT_S)
 
     def close(self, timeout: float = 10.0, *, failed: bool = False,
               send_timeout: float | None = None) -> list[threading.Thread]:
@@ -421,9 +418,9 @@ class Transport:
                                                   else send_timeout)
                 for sender in self._delayed.values():
                     sender.drain(deadline)
-                self._sends.drain(deadline, self.failures.check)
+                self._sends.drain(deadline, self._failures.check)
                 if self._header_sends is not None:
-                    self._header_sends.drain(deadline, self.failures.check)
+                    self._header_sends.drain(deadline, self._failures.check)
             except Exception as e:  # raised once the channels are aborted
                 error, failed = e, True
         for sender in self._delayed.values():

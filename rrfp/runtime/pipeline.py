@@ -24,7 +24,7 @@ import torch.distributed as dist
 from torch.distributed.pipelining.stage import _PipelineStageBase
 
 from rrfp._torch_compat import clear_after_failure
-from rrfp.comm.board import FAILURE_POLL_S
+from rrfp.comm.board import FAILURE_POLL_S, FailureBoard
 from rrfp.comm.coordination import Coordinator, CoordinationGroup, make_coordinator
 from rrfp.comm.fit_sharing import FitSharing
 from rrfp.comm.receives import ReceiveRings
@@ -90,7 +90,8 @@ class PipelineRuntime:
                  platform: Platform, device: Device, wakeup: Wakeup, transport: Transport,
                  receives: ReceiveRings, limits: LimitPlan, coordination: Coordination,
                  metering: Metering, stall_timeout: float, launch_depth: float,
-                 reorder_ahead: bool, job_groups: JobGroups, report: HangReport,
+                 reorder_ahead: bool, job_groups: JobGroups, board: FailureBoard,
+                 report: HangReport,
                  fixed_every: int = 0, self_driving: SelfDriving | None = None):
         self.hint, self.rank, self.stages = hint, rank, stages
         self._forward_only = hint.forward_only()
@@ -115,9 +116,11 @@ class PipelineRuntime:
         the last metered training step (None before one)."""
         self._failure: str | None = None
         self.job_groups, self.report = job_groups, report
+        self.board = board
+        """The pipeline's and the job's failures (the transport checks it too)."""
         self._step: tuple[StepLoop, StageExecutor] | None = None
         """The step running now, if any."""
-        self._watch = JobWatch(transport.failures, job_groups, wakeup, self._told_by_watch)
+        self._watch = JobWatch(board, job_groups, wakeup, self._told_by_watch)
         self._close_at_exit = _closing_at_exit(self)
 
     def follow(self, hint: Hint, limits: LimitPlan) -> None:
@@ -247,7 +250,7 @@ class PipelineRuntime:
             # aborted collective): say so, naming it; otherwise this rank failed first,
             # and tells the others.
             try:
-                self.transport.failures.check(force=True)
+                self.board.check(force=True)
             except PeerFailedError as peer:
                 self._stop_for_peer(peer, loop, custom, e)
             except StoreLostError as lost:
@@ -279,7 +282,7 @@ class PipelineRuntime:
         rank's failure is the one the board kept (the others' errors point at it)."""
         stalled = isinstance(error, (PipelineStallError, TimeoutError))
         running = self._step[1].running if self._step is not None else None
-        board = self.transport.failures
+        board = self.board
         board.publish(
             f"pipeline rank {self.rank} (global rank {dist.get_rank()}) failed its step"
             + (f" in {describe(running)}" if running is not None else "")
@@ -322,7 +325,7 @@ class PipelineRuntime:
         store gone (``StoreLostError``)."""
         end = time.perf_counter() + timeout
         while True:
-            self.transport.failures.check()
+            self.board.check()
             left = end - time.perf_counter()
             if left <= 0 or self.wakeup.wait(min(left, FAILURE_POLL_S)):
                 return

@@ -29,7 +29,7 @@ from torch.distributed.pipelining.schedules import (_check_torch_compile_compati
 from torch.distributed.pipelining.stage import _PipelineStageBase
 
 from rrfp._torch_compat import check_first_stage_inputs, check_torch
-from rrfp.comm.board import JobScope
+from rrfp.comm.board import FailureBoard, JobScope
 from rrfp.comm.channels import ChannelMap, create_channels
 from rrfp.comm.coordination import CoordinationGroup, refuse_uncovered_sharding
 from rrfp.comm.link_latency import SendDelay
@@ -229,7 +229,7 @@ class ScheduleRRFP(TorchRuntimeInterface, RuntimeReadout, ClosedOnLeaving):
             # torch's shape inference reshards FSDP modules again.
             self._data_parallel.unshard()
             refuse_uncovered_sharding(self._stages, self._coordination_group,
-                                      self._runtime.transport.failures, self.stall_timeout)
+                                      self._runtime.board, self.stall_timeout)
         self._initialize_stages(args, kwargs, target, loss_kwargs)
         if not self._set_up_checked:
             if self.variable_shapes:
@@ -402,11 +402,12 @@ def _wired_runtime(hint: Hint, rank: int, stages: list[_PipelineStageBase], plat
     launch_depth = math.inf if checked.launch_depth is None else checked.launch_depth
     wakeup = Wakeup()
     make_channels = wiring.channels or create_channels
-    transport = Transport(make_channels(hint, stages[0].group, platform.device,
-                                        platform.channel_backend,
-                                        header_channels=given.variable_shapes),
-                          wakeup, send_delay=wiring.send_delay,
-                          receive_streams=platform.receive_streams(), job=job)
+    channels = make_channels(hint, stages[0].group, platform.device, platform.channel_backend,
+                             header_channels=given.variable_shapes)
+    board = FailureBoard(channels.store, dist.get_rank() if dist.is_initialized() else 0,
+                         channels.global_ranks, job_store=job.store, job_ranks=job.ranks)
+    transport = Transport(channels, wakeup, board, send_delay=wiring.send_delay,
+                          receive_streams=platform.receive_streams())
     local, peaks = hint.stages_on(rank), hint.plan.stage_peaks
     logger.info(
         "ScheduleRRFP on pipeline rank %d: hint %s (policy %s, %s placement), memory "
@@ -430,7 +431,7 @@ def _wired_runtime(hint: Hint, rank: int, stages: list[_PipelineStageBase], plat
         self_driving=self_driving,
         job_groups=JobGroups([*collective_groups(s.submod for s in stages), *beside,
                               coordination.twin.group if coordination.twin else None]),
-        report=HangReport(transport.failures, job.name, given.report_folder,
+        board=board, report=HangReport(board, job.name, given.report_folder,
                           min(HANG_REPORT_WAIT_S, stall_timeout)))
 
 
