@@ -15,7 +15,7 @@ def lower_priority(pid: int = 0, *, idle: bool = True) -> None:
     ``SCHED_IDLE`` where the OS has it (a process that wakes takes the core from it at
     once, and the load balancer counts its core as idle; beside a busy process it gets
     next to nothing), else ``nice 19``. Otherwise ``nice 19``: beside a busy process of
-    priority 0 on its core about 1.5% of that core (the kernel's weights 15 and 1024), all
+    priority 0 on its core a small share of it (the kernel weighs them 15 to 1024), all
     of an idle core, so that work the job waits for always progresses."""
     if idle and hasattr(os, "sched_setscheduler") and hasattr(os, "SCHED_IDLE"):
         os.sched_setscheduler(pid, os.SCHED_IDLE, os.sched_param(0))

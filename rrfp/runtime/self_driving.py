@@ -110,7 +110,7 @@ def candidate_limits(budget: BufferLimit, hint: Hint,
 
 def predicted_in_a_child(run: MeasuredRun, limits: Sequence[str]) -> list[Predicted]:
     """``rrfp.advise.tuning.predict_candidates`` in a fresh interpreter at ``nice 19``:
-    where every core trains it takes about 1.5% of one, so a decision comes late but
+    where every core trains it gets a small share of one, so a decision comes late but
     comes (``SCHED_IDLE``, the advisor's verdict's priority, could starve it)."""
     child = subprocess.Popen([sys.executable, "-m", "rrfp.advise.tuning"],
                              stdin=subprocess.PIPE, stdout=subprocess.PIPE,
