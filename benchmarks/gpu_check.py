@@ -484,11 +484,12 @@ def _spin(device: torch.device, seconds: float, per_ms: float) -> None:
         torch.cuda._sleep(int(seconds * 1e3 * per_ms))
 
 
-def _await(transport, edge, count: int, timeout: float = 60.0) -> list[float]:
-    """Poll ``transport`` until ``count`` messages arrived on ``edge``; their host times."""
+def _await(transport, board, edge, count: int, timeout: float = 60.0) -> list[float]:
+    """Poll ``transport`` until ``count`` messages arrived on ``edge``, checking ``board``
+    for a peer's failure; their host times."""
     seen, deadline = [], time.perf_counter() + timeout
     while len(seen) < count:
-        transport.failures.check()
+        board.check()
         seen += [time.perf_counter() for r in transport.collect() if r.edge == edge]
         if time.perf_counter() > deadline:
             raise TimeoutError(f"{count - len(seen)} messages on {edge} did not arrive")
@@ -518,19 +519,19 @@ def transport_checks(rank: int, world: int, device: torch.device) -> bool:
         if rank == 1:
             print(line, flush=True)
 
-    def make(hint_name: str, stages_per_rank: int) -> Transport:
+    def make(hint_name: str, stages_per_rank: int) -> tuple[Transport, FailureBoard]:
         hint = build_hint(hint_name, num_ranks=world, num_stages=world * stages_per_rank,
                           n_microbatches=world * stages_per_rank, layout="loop")
         platform = platform_for(device)
         channels = create_channels(hint, None, device, platform.channel_backend)
-        return Transport(channels, Wakeup(), FailureBoard(channels.store, rank,
-                                                          channels.global_ranks),
-                         receive_streams=platform.receive_streams())
+        board = FailureBoard(channels.store, rank, channels.global_ranks)
+        return (Transport(channels, Wakeup(), board, receive_streams=platform.receive_streams()),
+                board)
 
     # Receive buffers come from torch.empty: no kernel writes them on the compute stream,
     # which a receive posted under the side stream does not wait for.
     # [4] many channels at once
-    transport = make("Interleaved1F1B", 4)
+    transport, board = make("Interleaved1F1B", 4)
     mine = sorted(transport.channels.values(), key=lambda c: c.edge)
     buffers = {}
     for channel in mine:
@@ -557,13 +558,13 @@ def transport_checks(rank: int, world: int, device: torch.device) -> bool:
         f"per rank), one message on each, all received: {results['many']}")
 
     if rank > 1:  # the remaining checks run between pipeline ranks 0 and 1
-        transport = make("1F1B", 1)  # every rank creates the same generations
+        transport, board = make("1F1B", 1)  # every rank creates the same generations
         transport.close(30)
-        transport = make("1F1B", 1)
+        transport, board = make("1F1B", 1)
         transport.close(30)
-        transport = make("1F1B", 1)
+        transport, board = make("1F1B", 1)
         transport.close(30, failed=True)
-        transport = make("1F1B", 1)
+        transport, board = make("1F1B", 1)
         transport.close(30)
         flags = [None] * world
         dist.all_gather_object(flags, True)
@@ -571,7 +572,7 @@ def transport_checks(rank: int, world: int, device: torch.device) -> bool:
 
     # [5] a receive posted while compute is queued
     kernel, rounds = 0.2, 5
-    transport = make("1F1B", 1)
+    transport, board = make("1F1B", 1)
     edge = next(c.edge for c in transport.channels.values() if c.edge.is_forward)
     modes = ["side stream"] + (["compute stream (before)"] if cuda else [])
     latency: dict[str, list[float]] = {m: [] for m in modes}
@@ -592,7 +593,7 @@ def transport_checks(rank: int, world: int, device: torch.device) -> bool:
                     from rrfp.core.actions import _Action, F
                     device_thread.launch(_Action(1, F, 0), lambda: time.sleep(kernel))
                 transport.post_receive(edge, 0, [buffer])
-                (at,) = _await(transport, edge, 1)
+                (at,) = _await(transport, board, edge, 1)
                 latency[mode].append(at - queued)
                 if cuda:
                     torch.cuda.synchronize()
@@ -620,7 +621,7 @@ def transport_checks(rank: int, world: int, device: torch.device) -> bool:
             f"{results['arrival']}")
 
     # [6] a clean close with sends in flight
-    transport = make("1F1B", 1)
+    transport, board = make("1F1B", 1)
     edge = next(c.edge for c in transport.channels.values() if c.edge.is_forward)
     numel, count = 4 * 1024 * 1024, 4  # 16 MiB of float32 each: more than NCCL buffers
     dist.barrier(group=pair)
@@ -635,7 +636,7 @@ def transport_checks(rank: int, world: int, device: torch.device) -> bool:
             time.sleep(0.1)
             buffer = torch.empty(numel, device=device)
             transport.post_receive(edge, i, [buffer])
-            _await(transport, edge, 1)
+            _await(transport, board, edge, 1)
             got.append(bool((buffer == i).all()))
         transport.close(30)
         results["close"] = all(got) and len(got) == count
@@ -643,20 +644,20 @@ def transport_checks(rank: int, world: int, device: torch.device) -> bool:
             f"arrived afterwards: {results['close']}")
 
     # [7] failure: told through the store, then new channels in the same process
-    transport = make("1F1B", 1)
+    transport, board = make("1F1B", 1)
     edge = next(c.edge for c in transport.channels.values() if c.edge.is_forward)
     dist.barrier(group=pair)
     if rank == 0:
         time.sleep(0.5)  # the consumer is waiting by now
         failed_at = time.time()
-        transport.failures.publish("gpu_check: failed on purpose")
+        board.publish("gpu_check: failed on purpose")
         transport.close(30, failed=True)
         dist.broadcast_object_list([failed_at], src=0, group=pair)
     else:
         transport.post_receive(edge, 0, [torch.empty(16, device=device)])
         named = False
         try:
-            _await(transport, edge, 1, timeout=300)
+            _await(transport, board, edge, 1, timeout=300)
         except PeerFailedError as e:
             named = e.failed_rank == 0 and "failed on purpose" in str(e)
         raised_at = time.time()
@@ -667,12 +668,12 @@ def transport_checks(rank: int, world: int, device: torch.device) -> bool:
         results["failure"] = named and delay < 2.0
         say(f"[7] the consumer raised PeerFailedError naming global rank 0, {delay:.2f} s "
             f"after its failure (< 2 s): {results['failure']}")
-    transport = make("1F1B", 1)  # recovery: fresh channels in the same process
+    transport, board = make("1F1B", 1)  # recovery: fresh channels in the same process
     edge = next(c.edge for c in transport.channels.values() if c.edge.is_forward)
     buffer = torch.empty(16, device=device)
     if rank == 1:
         transport.post_receive(edge, 0, [buffer])
-        _await(transport, edge, 1)
+        _await(transport, board, edge, 1)
     else:
         transport.send(edge, 0, [torch.full((16,), 7.0, device=device)])
         transport.finish_sends(60)

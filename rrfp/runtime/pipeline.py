@@ -91,8 +91,8 @@ class PipelineRuntime:
                  receives: ReceiveRings, limits: LimitPlan, coordination: Coordination,
                  metering: Metering, stall_timeout: float, launch_depth: float,
                  reorder_ahead: bool, job_groups: JobGroups, board: FailureBoard,
-                 report: HangReport,
-                 fixed_every: int = 0, self_driving: SelfDriving | None = None):
+                 report: HangReport, fixed_every: int = 0,
+                 self_driving: SelfDriving | None = None):
         self.hint, self.rank, self.stages = hint, rank, stages
         self._forward_only = hint.forward_only()
         self.platform, self.device, self.wakeup = platform, device, wakeup
@@ -115,9 +115,7 @@ class PipelineRuntime:
         """Per local stage, the most bytes one microbatch's forward saved for backward in
         the last metered training step (None before one)."""
         self._failure: str | None = None
-        self.job_groups, self.report = job_groups, report
-        self.board = board
-        """The pipeline's and the job's failures (the transport checks it too)."""
+        self.job_groups, self.report, self.board = job_groups, report, board
         self._step: tuple[StepLoop, StageExecutor] | None = None
         """The step running now, if any."""
         self._watch = JobWatch(board, job_groups, wakeup, self._told_by_watch)
