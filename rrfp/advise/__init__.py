@@ -21,5 +21,3 @@ def lower_priority(pid: int = 0, *, idle: bool = True) -> None:
         os.sched_setscheduler(pid, os.SCHED_IDLE, os.sched_param(0))
     elif hasattr(os, "setpriority"):
         os.setpriority(os.PRIO_PROCESS, pid, 19)
-    elif pid == 0:
-        os.nice(19)

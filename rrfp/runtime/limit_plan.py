@@ -120,13 +120,14 @@ def limit_summary(spec: str | int, limits: MemoryLimits, hint: Hint, rank: int) 
     allowed, held = limits.per_rank[rank], rank_peaks[rank]
     busiest, most = max(rank_peaks.values()), max(limits.per_rank.values())
     job = (f" No rank may hold more than the fixed schedule's busiest rank "
-           f"({counted(busiest, 'microbatch')}), so the job's peak is unchanged." if most <= busiest else
-           f" The busiest rank may hold {counted(most, 'microbatch')}, {most - busiest} more than the "
-           "fixed schedule's busiest rank ('busiest' keeps the job's peak).")
+           f"({counted(busiest, 'microbatch')}), so the job's peak is unchanged."
+           if most <= busiest else
+           f" The busiest rank may hold {counted(most, 'microbatch')}, {most - busiest} more "
+           "than the fixed schedule's busiest rank ('busiest' keeps the job's peak).")
     if allowed == held:
         return (f"buffer_limit={spec!r} allows no activation memory beyond the fixed "
-                f"schedule's ({counted(held, 'microbatch')} on this rank), so RRFP mostly follows the "
-                f"hint; speed needs memory slack, e.g. buffer_limit='hint+2' (measured "
+                f"schedule's ({counted(held, 'microbatch')} on this rank), so RRFP mostly "
+                f"follows the hint; speed needs memory slack, e.g. buffer_limit='hint+2' (measured "
                 f"gains: {GAINS_PAGE}).{job}")
     if allowed > held:
         return (f"buffer_limit={spec!r} allows {counted(allowed, 'microbatch')} of activations "
@@ -149,7 +150,7 @@ def byte_limit_summary(spec: str | int, byte_limits: ByteLimits, rank: int,
            "rank holds, so the job's peak activation bytes are unchanged." if most <= busiest
            else f" The busiest rank's limits allow {most} B, {most - busiest} B more than the "
            "fixed schedule's busiest rank holds ('busiest' keeps the job's peak).")
-    return (f"buffer_limit={spec!r} allows {counted(limits.per_rank[rank], 'microbatch')} on this rank "
-            f"({ {s: limits.per_stage[s] for s in local} } per "
-            f"stage): at most {allowed} B of activations, within its {budget} B "
+    return (f"buffer_limit={spec!r} allows {counted(limits.per_rank[rank], 'microbatch')} "
+            f"on this rank ({ {s: limits.per_stage[s] for s in local} } per stage): at most "
+            f"{allowed} B of activations, within its {budget} B "
             f"(the fixed order holds {byte_limits.fixed_peak_bytes[rank]} B here).{job}")

@@ -404,8 +404,8 @@ def _wired_runtime(hint: Hint, rank: int, stages: list[_PipelineStageBase], plat
     make_channels = wiring.channels or create_channels
     channels = make_channels(hint, stages[0].group, platform.device, platform.channel_backend,
                              header_channels=given.variable_shapes)
-    board = FailureBoard(channels.store, dist.get_rank() if dist.is_initialized() else 0,
-                         channels.global_ranks, job_store=job.store, job_ranks=job.ranks)
+    board = FailureBoard(channels.store, job.me, channels.global_ranks, job_store=job.store,
+                         job_ranks=job.ranks)
     transport = Transport(channels, wakeup, board, send_delay=wiring.send_delay,
                           receive_streams=platform.receive_streams())
     local, peaks = hint.stages_on(rank), hint.plan.stage_peaks

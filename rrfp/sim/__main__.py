@@ -249,8 +249,9 @@ def main(argv: list[str] | None = None) -> None:
                     sizes_known=args.sizes_known)
             for seed in range(seeds)]
     elapsed = time.perf_counter() - start
-    print(f"{hint.name}: {counted(args.pp, 'rank')} x {counted(hint.num_stages // args.pp, 'stage')} "
-          f"({hint.layout}), {counted(args.microbatches, 'microbatch')}, {label}, limit {args.limit!r}, "
+    print(f"{hint.name}: {counted(args.pp, 'rank')} x "
+          f"{counted(hint.num_stages // args.pp, 'stage')} ({hint.layout}), "
+          f"{counted(args.microbatches, 'microbatch')}, {label}, limit {args.limit!r}, "
           f"policy {rows[0].policy}, launch depth {args.launch_depth}, launch cost "
           f"{args.launch_cost}{', sizes known' if args.sizes_known else ''} (simulated)")
     # Replayed timings are in seconds, shown in ms; workloads in units of one mean forward.
