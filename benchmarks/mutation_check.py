@@ -288,6 +288,12 @@ MUTATIONS = [
         "if self.setting == FIXED_ORDER:",
         ("tests/test_tuning.py::test_no_a_b_step_runs_before_the_first_decision_however_late_"
          "it_comes",)),
+    Mutation(
+        "self_driving_ignores_cpu_share", "a prediction starts only where it fits the CPU "
+        "share predictions may take beside training", "rrfp/advise/cost.py",
+        "return self.spent + self.expected(actions) <= self.granted", "return True",
+        ("tests/test_cost.py::test_a_prediction_waits_until_it_fits_the_share_and_the_hints_"
+         "setting_runs_meanwhile",)),
 ]
 
 

@@ -68,6 +68,19 @@ def test_no_a_b_step_runs_before_the_first_decision_however_late_it_comes():
     assert [run.ab_fixed for run in runs[late:]].count(True) == 1
 
 
+def test_the_steps_are_measured_only_until_the_last_prediction_has_all_it_reads():
+    # Predictions that come late (waiting for their CPU share) read steps that ran: the
+    # steps after the last round's are not measured (not shared among the ranks).
+    tuner = Tuner()
+    last = tuner.rules.refine_at[-1]
+    measured = []
+    for _ in range(3 * last):
+        measured.append(tuner.measuring)
+        tuner.observe(tuner.next_run(), 1.0)
+    assert measured == [True] * last + [False] * (2 * last)
+    assert tuner.wants_predictions == range(0, tuner.rules.measure_steps)
+
+
 def test_no_candidate_clearing_the_margins_keeps_the_hints_own_setting():
     tuner = Tuner()
     drive(tuner, 8, lambda step, run: 1.0,

@@ -7,7 +7,7 @@ from rrfp.advise.measured import AdviceError, MeasuredRun, read_run, run_from_tr
 from rrfp.advise.report import ab_speedups, advise, Advice
 
 __all__ = ["AdviceError", "MeasuredRun", "read_run", "run_from_trace_events", "ab_speedups",
-           "advise", "Advice", "lower_priority"]
+           "advise", "Advice", "child_environment", "lower_priority"]
 
 
 def lower_priority(pid: int = 0, *, idle: bool = True) -> None:
@@ -21,3 +21,11 @@ def lower_priority(pid: int = 0, *, idle: bool = True) -> None:
         os.sched_setscheduler(pid, os.SCHED_IDLE, os.sched_param(0))
     elif hasattr(os, "setpriority"):
         os.setpriority(os.PRIO_PROCESS, pid, 19)
+
+
+def child_environment() -> dict[str, str]:
+    """The environment of a prediction process: it imports the rrfp this process runs (a
+    checkout on ``PYTHONPATH`` or not), on one thread."""
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    path = os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))
+    return {**os.environ, "PYTHONPATH": path, "OMP_NUM_THREADS": "1"}

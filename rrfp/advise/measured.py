@@ -106,6 +106,11 @@ class MeasuredRun:
     """Steps read but left out: the first (warm-up) and forward-only ones."""
 
     @property
+    def actions(self) -> int:
+        """The actions its steps ran, on every rank."""
+        return sum(len(spans) for step in self.steps for spans in step.spans.values())
+
+    @property
     def own_steps(self) -> list[MeasuredStep]:
         """The steps that ran the run's own setting (not the in-run A/B's fixed order);
         all of them where every step ran the fixed order."""

@@ -2,15 +2,17 @@
 the job's measured steps by the advisor, in a process of its own.
 
 ``python -m rrfp.advise.tuning`` reads a pickled ``(MeasuredRun, limits)`` on its
-standard input and writes the pickled ``list[Predicted]`` on its standard output: the
-runtime starts it at ``nice 19``, so that predicting takes little of a core training uses
-(and, as a fresh interpreter, it imports nothing of the training script).
+standard input and writes the pickled ``(list[Predicted], CPU seconds it took)`` on its
+standard output: the runtime starts it at ``nice 19``, so that predicting takes little of
+a core training uses (and, as a fresh interpreter, it imports nothing of the training
+script), and counts its CPU against the predictions' share (``rrfp.advise.cost``).
 """
 
 from __future__ import annotations
 
 import pickle
 import sys
+import time
 from collections.abc import Sequence
 
 from rrfp.advise.measured import MeasuredRun
@@ -31,7 +33,8 @@ def predict_candidates(run: MeasuredRun, limits: Sequence[str]) -> list[Predicte
 
 def main() -> None:
     run, limits = pickle.load(sys.stdin.buffer)
-    pickle.dump(predict_candidates(run, limits), sys.stdout.buffer)
+    predicted = predict_candidates(run, limits)
+    pickle.dump((predicted, time.process_time()), sys.stdout.buffer)
 
 
 if __name__ == "__main__":

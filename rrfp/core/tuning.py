@@ -218,8 +218,10 @@ class Tuner:
 
     @property
     def measuring(self) -> bool:
-        """Whether the steps now running are measured for a prediction to come."""
-        return self._measuring_from is not None
+        """Whether the steps now running are measured for a prediction to come (not yet
+        all the steps the last of them reads)."""
+        start = self._measuring_from
+        return start is not None and self.steps < start + self._rounds[-1]
 
     def _prediction_rounds(self) -> list[int]:
         return [self.rules.measure_steps, *self.rules.refine_at]

@@ -29,6 +29,7 @@ from torch.distributed.pipelining.schedules import (_check_torch_compile_compati
 from torch.distributed.pipelining.stage import _PipelineStageBase
 
 from rrfp._torch_compat import check_first_stage_inputs, check_torch
+from rrfp.advise.cost import CPU_SHARE, CpuBudget
 from rrfp.comm.board import FailureBoard, JobScope
 from rrfp.comm.channels import ChannelMap, create_channels
 from rrfp.comm.coordination import CoordinationGroup, refuse_uncovered_sharding
@@ -419,7 +420,8 @@ def _wired_runtime(hint: Hint, rank: int, stages: list[_PipelineStageBase], plat
     meter = ActivationMeter() if given.meter_activations else None
     self_driving = (SelfDriving(checked.tune_within, hint, rank, job,
                                 transport.channels.global_ranks, stall_timeout,
-                                predict_inline=wiring.predict_inline)
+                                predict_inline=wiring.predict_inline,
+                                cpu_budget=CpuBudget(wiring.prediction_cpu_share))
                     if checked.tune_within is not None else None)
     return PipelineRuntime(
         hint, rank, {stage.stage_index: stage for stage in stages}, platform=platform,
@@ -439,12 +441,13 @@ def _wired_runtime(hint: Hint, rank: int, stages: list[_PipelineStageBase], plat
 class Wiring:
     """How a schedule's steps meet the hardware: the device its actions run on, and
     (in studies) how long each outgoing message is held, whether any ready action may be
-    launched onto a busy device, whether self-driving predicts in this process, and how
-    the channels are made."""
+    launched onto a busy device, whether self-driving predicts in this process or, in a
+    child, within which share of the host's CPU, and how the channels are made."""
 
     device: Device
     send_delay: SendDelay | None = None
     reorder_ahead: bool = False
     predict_inline: Predictor | None = None
+    prediction_cpu_share: float = CPU_SHARE
     channels: Callable[..., ChannelMap] | None = None
     """None: ``rrfp.comm.channels.create_channels`` over the platform's backend."""

@@ -10,7 +10,10 @@ it is the in-run A/B's fixed-order step, and whether the ranks of the deciding r
 pipeline share the steps' traces (while the tuner measures). The deciding rank collects
 those traces at the next block, predicts every candidate from them in a child process at
 ``nice 19`` (``rrfp.advise``: the advisor's own replay), and hands the predictions to
-the tuner when they are ready; training never waits on a prediction. The deciding rank
+the tuner when they are ready; training never waits on a prediction. A prediction starts
+only where its expected CPU fits, with every earlier one's, in the share of the host's CPU
+since the first step that predictions may take (``rrfp.advise.cost.CpuBudget``); until
+then the hint's own setting keeps running, as without the mode. The deciding rank
 deletes each trace once it read it, and each block's plan two blocks later (every rank
 read it by then: the job's ranks meet in each step's collectives), so the keys the mode
 leaves in the store do not grow with the steps.
@@ -34,7 +37,8 @@ import sys
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass
 
-from rrfp.advise import lower_priority, run_from_trace_events
+from rrfp.advise import child_environment, lower_priority, run_from_trace_events
+from rrfp.advise.cost import CpuBudget
 from rrfp.advise.measured import MeasuredRun
 from rrfp.comm.board import FailureBoard, JobScope
 from rrfp.core.errors import PipelineStallError
@@ -42,6 +46,7 @@ from rrfp.core.hints import Hint
 from rrfp.core.limits import fixed_peak_bytes, most_bytes_allowed, resolve_buffer_limits
 from rrfp.core.settings import BufferLimit
 from rrfp.core.stats import StepStats
+from rrfp.core.text import counted
 from rrfp.core.tuning import (Candidate, Decision, FIXED_ORDER, Predicted, StepRun, Tuner,
                               TuningRules)
 from rrfp.runtime.limit_plan import LimitPlan
@@ -108,13 +113,15 @@ def candidate_limits(budget: BufferLimit, hint: Hint,
     return limits
 
 
-def predicted_in_a_child(run: MeasuredRun, limits: Sequence[str]) -> list[Predicted]:
-    """``rrfp.advise.tuning.predict_candidates`` in a fresh interpreter at ``nice 19``:
-    where every core trains it gets a small share of one, so a decision comes late but
-    comes (``SCHED_IDLE``, the advisor's verdict's priority, could starve it)."""
+def predicted_in_a_child(run: MeasuredRun, limits: Sequence[str]
+                         ) -> tuple[list[Predicted], float]:
+    """``rrfp.advise.tuning.predict_candidates`` in a fresh interpreter at ``nice 19``
+    (where every core trains it gets a small share of one, so a decision comes late but
+    comes; ``SCHED_IDLE``, the advisor's verdict's priority, could starve it), and the CPU
+    seconds the child took."""
     child = subprocess.Popen([sys.executable, "-m", "rrfp.advise.tuning"],
                              stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                             stderr=subprocess.PIPE)
+                             stderr=subprocess.PIPE, env=child_environment())
     try:
         lower_priority(child.pid, idle=False)
     except OSError:  # it ends before it could be lowered, or the OS refuses: it still runs
@@ -122,7 +129,8 @@ def predicted_in_a_child(run: MeasuredRun, limits: Sequence[str]) -> list[Predic
     out, err = child.communicate(pickle.dumps((run, list(limits))))
     if child.returncode:
         raise RuntimeError(f"the self-driving prediction failed: {err.decode()[-2000:]}")
-    return pickle.loads(out)
+    predicted, cpu_seconds = pickle.loads(out)
+    return predicted, cpu_seconds
 
 
 class SelfDriving:
@@ -130,7 +138,8 @@ class SelfDriving:
 
     def __init__(self, budget: BufferLimit, hint: Hint, rank: int, job: JobScope,
                  pipeline_ranks: Sequence[int], timeout: float,
-                 rules: TuningRules = TuningRules(), predict_inline: Predictor | None = None):
+                 rules: TuningRules = TuningRules(), predict_inline: Predictor | None = None,
+                 cpu_budget: CpuBudget | None = None):
         self.budget, self.hint, self.rank = budget, hint, rank
         self.timeout, self.rules = timeout, rules
         self.board = FailureBoard(None, job.me, job_store=job.store, job_ranks=job.ranks)
@@ -157,10 +166,17 @@ class SelfDriving:
         self._predict_inline = predict_inline
         """Studies: predict in this process, at once (None: in a child, off the critical
         path)."""
+        self._budget = cpu_budget if cpu_budget is not None else CpuBudget()
+        """The children's CPU, within a share of the host's since the first step."""
+        self._predicting_actions = 0
+        """The actions the prediction in flight predicts from."""
+        self._waiting_for: range | None = None
+        """The measured steps whose prediction waits for the CPU share (said once)."""
 
     def before_step(self, step: int, limits: LimitPlan) -> tuple[StepRun, LimitPlan]:
         """What training step ``step`` runs (read at a block's first step), and the limits
         it runs at (``limits``, the last step's, where it runs the fixed order)."""
+        self._budget.start()
         block = self.rules.block
         if step % block == 0:
             self._plan = self._read_plan(step // block)
@@ -257,19 +273,30 @@ class SelfDriving:
             self._limits = candidate_limits(self.budget, self.hint, run.bytes_per_microbatch)
         if self._predict_inline is not None:
             tuner.choose(self._predict_inline(run, self._limits))
-        else:
+        elif self._budget.allows(run.actions):
+            self._predicting_actions = run.actions
             self._prediction = self._executor().submit(predicted_in_a_child, run, self._limits)
+        elif self._waiting_for != wanted:
+            self._waiting_for = wanted
+            logger.info(
+                "rrfp self-driving: predicting from steps %d-%d waits for the CPU it may take "
+                "beside training (%.0f%% of %s' time since the first step; about %.1f s "
+                "expected, %.1f s of %.1f s granted taken so far)", wanted.start,
+                wanted.stop - 1, 100 * self._budget.share, counted(self._budget.cores, "core"),
+                self._budget.expected(run.actions), self._budget.spent, self._budget.granted)
 
     def hand_over(self, done: concurrent.futures.Future) -> None:
         """The deciding rank: give the tuner a finished prediction; a failed one chooses
         nothing over the hint's own setting (the job goes on), said in a warning."""
         assert self.tuner is not None
+        actions = self._predicting_actions
         try:
-            predicted = done.result()
+            predicted, cpu_seconds = done.result()
         except Exception as e:
             logger.warning("rrfp self-driving: the prediction failed, so nothing is chosen "
                            "over the hint's own setting: %s", e)
-            predicted = []
+            predicted, cpu_seconds = [], self._budget.expected(actions)
+        self._budget.spend(cpu_seconds, actions)
         if self.tuner.wants_predictions is not None:
             self.tuner.choose(predicted)
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from rrfp.advise.cost import CPU_SHARE
 from rrfp.comm.channels import ChannelMap
 from rrfp.comm.link_latency import SendDelay
 from rrfp.devices.platform import Platform
@@ -33,6 +34,10 @@ class Study:
     """Self-driving (``Settings.tune_within``): predict in this process as soon as the
     measured steps ran (``rrfp.advise.tuning.predict_candidates``), so that decisions
     come at known steps (None: in a child process at `nice 19`, as in a job)."""
+    prediction_cpu_share: float = CPU_SHARE
+    """Self-driving in a child process: the most of the host's CPU time since the first
+    step its predictions may take (``rrfp.advise.cost``; ``math.inf``: no bound, for a
+    study whose emulated device leaves the CPU idle, and its results must say so)."""
     channels: Callable[..., ChannelMap] | None = None
     """How the channels are made, e.g. ``rrfp.testing.nccl_like.channels_for("nccl-like")``
     (None: rrfp's own, over the platform's backend)."""
@@ -53,4 +58,4 @@ class StudySchedule(ScheduleRRFP):
                 f"stream is not the compute stream); these stages are on {platform.device}")
         device = study.device if study.device is not None else platform.step_device()
         return Wiring(device, study.send_delay, study.reorder_ahead, study.predict_inline,
-                      study.channels)
+                      study.prediction_cpu_share, study.channels)

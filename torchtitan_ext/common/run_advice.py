@@ -4,8 +4,8 @@
   memory margin and the best that keeps the job's peak, each with its predicted speedup
   and bytes): at the end of the run, and once ``FIRST_VERDICT_AFTER`` steps after the
   first have run where the run is long enough for it to cost training little: where its
-  CPU (``verdict_cpu_seconds``) is at most ``FIRST_VERDICT_CPU_SHARE`` of the CPU time the
-  remaining steps have; else one line says that the verdict waits for the end. It is
+  CPU (``rrfp.advise.cost.prediction_cpu_seconds``) is at most ``CPU_SHARE`` of the CPU
+  time the remaining steps have; else one line says that the verdict waits for the end. It is
   computed by ``python -m rrfp.advise -`` in a child process at the lowest CPU priority:
   training never waits for it, nor shares its interpreter (and its GIL) with it; its line
   is logged at the first metrics step after it is ready.
@@ -38,25 +38,14 @@ from dataclasses import dataclass
 
 import rrfp
 from rrfp import ScheduleRRFP, StepStats
-from rrfp.advise import ab_speedups, lower_priority
+from rrfp.advise import ab_speedups, child_environment, lower_priority
+from rrfp.advise.cost import available_cores, CPU_SHARE, prediction_cpu_seconds
 from rrfp.advise.report import MIN_STEPS, size, spread
 from rrfp.core.limits import fixed_peak_bytes
 from torchtitan.tools.logging import logger
 
 FIRST_VERDICT_AFTER = MIN_STEPS
 """Steps after the first (warm-up) one that the first verdict is predicted from."""
-FIRST_VERDICT_CPU_SHARE = 0.01
-"""The most of the CPU time the run's remaining steps have (their time x this process's
-cores) that the first verdict may take; beyond it, the verdict waits for the end of the
-run, where it costs training nothing. On a host whose cores the training processes keep
-busy, what the verdict's child takes comes out of training (measured on 2 cores:
-docs/guide/advisor.md)."""
-ADVISOR_START_CPU_S = 3.5
-"""CPU seconds ``python -m rrfp.advise`` takes to start, mostly importing torch (as measured
-on this project's CPU machine)."""
-PREDICT_CPU_S_PER_ACTION = 3.5e-3
-"""CPU seconds its predictions take per measured action, every setting and the fixed
-schedule replayed (as measured on the main job, rounded up)."""
 KEPT_STEPS = 20
 """The end-of-run verdict predicts from the last this-many steps."""
 FINAL_TIMEOUT_S = 300.0
@@ -69,19 +58,6 @@ SELF_DRIVING_NO_VERDICT = (
 """The summary's line in place of the verdict in a self-driving run."""
 
 
-def verdict_cpu_seconds(actions: int) -> float:
-    """About what the verdict's child process takes, in CPU seconds, to predict from
-    steps holding ``actions`` actions (on every rank)."""
-    return ADVISOR_START_CPU_S + PREDICT_CPU_S_PER_ACTION * actions
-
-
-def available_cores() -> int:
-    """The cores this process may run on."""
-    if hasattr(os, "sched_getaffinity"):
-        return len(os.sched_getaffinity(0))
-    return os.cpu_count() or 1
-
-
 class AdvisorProcess:
     """``python -m rrfp.advise - --json`` in a child process reading the steps' trace
     events from a file as its standard input. The answer comes back in files: the training
@@ -91,10 +67,6 @@ class AdvisorProcess:
 
     def __init__(self, source: str, steps: list[list[dict]], *, low_priority: bool):
         command = [sys.executable, "-m", "rrfp.advise", "-", "--json", "--source", source]
-        # The child imports the rrfp this process runs (a checkout on PYTHONPATH or not).
-        root = os.path.dirname(os.path.dirname(os.path.abspath(rrfp.__file__)))
-        env = {**os.environ, "PYTHONPATH": os.pathsep.join(
-            filter(None, [root, os.environ.get("PYTHONPATH")])), "OMP_NUM_THREADS": "1"}
         self._folder = tempfile.TemporaryDirectory(prefix="rrfp-advise-")
         steps_path = os.path.join(self._folder.name, "steps.json")
         with open(steps_path, "w") as f:
@@ -103,7 +75,8 @@ class AdvisorProcess:
         self._err = open(os.path.join(self._folder.name, "errors.txt"), "w+")
         with open(steps_path) as stdin:
             self._process = subprocess.Popen(command, stdin=stdin, stdout=self._out,
-                                             stderr=self._err, text=True, env=env)
+                                             stderr=self._err, text=True,
+                                             env=child_environment())
         if low_priority:
             lower_priority(self._process.pid)
         self.answer: dict | None = None
@@ -260,15 +233,15 @@ class RunAdvice:
         return scalars
 
     def _start_first_verdict(self, step: int) -> None:
-        needs = verdict_cpu_seconds(sum(sum(r.actions.values()) for r in self.records))
+        needs = prediction_cpu_seconds(sum(sum(r.actions.values()) for r in self.records))
         steps_left = self.total_steps - step
         cores = available_cores()
         has = steps_left * statistics.median(r.step_time for r in self.records[1:]) * cores
-        if needs <= FIRST_VERDICT_CPU_SHARE * has:
+        if needs <= CPU_SHARE * has:
             self.first_verdict = AdvisorProcess(self.source, list(self.events), low_priority=True)
             return
         logger.info(f"rrfp: the verdict comes at the end of the run: predicting now would "
-                    f"take about {needs:.0f} s of CPU, over {FIRST_VERDICT_CPU_SHARE:.0%} of "
+                    f"take about {needs:.0f} s of CPU, over {CPU_SHARE:.0%} of "
                     f"the {has:.0f} s the {steps_left} steps left have on {cores} cores")
 
     def _new_decisions(self, step: int) -> None:
@@ -320,7 +293,7 @@ class RunAdvice:
         if self.advise and len(self.events) > 1:
             # Training is over: no need to yield the CPU.
             logger.info(f"rrfp: predicting the verdict from the last {len(self.events)} steps "
-                        f"(about {verdict_cpu_seconds(self._kept_actions()):.0f} s of CPU)")
+                        f"(about {prediction_cpu_seconds(self._kept_actions()):.0f} s of CPU)")
             final = AdvisorProcess(self.source, list(self.events), low_priority=False)
             if not final.done(FINAL_TIMEOUT_S):
                 final.stop()
