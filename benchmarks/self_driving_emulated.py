@@ -9,7 +9,11 @@ over the same ``--steps`` steps: the throughput ratio over every step after the 
 (the measuring and the in-run A/B's steps counted), every step's metered peak bytes
 against the budget, the step at which each rank's setting changed, whether the gradients
 were bitwise torch's in every step, and the decisions. The predictions run as in a job, in
-a child process at ``nice 19``, so a decision lands when it is done; with ``--inline``
+a child process at ``nice 19``, so a decision lands when it is done, within ``--cpu-share``
+of the host's CPU since the first step (default: no bound, labelled on the page: a run
+of a hundred short emulated steps stands for the first minutes of a job whose 1% share,
+``rrfp.advise.cost.CPU_SHARE``, pays for them; under 1% here no prediction would start in
+the run); with ``--inline``
 (a machine whose cores are busy with other work, where the child would get little CPU)
 on the deciding rank at once, their time counted in its steps. Emulated device
 time: the compute sleeps as a kernel would run; every figure is emulated.
@@ -18,11 +22,13 @@ time: the compute sleeps as a kernel would run; every figure is emulated.
 from __future__ import annotations
 
 import argparse
+import math
 import statistics
 import sys
 import time
 
 from benchmarks.pages import write_page
+from rrfp.advise.cost import CPU_SHARE
 from rrfp.core.settings import parse_buffer_limit
 from rrfp.testing.self_driving_world import self_driving_world
 from rrfp.testing.worlds import run_local_world
@@ -61,6 +67,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--families", default=",".join(FAMILIES))
     parser.add_argument("--inline", action="store_true",
                         help="predict on the deciding rank at once (its steps pay for it)")
+    parser.add_argument("--cpu-share", type=float, default=math.inf,
+                        help="the share of the host's CPU the child predictions may take "
+                        "(default: %(default)s, no bound; a job's: rrfp.advise.cost.CPU_SHARE)")
     parser.add_argument("--out", default="self_driving_emulated.md")
     args = parser.parse_args(argv)
     start = time.time()
@@ -69,7 +78,8 @@ def main(argv: list[str] | None = None) -> None:
     for family in args.families.split(","):
         rounds = [run_local_world(args.ranks, self_driving_world, family, args.steps, BUDGET,
                                   seed, args.base_ms / 1000,
-                                  "advisor" if args.inline else None, timeout=1800)
+                                  "advisor" if args.inline else None, args.cpu_share,
+                                  timeout=1800)
                   for seed in range(args.rounds)]
         ratios += [sum(r[0]["fixed_times"][1:]) / sum(r[0]["times"][1:]) for r in rounds]
         lines += family_rows(family, rounds, budget_bytes)
@@ -90,7 +100,12 @@ def main(argv: list[str] | None = None) -> None:
         "*same*: every rank logged the same decisions; *bitwise*: every step's gradients "
         "equal torch's on every rank. Predictions: "
         + ("inline, on the deciding rank, their time counted in its steps (`--inline`)."
-           if args.inline else "in a child process at `nice 19`, as in a job."), "",
+           if args.inline else "in a child process at `nice 19`, as in a job, "
+           + ("their CPU not bounded by a share of the host's (`--cpu-share inf`; a job's "
+              f"share is {CPU_SHARE:.0%}, which on these short emulated runs would start "
+              "none)." if math.isinf(args.cpu_share)
+              else f"within {args.cpu_share:.1%} of the host's CPU since the first step.")),
+        "",
         f"**Lowest throughput: {min(ratios):.3f}x the fixed schedule.**", "",
         "| family | round | throughput | peak bytes / budget | switched at | same | bitwise | "
         "decisions (on every rank) |", "|---|---|---|---|---|---|---|---|", *lines]

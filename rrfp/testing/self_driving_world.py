@@ -13,6 +13,7 @@ from collections.abc import Sequence
 
 import torch
 
+from rrfp.advise.cost import CPU_SHARE
 from rrfp.advise.measured import MeasuredRun
 from rrfp.advise.tuning import predict_candidates
 from rrfp.core.settings import Settings
@@ -67,12 +68,13 @@ class FamilyClock:
 
 def self_driving_world(rank: int, world_size: int, family: str, steps: int,
                        budget: str = "hint+2", seed: int = 0, base_s: float = 0.002,
-                       predictor: str | None = "advisor") -> dict:
+                       predictor: str | None = "advisor", cpu_share: float = CPU_SHARE
+                       ) -> dict:
     """1F1B on ``world_size`` ranks, one stage each, 4 microbatches per rank: torch's
     Schedule1F1B (metered), then ScheduleRRFP with ``tune_within=budget`` (metered every
     step), ``steps`` steps each; ``predictor``: one of ``PREDICTORS``, run at once in the
-    rank's process (None: the advisor in a child, as in a job: decisions come when it is
-    done). Returns per schedule the step times, and for the
+    rank's process (None: the advisor in a child, as in a job, within ``cpu_share`` of the
+    host's CPU: decisions come when it is done). Returns per schedule the step times, and for the
     self-driving one per step its policy, limits and peak bytes, whether its gradients
     are bitwise torch's in every step, the decisions it logged, and how many keys the
     store held more after it."""
@@ -127,7 +129,8 @@ def self_driving_world(rank: int, world_size: int, family: str, steps: int,
         tuned = run(lambda stages: StudySchedule(stages, M, loss_fn=loss_fn, hint="1F1B",
                                                  settings=settings,
                                                  study=Study(device=EmulatedDevice(),
-                                                             predict_inline=predict)))
+                                                             predict_inline=predict,
+                                                             prediction_cpu_share=cpu_share)))
     except ValueError as e:
         return {"error": str(e), "fixed_bytes": max(fixed["bytes"][1:])}
     schedule = tuned["schedule"]
