@@ -17,7 +17,8 @@ per round, in alternating order from round to round:
 Each run's figure is the sum of its schedule step times (``rrfp step N: ... ms``, the lines
 the job logs per step) over every step after the first: for the mode its measuring steps
 and its in-run A/B's fixed-order steps count. The page lists every round, the ratios to
-the fixed runs and the decisions the mode logged.
+the fixed runs and the decisions the mode logged, or, where it made none, why (its
+predictions start within the job's CPU share, ``rrfp.advise.cost.CPU_SHARE``).
 """
 
 from __future__ import annotations
@@ -36,7 +37,8 @@ from rrfp.testing.ab import in_alternating_order
 
 CONFIG = "train_configs/documents_cpu.toml"
 STEP_LINE = re.compile(r"rrfp step\s+(\d+)(?: \(fixed order\))?: (\d+) ms")
-DECISION = re.compile(r"rrfp self-driving: (.*)")
+DECISION = re.compile(r"rrfp self-driving: (from step .*)")
+WAITING = re.compile(r"rrfp self-driving: (predicting from steps .*)")
 FIXED_PEAK = re.compile(r"\(fixed schedule ([\d.]+) MiB\)")
 
 
@@ -81,7 +83,8 @@ def main(argv: list[str] | None = None) -> None:
             out = run(variants[name], args.steps)
             measured[name] = (seconds(out, args.steps), load)
             if name == "self-driving":
-                decisions.append(DECISION.findall(out))
+                decisions.append(DECISION.findall(out)
+                                 or [f"(none: {w})" for w in WAITING.findall(out)[-1:]])
             print(f"round {round_ + 1} {name}: {measured[name][0]:.1f} s (load {load:.1f})",
                   flush=True)
         rounds.append(measured)
@@ -105,9 +108,10 @@ def main(argv: list[str] | None = None) -> None:
                                      for n in variants)
             + f" | {ratio['default'][i - 1]:.3f}x | {ratio['self-driving'][i - 1]:.3f}x | "
             + ("<br>".join(said) or "(none: still measuring)") + " |")
-    lines += ["", *(f"Median ratio {name} / fixed over rounds: **{statistics.median(values):.3f}x**"
-                    f" (min {min(values):.3f}x, max {max(values):.3f}x)."
-                    for name, values in ratio.items())]
+    ratio["self-driving / default"] = [r["default"][0] / r["self-driving"][0] for r in rounds]
+    lines += ["", *(f"Median ratio {name}{'' if '/' in name else ' / fixed'} over rounds: "
+                    f"**{statistics.median(values):.3f}x** (min {min(values):.3f}x, max "
+                    f"{max(values):.3f}x)." for name, values in ratio.items())]
     print("wrote", write_page("self_driving_real.md", lines))
 
 

@@ -100,6 +100,8 @@ def test_a_prediction_waits_until_it_fits_the_share_and_the_hints_setting_runs_m
     assert started == []
     assert {(r.setting.buffer_limit, r.ab_fixed) for r in ran} == {("hint", False)}
     assert caplog.text.count("waits for the CPU it may take") == 1, caplog.text
+    assert driving.waiting.startswith("predicting from steps 0-3 waits for the CPU it may "
+                                      "take beside training (1% of the time of 1 core")
     clock.now = 1e5  # 1,000 s granted
     step = 40
     while not driving.decisions and step < 400:

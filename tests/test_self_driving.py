@@ -76,7 +76,7 @@ def test_a_budget_the_fixed_schedule_does_not_fit_is_refused_on_every_rank():
 
 def test_a_plan_reads_back_as_it_was_said():
     plan = BlockPlan((("hint+2", None, False), ("hint", "fixed", True)), True,
-                     ("from step 8: ...",), None)
+                     ("from step 8: ...",), None, "predicting from steps 0-3 waits ...")
     assert BlockPlan.decode(plan.encode()) == plan
 
 

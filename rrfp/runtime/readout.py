@@ -62,6 +62,13 @@ class RuntimeReadout:
         return list(driving.decisions) if driving is not None else []
 
     @property
+    def tuning_waiting(self) -> str | None:
+        """Self-driving: why the latest wanted prediction waited for the CPU share
+        predictions may take (None: none waited, or not self-driving)."""
+        driving = self._runtime.self_driving
+        return driving.waiting if driving is not None else None
+
+    @property
     def report_folder(self) -> str | None:
         """Where the job's hang report goes (``ScheduleRRFP``'s ``report_folder``)."""
         return self._runtime.report.folder

@@ -71,6 +71,8 @@ class BlockPlan:
     """The decisions that took effect since the last plan, one line each."""
     error: str | None = None
     """A ``ValueError`` every rank raises (a budget the fixed schedule does not fit)."""
+    waiting: str | None = None
+    """Why a wanted prediction has not started (its CPU share), said once per prediction."""
 
     def encode(self) -> str:
         return json.dumps(asdict(self))
@@ -79,7 +81,7 @@ class BlockPlan:
     def decode(text: str) -> "BlockPlan":
         said = json.loads(text)
         return BlockPlan(tuple(tuple(run) for run in said["runs"]), said["share"],
-                         tuple(said["decisions"]), said["error"])
+                         tuple(said["decisions"]), said["error"], said["waiting"])
 
 
 def candidate_limits(budget: BufferLimit, hint: Hint,
@@ -152,6 +154,11 @@ class SelfDriving:
         self.tuner = Tuner(rules) if self.deciding else None
         self.decisions: list[str] = []
         """Every rank: the lines of the decisions that took effect so far."""
+        self.waiting: str | None = None
+        """Every rank: why the latest wanted prediction waited for its CPU share (None: none
+        waited)."""
+        self._waiting_note: str | None = None
+        """The deciding rank: that line, for the next plan."""
         self._plan: BlockPlan | None = None
         self._told = 1
         """Decisions told to the ranks so far (the first, measuring, goes unsaid)."""
@@ -185,6 +192,9 @@ class SelfDriving:
             for line in self._plan.decisions:
                 self.decisions.append(line)
                 logger.info("rrfp self-driving: %s", line)
+            if self._plan.waiting is not None:
+                self.waiting = self._plan.waiting
+                logger.info("rrfp self-driving: %s", self.waiting)
         assert self._plan is not None
         limit, policy, ab_fixed = self._plan.runs[step % block]
         run = StepRun(Candidate(limit, policy), ab_fixed)
@@ -242,8 +252,9 @@ class SelfDriving:
         runs = tuple((run.setting.buffer_limit, run.setting.policy, run.ab_fixed)
                      for run in tuner.plan_block())
         told, self._told = self._told, len(tuner.decisions)
+        waiting, self._waiting_note = self._waiting_note, None
         return BlockPlan(runs, tuner.measuring,
-                         tuple(d.line() for d in tuner.decisions[told:]), error)
+                         tuple(d.line() for d in tuner.decisions[told:]), error, waiting)
 
     def _collect_traces(self) -> None:
         for step in self._shared:
@@ -278,12 +289,14 @@ class SelfDriving:
             self._prediction = self._executor().submit(predicted_in_a_child, run, self._limits)
         elif self._waiting_for != wanted:
             self._waiting_for = wanted
-            logger.info(
-                "rrfp self-driving: predicting from steps %d-%d waits for the CPU it may take "
-                "beside training (%.0f%% of %s' time since the first step; about %.1f s "
-                "expected, %.1f s of %.1f s granted taken so far)", wanted.start,
-                wanted.stop - 1, 100 * self._budget.share, counted(self._budget.cores, "core"),
-                self._budget.expected(run.actions), self._budget.spent, self._budget.granted)
+            budget = self._budget
+            self._waiting_note = (
+                f"predicting from steps {wanted.start}-{wanted.stop - 1} waits for the CPU it "
+                f"may take beside training ({budget.share:.0%} of the time of "
+                f"{counted(budget.cores, 'core')} since the first step): it is expected to "
+                f"take {budget.expected(run.actions):.1f} s, and {budget.spent:.1f} s of the "
+                f"{budget.granted:.1f} s granted so far are taken; the hint's own setting "
+                "runs meanwhile")
 
     def hand_over(self, done: concurrent.futures.Future) -> None:
         """The deciding rank: give the tuner a finished prediction; a failed one chooses

@@ -336,8 +336,11 @@ class RunAdvice:
         if not self.self_driving:
             return []
         if not self.decisions:
+            waiting = self.schedule.tuning_waiting
+            why = ("the hint's own setting ran while the tuner measured it" if waiting is None
+                   else f"the latest {waiting}")
             return [f"  self-driving within tune_within={self.tune_within!r}: no decision took "
-                    "effect; the hint's own setting ran while the tuner measured it"]
+                    f"effect; {why}"]
         return [f"  self-driving within tune_within={self.tune_within!r}, the decisions that "
                 "took effect (rrfp counts steps from 0, torchtitan from 1):",
                 *(f"    {line}" for line in self.decisions)]
