@@ -24,7 +24,7 @@ from rrfp.advise.measured import MeasuredRun
 from rrfp.core.hints import build_hint, Hint, HINT_NAMES
 from rrfp.core.limits import (byte_budgets, fixed_peak_bytes, limits_within_bytes, MemoryLimits,
                               most_bytes_allowed, peak_bytes_held, resolve_buffer_limits)
-from rrfp.core.policy import default_policy
+from rrfp.core.policy import policy_for
 from rrfp.core.settings import parse_buffer_limit
 from rrfp.sim.engine import simulate, SimResult
 
@@ -168,7 +168,7 @@ def predict(run: MeasuredRun, setting: Setting, baseline: Replay) -> Prediction:
     refuse it."""
     hint = _built(run.hint, setting.hint)
     limits = limits_of(setting, hint, run.bytes_per_microbatch)
-    policy = setting.policy or default_policy(hint, limits)
+    policy = policy_for(setting.policy, hint, limits)
     results = _simulated_steps(run, hint, policy, limits)
     own_steps = run.own_steps
     scaled = [step.step_time * r.makespan / own for step, r, own
@@ -202,7 +202,7 @@ def predictions(run: MeasuredRun, settings: Sequence[Setting] | None = None
             limits = limits_of(setting, hint, run.bytes_per_microbatch)
         except ValueError:
             continue
-        policy = setting.policy or default_policy(hint, limits)
+        policy = policy_for(setting.policy, hint, limits)
         key = (hint.name, _frozen(limits), policy)
         if key in seen:
             continue

@@ -409,6 +409,12 @@ def default_policy(hint: Hint, limits: MemoryLimits) -> str:
     return SLACK_POLICIES.get(hint.name, "lookahead")
 
 
+def policy_for(given: str | None, hint: Hint, limits: MemoryLimits) -> str:
+    """The policy a step of ``hint`` runs within ``limits``: the user's ``given`` one, else
+    the default those limits call for (``default_policy``)."""
+    return given or default_policy(hint, limits)
+
+
 PolicyFactory = Callable[["History | None", "Callable[[], float] | None"], Policy]
 """``(history, clock) -> policy``: what a step's policy is made from (``clock``: seconds
 since the step start; both may be None where the caller has none)."""

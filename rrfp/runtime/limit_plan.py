@@ -6,7 +6,7 @@ every step at once. Byte settings (``"busiest"``, a budget, ``"auto"``) run the 
 training step at the hint's own limits; once that step has measured each stage's bytes per
 microbatch, the ranks of the pipeline exchange them (and their budgets) and every rank
 derives the same microbatch limits (``rrfp.core.limits.limits_within_bytes``), fixed from then
-on. The policy the limits call for (``rrfp.core.policy.default_policy``) is chosen with them.
+on.
 Figures on what each setting buys live on the results pages the log line points at
 (docs/guide/choosing.md), not in the line itself.
 """
@@ -23,7 +23,7 @@ import torch.distributed as dist
 from rrfp.core.hints import Hint
 from rrfp.core.limits import (byte_budgets, ByteLimits, check_limits, first_step_limits,
                               limits_within_bytes, MemoryLimits)
-from rrfp.core.policy import default_policy
+from rrfp.core.policy import policy_for
 from rrfp.core.settings import BufferLimit, parse_buffer_limit
 from rrfp.core.text import counted
 
@@ -34,9 +34,10 @@ GAINS_PAGE = "docs/guide/choosing.md"
 
 
 class LimitPlan:
-    """One rank's memory limits over a run, and the policy they call for.
+    """One rank's memory limits over a run.
 
-    ``policy``: the user's (parsed), or None for the default at each limit.
+    ``policy``: the user's (parsed), or None for the default at each limit; the fixed
+    order's limits are checked as such.
     """
 
     def __init__(self, spec: object, hint: Hint, rank: int, policy: str | None):
@@ -48,7 +49,6 @@ class LimitPlan:
         self.byte_limits: ByteLimits | None = None
         """Where the setting is in bytes: the microbatch limits derived from the first
         step's bytes (from the second step on), with the budgets they keep."""
-        self.policy: str = policy or default_policy(hint, self.limits)
         self.summary = (
             f"buffer_limit={self.setting.spec!r} is counted in bytes: the first training step "
             "runs at the hint's own limits and measures each stage's bytes per microbatch; "
@@ -56,6 +56,11 @@ class LimitPlan:
             "second step on (logged then)." if self.setting.in_bytes
             else limit_summary(self.setting.spec, self.limits, hint, rank))
         """One sentence for the log: what the limits allow on this rank."""
+
+    @property
+    def policy(self) -> str:
+        """The policy of a step at these limits (``rrfp.core.policy.policy_for``)."""
+        return policy_for(self._policy_given, self._hint, self.limits)
 
     @property
     def waiting_for_bytes(self) -> bool:
@@ -88,7 +93,6 @@ class LimitPlan:
             raise ValueError(f"buffer_limit={setting.spec!r}: {e}") from None
         self.limits = self.byte_limits.limits
         check_limits(self.limits, hint, setting.spec, fixed_order=self._policy_given == "fixed")
-        self.policy = self._policy_given or default_policy(hint, self.limits)
         local = hint.stages_on(rank)
         self.summary = byte_limit_summary(setting.spec, self.byte_limits, rank, local)
         logger.info(

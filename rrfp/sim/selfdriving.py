@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from rrfp.core.hints import Hint
 from rrfp.core.history import History
 from rrfp.core.limits import resolve_buffer_limits
-from rrfp.core.policy import default_policy
+from rrfp.core.policy import policy_for
 from rrfp.core.settings import DEFAULT_LAUNCH_DEPTH, parse_buffer_limit
 from rrfp.core.tuning import Candidate, Decision, FIXED_ORDER, Predicted, Tuner, TuningRules
 from rrfp.sim.engine import simulate
@@ -50,7 +50,7 @@ def candidates(hint: Hint, budget: str, *, sizes: bool = False) -> list[Candidat
     for spec in ("hint", *(f"hint+{k}" for k in range(1, extra + 1))):
         limits = resolve_buffer_limits(spec, hint)
         for policy in (None, *POLICIES):
-            runs = policy or default_policy(hint, limits)
+            runs = policy_for(policy, hint, limits)
             for use in (True, False) if sizes and runs in SIZED_POLICIES else (True,):
                 key = (spec, runs, use)
                 if key not in seen:
@@ -99,7 +99,7 @@ class _Runner:
             return self.fixed(timing), dict(histories or {})
         limits = resolve_buffer_limits(setting.buffer_limit, self.hint)
         result = simulate(self.hint, timing.duration, latency=timing.latency,
-                          policy=setting.policy or default_policy(self.hint, limits),
+                          policy=policy_for(setting.policy, self.hint, limits),
                           limits=limits, histories=histories,
                           launch_depth=self.launch_depth, launch_cost=self.launch_cost,
                           sizes=timing.sizes if setting.use_sizes else None)

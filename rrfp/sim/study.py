@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 from rrfp.core.hints import Hint
 from rrfp.core.limits import MemoryLimits, resolve_buffer_limits
-from rrfp.core.policy import default_policy
+from rrfp.core.policy import policy_for
 from rrfp.core.settings import DEFAULT_LAUNCH_DEPTH
 from rrfp.sim.engine import lower_bounds, LowerBounds, simulate, SimResult
 from rrfp.sim.workloads import make_timing, Timing, WorkloadParams
@@ -79,7 +79,7 @@ def compare(hint: Hint, workload: str | Timing, seed: int, *, limit: str | int =
     without.
     """
     limits = resolve_buffer_limits(limit, hint, fixed_order=policy == "fixed")
-    policy = policy or default_policy(hint, limits)
+    policy = policy_for(policy, hint, limits)
     timing = timing_for(hint, workload, seed, params)
     fixed = simulate(hint, timing.duration, latency=timing.latency, policy="fixed",
                      launch_depth=math.inf, launch_cost=launch_cost)
