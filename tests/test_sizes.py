@@ -142,12 +142,13 @@ def test_critical_ranks_by_the_sizes_of_the_step_on_every_stage():
     assert most_critical([big] + [small] * 7) == "0F5"
 
 
-def test_critical_costs_an_action_halfway_from_its_stage_mean_to_its_size_prediction():
+def test_critical_scales_each_kind_cost_halfway_to_its_size_prediction_and_keeps_stages_alike():
     """Stage 0's forwards take twice stage 1's, each in proportion to tokens (1..8, mean
-    4.5): an action costs, in mean forwards of the stages, SIZE_WEIGHT of the way from its
-    stage and kind's mean to its size's prediction."""
-    from rrfp.core.policy import _predicted_costs, History, SIZE_WEIGHT
-    from rrfp.core.actions import _Action, F
+    4.5): an action costs its kind's cost, scaled SIZE_WEIGHT of the way from one to its
+    size's prediction over its stage's mean; so one microbatch costs the same on either
+    stage (the sizes rank a stage's microbatches, they do not reweigh the stages)."""
+    from rrfp.core.policy import _size_scaled_costs, DEFAULT_COSTS, History, SIZE_WEIGHT
+    from rrfp.core.actions import _Action, F, B
 
     hint = build_hint("1F1B", num_ranks=2, num_stages=2, n_microbatches=8)
     sizes = [MicrobatchSize(tokens=t) for t in range(1, 9)]
@@ -156,12 +157,13 @@ def test_critical_costs_an_action_halfway_from_its_stage_mean_to_its_size_predic
                                                      for size in sizes])
                           for s, scale in ((0, 2.0), (1, 1.0)) for kind in ("F", "B")})
     history.expect_sizes(sizes)
-    costs = _predicted_costs(history, hint)
-    unit = (2.0 * 4.5 + 1.0 * 4.5) / 2  # the stages' mean forward
-    for stage, scale in ((0, 2.0), (1, 1.0)):
+    costs = _size_scaled_costs(history, hint, DEFAULT_COSTS)
+    for stage in (0, 1):
         for mb, size in enumerate(sizes):
-            expected = scale * (SIZE_WEIGHT * size.tokens + (1 - SIZE_WEIGHT) * 4.5) / unit
-            assert costs[_Action(stage, F, mb)] == pytest.approx(expected)
+            for kind, computation in (("F", F), ("B", B)):
+                expected = DEFAULT_COSTS[kind] * (SIZE_WEIGHT * size.tokens / 4.5
+                                                  + 1 - SIZE_WEIGHT)
+                assert costs[_Action(stage, computation, mb)] == pytest.approx(expected)
     assert 0 < SIZE_WEIGHT < 1
 
 
@@ -288,3 +290,27 @@ def test_the_simulator_cli_tells_the_ranks_sizes_when_asked(capsys):
         assert ("sizes known" in out) == bool(extra)
         return out.splitlines()[2].split()[2]
     assert rrfp_makespan(["--sizes-known"]) != rrfp_makespan([])
+
+
+def test_the_default_told_the_sizes_is_never_slower_than_not_told_and_still_gains_by_them():
+    """Simulated, 1F1B at hint+2 (the default there reads sizes): where one stage's cost
+    follows the images and that stage is the pipeline's bottleneck (first or middle),
+    telling the default the sizes must not make it slower than not telling it; on
+    documents of variable length the sizes still buy time."""
+    from rrfp.core.tuning import Candidate
+    from rrfp.sim.families import drawn, sized_stage
+    from rrfp.sim.selfdriving import predict
+
+    hint = build_hint("1F1B", num_ranks=4, num_stages=4, n_microbatches=16)
+    told, not_told = Candidate("hint+2", None, True), Candidate("hint+2", None, False)
+
+    def speedups(timings) -> tuple[float, float]:
+        with_sizes, without = predict(hint, timings, [told, not_told])
+        return with_sizes.speedup, without.speedup
+    for stage in (0, 2):
+        family = sized_stage(4, 16, stage=stage, balanced=False)
+        for seed in (0, 1):
+            with_sizes, without = speedups(family(seed, 8))
+            assert with_sizes >= without * (1 - 1e-6), (stage, seed, with_sizes, without)
+    with_sizes, without = speedups(drawn("documents", 4, 16)(0, 6))
+    assert with_sizes > without * 1.001

@@ -9,7 +9,7 @@ ready action (return None) must not do so forever, or the pipeline would stall.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING
 
 from rrfp.core.arbiter import ArbiterView, OwnOrder, Policy
@@ -214,9 +214,9 @@ class CriticalPath:
     its next forward: ``rrfp.core.graph``), costed per kind (F, B, I, W) by this rank's device
     durations in earlier steps, taken to be alike on every stage (a rank measures only its
     own); where the step's microbatch sizes are known (``History.expect_sizes``), each
-    action on every stage halfway between its stage and kind's mean and the duration
-    its size predicts (``SIZE_WEIGHT``, ``rrfp.core.sizes``; the fits of other ranks' stages
-    shared with this one). So a forward runs ahead only while the memory it takes will
+    action's kind cost is scaled halfway (``SIZE_WEIGHT``) towards what its size predicts
+    over its stage's mean (``rrfp.core.sizes``; the fits of other ranks' stages shared with
+    this one). So a forward runs ahead only while the memory it takes will
     not hold up a backward chain that is longer. Ties go to the input that arrived first,
     then to the hint's order. Greedy; ahead of a busy device the step loop launches only
     the most critical action not yet launched.
@@ -261,27 +261,32 @@ class CriticalPath:
     def _tails(self, arbiter: ArbiterView) -> dict[_Action, float]:
         """The longest chain of work behind each action (a new dict whenever it changes)."""
         if self._step_tails is None:
-            sized = _predicted_costs(self.history, arbiter.hint)
-            if sized is not None:
-                self._step_tails = _critical_tails(arbiter.hint, arbiter.memory_limits,
-                                                   tuple(sized.values()), sized.__getitem__)
-                return self._step_tails
-            costs = _measured_costs(self.history, arbiter.hint.stages_on(arbiter.rank))
-            if costs is None:
-                costs = tuple(sorted(DEFAULT_COSTS.items()))
-            else:
-                # Costs near a rounding boundary could flip from step to step, and each
-                # change recomputes the chains (O(all actions of the step)): keep the last
-                # ones while every kind stays within a quarter forward of them.
-                kept = self.history.priority_costs  # type: ignore[union-attr]
-                if kept is not None and all(abs(a[1] - b[1]) <= 0.25
-                                            for a, b in zip(kept, costs)):
-                    costs = kept
-                self.history.priority_costs = costs  # type: ignore[union-attr]
+            hint = arbiter.hint
+            costs = self._kind_costs(hint.stages_on(arbiter.rank))
             per_kind = dict(costs)
-            self._step_tails = _critical_tails(arbiter.hint, arbiter.memory_limits, costs,
-                                               lambda a: per_kind[a.computation_type.value])
+            sized = _size_scaled_costs(self.history, hint, per_kind)
+            if sized is not None:
+                self._step_tails = _critical_tails(hint, arbiter.memory_limits,
+                                                   tuple(sized.values()), sized.__getitem__)
+            else:
+                self._step_tails = _critical_tails(hint, arbiter.memory_limits, costs,
+                                                   lambda a: per_kind[a.computation_type.value])
         return self._step_tails
+
+    def _kind_costs(self, stages: Sequence[int]) -> tuple[tuple[str, float], ...]:
+        """Per kind, in forwards: what this rank measured on ``stages`` (``DEFAULT_COSTS``
+        before it has)."""
+        costs = _measured_costs(self.history, stages)
+        if costs is None:
+            return tuple(sorted(DEFAULT_COSTS.items()))
+        # Costs near a rounding boundary could flip from step to step, and each change
+        # recomputes the chains (O(all actions of the step)): keep the last ones while
+        # every kind stays within a quarter forward of them.
+        kept = self.history.priority_costs  # type: ignore[union-attr]
+        if kept is not None and all(abs(a[1] - b[1]) <= 0.25 for a, b in zip(kept, costs)):
+            costs = kept
+        self.history.priority_costs = costs  # type: ignore[union-attr]
+        return costs
 
 
 def _measured_costs(history: History | None,
@@ -302,44 +307,38 @@ def _measured_costs(history: History | None,
 
 
 SIZE_WEIGHT = 0.5
-"""How far ``critical`` moves an action's cost from its stage and kind's mean towards what
-its microbatch's size predicts. Halfway keeps what the sizes buy on the size-driven
-workloads and loses nothing where link latencies vary, which the chains leave out: there,
-costed fully by the predictions, the default fell below itself not told the sizes
+"""How far ``critical`` moves an action's cost from its kind's cost towards what its
+microbatch's size predicts. Halfway keeps what the sizes buy on the size-driven workloads
+and loses nothing where link latencies vary, which the chains leave out: there, costed
+fully by the predictions, the default fell below itself not told the sizes
 (simulated: benchmarks/results/optimum_100-119_*_sizes-known.md)."""
 
 
-def _predicted_costs(history: History | None, hint: Hint) -> dict[_Action, float] | None:
-    """Per compute action of the step, in forwards (the mean forward of the stages with a
-    fit), its stage and kind's mean duration moved ``SIZE_WEIGHT`` of the way to what its
-    microbatch's size predicts; for a (stage, kind) without a fit, the mean of that kind's
-    fits on the others (``DEFAULT_COSTS`` where none has one). None where the sizes tell no
-    microbatches apart or no forward has a fit."""
+def _size_scaled_costs(history: History | None, hint: Hint,
+                       per_kind: Mapping[str, float]) -> dict[_Action, float] | None:
+    """Per compute action of the step, its kind's cost (``per_kind``, as without sizes)
+    times ``SIZE_WEIGHT`` of the way from one to its size's prediction over its stage and
+    kind's mean (an action without a fit: its kind's cost). None where the sizes tell no
+    microbatches apart.
+
+    The sizes only rank a stage's microbatches against each other: every stage keeps the
+    same mean cost, as without them. Costing each stage by its own fit made a stage that
+    is the pipeline's bottleneck weigh every chain through it, and the default then ran
+    slower told the sizes than not (benchmarks/results/sizes_default.md)."""
     if history is None or not history.sizes_tell_apart:
         return None
-    # In key order, so that every rank holding the same fits adds them up alike.
-    fits = sorted(history.models.fits.items())
-    forwards = [fit.mean for (_, kind), fit in fits if kind == "F"]
-    if not forwards:
-        return None
-    unit = sum(forwards) / len(forwards)
-    by_kind: dict[str, list[float]] = {}
-    for (_, kind), fit in fits:
-        by_kind.setdefault(kind, []).append(fit.mean / unit)
-    fallback = {kind: sum(seen) / len(seen) if (seen := by_kind.get(kind)) else default
-                for kind, default in DEFAULT_COSTS.items()}
+    fits = history.models.fits
     costs = {}
     for rank_plan in hint.plan.ranks.values():
         for n in rank_plan.nodes:
             if n.kind == "R":
                 continue
             kind = n.action.computation_type.value
+            fit = fits.get((n.stage, kind))
             predicted = history.predicted(n.stage, kind, n.microbatch)
-            if predicted is None:
-                costs[n.action] = fallback[kind]
-                continue
-            mean = history.models.fits[(n.stage, kind)].mean
-            costs[n.action] = (SIZE_WEIGHT * predicted + (1 - SIZE_WEIGHT) * mean) / unit
+            relative = (1.0 if fit is None or predicted is None or fit.mean <= 0
+                        else predicted / fit.mean)
+            costs[n.action] = per_kind[kind] * (SIZE_WEIGHT * relative + 1 - SIZE_WEIGHT)
     return costs
 
 

@@ -54,14 +54,26 @@ def encoder(num_stages: int, n_microbatches: int, *, balanced: bool
     ``balanced``: the encoder stage's mean cost is the others' (the model split was
     rebalanced for it); otherwise it is the bottleneck, ``ENCODER_RANGE``'s mean times
     theirs. The sizes give each microbatch's images."""
+    return sized_stage(num_stages, n_microbatches, stage=0, balanced=balanced)
+
+
+def sized_stage(num_stages: int, n_microbatches: int, *, stage: int, balanced: bool,
+                size_noise: float = 0.0) -> Callable[[int, int], list[Timing]]:
+    """As ``encoder``, with the image-driven stage at ``stage``; ``size_noise``: the
+    sigma of a lognormal factor on that stage's cost that the images do not predict."""
     low, high = ENCODER_RANGE
     scale = 2 / (low + high) if balanced else 1.0
+    tag = (f"encoder/{balanced}" if (stage, size_noise) == (0, 0.0)
+           else f"sized/{stage}/{balanced}/{size_noise}")
+
+    def sized_cost(images: int, rng: random.Random) -> float:
+        noise = math.exp(rng.gauss(0, size_noise)) if size_noise else 1.0
+        return (low + (high - low) * images / MAX_IMAGES) * scale * noise
 
     def step(rng: random.Random) -> Timing:
         images = [rng.randint(0, MAX_IMAGES) for _ in range(n_microbatches)]
-        cost = [[(low + (high - low) * n / MAX_IMAGES) * scale if s == 0
-                 else math.exp(rng.gauss(0, 0.05)) for n in images]
-                for s in range(num_stages)]
+        cost = [[sized_cost(n, rng) if s == stage else math.exp(rng.gauss(0, 0.05))
+                 for n in images] for s in range(num_stages)]
         zero = [[0.0] * n_microbatches for _ in range(num_stages)]
         return Timing(forward=cost, backward_input=[row[:] for row in cost],
                       backward_weight=[row[:] for row in cost], activation_latency=zero,
@@ -69,7 +81,7 @@ def encoder(num_stages: int, n_microbatches: int, *, balanced: bool
                       sizes=tuple(MicrobatchSize(tokens=1.0, images=n) for n in images))
 
     def timings(seed: int, steps: int) -> list[Timing]:
-        return [step(random.Random(f"encoder/{balanced}/{seed}/{k}")) for k in range(steps)]
+        return [step(random.Random(f"{tag}/{seed}/{k}")) for k in range(steps)]
     return timings
 
 
