@@ -33,8 +33,8 @@ from rrfp.sim import selfdriving
 from rrfp.sim.families import drawn, sized_stage
 from rrfp.sim.workloads import Timing
 
-PIPELINES = ((4, 16), (8, 32))
-"""(ranks, microbatches) of the pipelines run (one stage per rank)."""
+PIPELINES = ((4, 16, 20), (8, 32, 10))
+"""(ranks, microbatches, seeds) of the pipelines run (one stage per rank)."""
 BUDGET = "hint+2"
 WORSE = 1e-3
 """A seed counts as slower told the sizes where its speedup falls by more than this."""
@@ -67,13 +67,17 @@ def _job(args: tuple[int, int, str, int, int]) -> tuple[str, str, int, float, fl
     return f"{ranks}x{microbatches}", name, seed, told.speedup, blind.speedup
 
 
-def measure(label: str, seeds: int, steps: int, processes: int) -> str:
-    jobs = [(r, m, name, seed, steps) for r, m in PIPELINES for name in families(r, m)
-            for seed in range(seeds)]
+def measure(label: str, most_seeds: int | None, steps: int, processes: int) -> str:
+    jobs = [(r, m, name, seed, steps) for r, m, seeds in PIPELINES for name in families(r, m)
+            for seed in range(min(seeds, most_seeds or seeds))]
     start = time.monotonic()
+    rows = []
     with Pool(processes) as pool:
-        rows = pool.map(_job, jobs, chunksize=1)
-    result = {"label": label, "seeds": seeds, "steps": steps,
+        for row in pool.imap_unordered(_job, jobs):
+            rows.append(row)
+            print(f"{len(rows)} of {len(jobs)}: {row[0]} {row[1]} seed {row[2]}", flush=True)
+    rows.sort()
+    result = {"label": label, "steps": steps,
               "seconds": round(time.monotonic() - start),
               "rows": [dict(zip(("pipeline", "family", "seed", "told", "not_told"), row))
                        for row in rows]}
@@ -84,9 +88,9 @@ def measure(label: str, seeds: int, steps: int, processes: int) -> str:
 
 
 def _table(result: dict) -> list[str]:
-    lines = ["| pipeline | family | told: mean / lowest | not told: mean / lowest "
+    lines = ["| pipeline | family | seeds | told: mean / lowest | not told: mean / lowest "
              "| told slower on |",
-             "|---|---|---:|---:|---:|"]
+             "|---|---|---:|---:|---:|---:|"]
     groups: dict[tuple[str, str], list[dict]] = {}
     for row in result["rows"]:
         groups.setdefault((row["pipeline"], row["family"]), []).append(row)
@@ -94,7 +98,8 @@ def _table(result: dict) -> list[str]:
         told = [r["told"] for r in rows]
         blind = [r["not_told"] for r in rows]
         slower = sum(r["told"] < r["not_told"] - WORSE for r in rows)
-        lines.append(f"| {pipeline} | {family} | {statistics.mean(told):.3f} / {min(told):.3f} "
+        lines.append(f"| {pipeline} | {family} | {len(rows)} "
+                     f"| {statistics.mean(told):.3f} / {min(told):.3f} "
                      f"| {statistics.mean(blind):.3f} / {min(blind):.3f} "
                      f"| {slower} of {len(rows)} |")
     return lines
@@ -115,16 +120,17 @@ def page(labels: list[str]) -> str:
         with open(result_path(f"sizes_default_{label}.json")) as f:
             result = json.load(f)
         lines += ["", f"## {label}", "",
-                  f"{result['seeds']} seeds x {result['steps']} steps, "
-                  f"{result['seconds']} s.", "", *_table(result)]
+                  f"{result['steps']} steps per seed, {result['seconds']} s.", "",
+                  *_table(result)]
     return write_page("sizes_default.md", lines)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--label", help="measure this checkout's rule under this name")
-    parser.add_argument("--seeds", type=int, default=20)
-    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--seeds", type=int, help="at most this many seeds per pipeline "
+                        "(default: each pipeline's own, PIPELINES)")
+    parser.add_argument("--steps", type=int, default=12)
     parser.add_argument("--processes", type=int, default=os.cpu_count() or 1)
     parser.add_argument("--page", nargs="*", metavar="LABEL",
                         help="write the page from these labels' results (default: before, "
