@@ -11,7 +11,9 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 python=${PYTHON:-python3}
 
-tested=$(ls constraints/torch-*.txt | sed 's/.*torch-\(.*\)\.txt/\1/' | sort -V | tail -1)
+# NEWEST_TORCH_TESTED=X.Y compares against an older tested torch instead (to show the lane
+# running where the registry has nothing newer than what the project tests).
+tested=${NEWEST_TORCH_TESTED:-$(ls constraints/torch-*.txt | sed 's/.*torch-\(.*\)\.txt/\1/' | sort -V | tail -1)}
 # A machine-wide pip constraint may cap torch: the registry's own list is wanted here.
 newest=$(PIP_CONSTRAINT=/dev/null "$python" -m pip index versions torch 2>/dev/null \
          | sed -n 's/^torch (\(.*\))$/\1/p')
