@@ -18,13 +18,15 @@ import torch.distributed as dist
 from rrfp import Settings
 from rrfp.advise import ab_speedups, advise, read_run, run_from_trace_events
 from rrfp.advise.__main__ import main
-from rrfp.advise.predict import Setting
+from rrfp.advise.predict import predict, replay, Setting
 from rrfp.advise.report import size
 from rrfp.core.hints import build_hint, Hint
 from rrfp.core.limits import resolve_buffer_limits
 from rrfp.core.policy import default_policy
+from rrfp.core.sizes import MicrobatchSize
 from rrfp.core.stats import StepStats, write_chrome_trace
 from rrfp.sim.engine import simulate
+from rrfp.sim.replay import timing_from_trace
 from rrfp.sim.workloads import make_timing, Timing
 from rrfp.testing.chains import (bitwise_equal, build_stages, loss_fn, make_batch, make_chain,
                                  run_steps, torch_schedule)
@@ -40,9 +42,10 @@ BYTES = {0: 3 << 20, 1: 2 << 20, 2: 2 << 20, 3: 4 << 20}
 
 def simulated_step_stats(hint: Hint, timing: Timing, step: int, *, buffer_limit: str = "hint",
                          policy: str | None = None, bytes_per_microbatch=None,
-                         start_unix: float = 1000.0) -> list[StepStats]:
+                         start_unix: float = 1000.0, sizes=None) -> list[StepStats]:
     """Every rank's ``StepStats`` of one step of ``hint`` simulated on ``timing``
-    (seconds), as the runtime would report it."""
+    (seconds), as the runtime would report it; ``sizes``: the step's microbatch sizes,
+    told its policy."""
     limits = resolve_buffer_limits(buffer_limit, hint)
     policy = policy or default_policy(hint, limits)
     result = simulate(hint, timing.duration, latency=timing.latency, policy=policy,
@@ -80,6 +83,7 @@ def simulated_step_stats(hint: Hint, timing: Timing, step: int, *, buffer_limit:
                                              {s: bytes_per_microbatch[s] for s in local}),
             step=step, buffer_limit=buffer_limit, num_stages=hint.num_stages,
             n_microbatches=hint.n_microbatches, placement=hint.layout,
+            sizes=sizes, sizes_used=sizes is not None,
             spans=result.spans[rank], sends=sends[rank], arrivals=arrivals[rank]))
     return stats
 
@@ -317,6 +321,44 @@ def test_a_trainer_gives_the_steps_on_stdin(tmp_path, monkeypatch, capsys):
     assert main(["-", "--json"]) == 2
     assert capsys.readouterr().err.startswith(
         "rrfp.advise: stdin: not a whole JSON list of steps' trace events (")
+
+
+SIZES = (MicrobatchSize(tokens=4, attention=16), MicrobatchSize(tokens=1, attention=1), None,
+         MicrobatchSize(tokens=10, attention=100, images=2))
+"""A step's microbatch sizes (one unknown) that tell microbatches apart."""
+
+
+def test_a_trace_with_sizes_replays_with_them_and_one_without_has_none(tmp_path):
+    hint = write_run(tmp_path / "sized", ranks=2, microbatches=4, steps=3, sizes=list(SIZES))
+    run, _ = read_run(str(tmp_path / "sized"))
+    assert all(step.timing.sizes == SIZES and step.sizes_used for step in run.steps)
+    run.steps[0].timing.save(tmp_path / "timings.json")  # the replay file keeps them
+    assert Timing.load(tmp_path / "timings.json").sizes == SIZES
+    # Traces without sizes read as before.
+    write_run(tmp_path / "plain", ranks=2, microbatches=4, steps=3)
+    plain, _ = read_run(str(tmp_path / "plain"))
+    assert all(step.timing.sizes is None and not step.sizes_used for step in plain.steps)
+    # Steps of different sizes in one trace (their timings averaged) have none.
+    timing = plain.steps[0].timing
+    events = [e for step, sizes in enumerate((SIZES, SIZES[::-1]))
+              for stats in simulated_step_stats(hint, timing, step, sizes=list(sizes))
+              for e in stats.chrome_trace_events()]
+    assert timing_from_trace({"traceEvents": events}).sizes is None
+    assert timing_from_trace({"traceEvents": events[:len(events) // 2]}).sizes == SIZES
+
+
+def test_the_replay_tells_a_settings_policy_the_sizes_unless_it_says_not(tmp_path):
+    write_run(tmp_path, ranks=2, microbatches=4, steps=3, sizes=list(SIZES))
+    run, _ = read_run(str(tmp_path))
+    baseline = replay(run)
+    # Each simulated rank fits durations against size only where its policy was told them.
+    assert baseline.own_results[-1].histories[0].models.fits  # as the run's steps were
+    told = Setting("1F1B", "hint+1", "critical")
+    not_told = dataclasses.replace(told, use_sizes=False)
+    assert predict(run, told, baseline).results[-1].histories[0].models.fits
+    assert not predict(run, not_told, baseline).results[-1].histories[0].models.fits
+    assert not_told.describe("1F1B") == ("buffer_limit='hint+1', policy='critical', "
+                                         "sizes not used")
 
 
 @pytest.mark.simulator

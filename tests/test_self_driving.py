@@ -4,6 +4,7 @@ torch's fixed schedule's in every step (``rrfp.testing.self_driving_world``)."""
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import pickle
 import subprocess
@@ -11,9 +12,14 @@ import sys
 
 import pytest
 
+from rrfp.advise.cost import CPU_SHARE
 from rrfp.advise.tuning import predict_candidates
+from rrfp.core.limits import resolve_buffer_limits
+from rrfp.core.policy import policy_for
+from rrfp.core.sizes import MicrobatchSize
 from rrfp.core.tuning import TuningRules
 from rrfp.runtime.self_driving import BlockPlan, predicted_in_a_child
+from rrfp.sim.selfdriving import SIZED_POLICIES
 from rrfp.testing.self_driving_world import self_driving_world
 from rrfp.testing.worlds import run_local_world
 
@@ -65,6 +71,26 @@ def test_where_nothing_is_predicted_to_gain_every_rank_keeps_the_hints_own_setti
         assert all(r["bitwise"])
 
 
+def test_a_setting_without_sizes_keeps_them_from_the_policy_of_every_step_it_runs():
+    # Every step is given its microbatch sizes; the measured steps' traces carry them to
+    # the prediction, which (forced where they arrived) picks the critical policy without.
+    ranks = run_local_world(2, self_driving_world, "gains", STEPS, "hint+2", 0, 0.002,
+                            "without sizes", CPU_SHARE, True, timeout=240)
+    for rank, r in enumerate(ranks):
+        assert r["decisions"] == [
+            f"from step {FIRST}: buffer_limit='hint+2', policy='critical', sizes not used "
+            "(switch; predicted 1.500x the fixed schedule)"], r["decisions"]
+        assert all(r["bitwise"]), rank
+        assert set(r["policy"][FIRST:]) == {"critical", "fixed"}, r["policy"]
+        # Each step's stats record the sizes it was given, told to its policy or not.
+        assert all(sizes is not None and len(sizes) == 8 for sizes in r["sizes"])
+        assert r["sizes_used"] == [True] * FIRST + [False] * (STEPS - FIRST), r["sizes_used"]
+        # Told them (once a step fitted durations to them), the policy predicts from them
+        # (the prediction's error is said); not told, it cannot.
+        assert all(error is not None for error in r["size_error"][1:FIRST]), r["size_error"]
+        assert all(error is None for error in r["size_error"][FIRST:]), r["size_error"]
+
+
 def test_a_budget_the_fixed_schedule_does_not_fit_is_refused_on_every_rank():
     ranks = run_local_world(2, self_driving_world, "gains", STEPS, "3KiB", timeout=240)
     errors = {r.get("error") for r in ranks}
@@ -75,7 +101,8 @@ def test_a_budget_the_fixed_schedule_does_not_fit_is_refused_on_every_rank():
 
 
 def test_a_plan_reads_back_as_it_was_said():
-    plan = BlockPlan((("hint+2", None, False), ("hint", "fixed", True)), True,
+    plan = BlockPlan((("hint+2", None, True, False), ("hint+1", "critical", False, False),
+                      ("hint", "fixed", True, True)), True,
                      ("from step 8: ...",), None, "predicting from steps 0-3 waits ...")
     assert BlockPlan.decode(plan.encode()) == plan
 
@@ -92,6 +119,26 @@ def test_the_child_process_predicts_what_the_advisor_predicts(tmp_path):
     assert 0 < cpu_seconds < 120  # the child's own, its start-up included
     assert pickle.loads(pickle.dumps(inline)) == inline
 
+
+def test_a_policy_reading_sizes_is_a_candidate_told_them_and_not_where_they_tell_apart(
+        tmp_path):
+    from rrfp.advise import read_run
+    from tests.test_advise import SIZES, write_run
+
+    packed = [MicrobatchSize(tokens=2)] * 4
+    for name, sizes in (("sized", list(SIZES)), ("packed", packed), ("none", None)):
+        write_run(tmp_path / name, ranks=2, microbatches=4, steps=3, sizes=sizes)
+        run, _ = read_run(str(tmp_path / name))
+        settings = {p.setting for p in predict_candidates(run, ["hint", "hint+1"])}
+        without = {s for s in settings if not s.use_sizes}
+        if name != "sized":  # none told microbatches apart: told or not runs alike
+            assert not without, (name, without)
+            continue
+        assert without
+        for setting in without:  # each beside its twin told the sizes; none runs alike
+            assert dataclasses.replace(setting, use_sizes=True) in settings, setting
+            limits = resolve_buffer_limits(setting.buffer_limit, run.hint)
+            assert policy_for(setting.policy, run.hint, limits) in SIZED_POLICIES, setting
 
 
 def test_a_failed_prediction_keeps_the_hints_own_setting(caplog):

@@ -74,6 +74,11 @@ class MeasuredStep:
         return max(r["step_time"] for r in self.ranks.values())
 
     @property
+    def sizes_used(self) -> bool:
+        """Whether the step's policy was told its microbatch sizes (``timing.sizes``)."""
+        return bool(self.ranks[0].get("sizes_used")) and self.timing.sizes is not None
+
+    @property
     def training(self) -> bool:
         return all(r["buffer_limits"] is not None for r in self.ranks.values())
 

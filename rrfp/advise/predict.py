@@ -6,9 +6,11 @@ and, where the activations were metered, ``busiest`` and byte budgets) and a pol
 default at that limit, or one named). Every measured step is simulated under the fixed
 schedule of the run's hint (the baseline: what the job runs without RRFP) and under the
 setting, in step order, so the policies that learn from earlier steps learn as they would
-in the run. A setting's speedup is the median over steps of fixed / setting makespans; its
-step time, the run's measured step time scaled by what the simulator predicts for the
-setting against the run's own setting. Bytes: per rank the activation bytes the setting's
+in the run; where the steps recorded their microbatch sizes (``step(mb_sizes=...)``), a
+setting's policy is told them unless the setting says not (``Setting.use_sizes``), and the
+run's own setting's as its steps were. A setting's speedup is the median over steps of
+fixed / setting makespans; its step time, the run's measured step time scaled by what the
+simulator predicts for the setting against the run's own setting. Bytes: per rank the activation bytes the setting's
 limits allow at most (its worst mix of stages' microbatches), and the peak the simulated
 steps held, at the measured bytes per microbatch per stage.
 """
@@ -26,7 +28,9 @@ from rrfp.core.limits import (byte_budgets, fixed_peak_bytes, limits_within_byte
                               most_bytes_allowed, peak_bytes_held, resolve_buffer_limits)
 from rrfp.core.policy import policy_for
 from rrfp.core.settings import parse_buffer_limit
+from rrfp.core.sizes import StepSizes, tell_apart
 from rrfp.sim.engine import simulate, SimResult
+from rrfp.sim.selfdriving import SIZED_POLICIES
 
 MICROBATCH_LIMITS = ("hint", "hint+1", "hint+2", "2x hint")
 BUDGET_FACTORS = (1.25, 1.5)
@@ -43,6 +47,9 @@ class Setting:
     buffer_limit: str
     policy: str | None = None
     """None: ScheduleRRFP's default at the limit."""
+    use_sizes: bool = True
+    """Whether the policy is told each step's microbatch sizes, where the run's steps
+    recorded them (``step(mb_sizes=...)``; the self-driving mode may run without)."""
 
     def describe(self, run_hint: str) -> str:
         """The setting as ScheduleRRFP's arguments (the hint where it is not the run's)."""
@@ -50,6 +57,8 @@ class Setting:
         parts.append(f"buffer_limit={self.buffer_limit!r}")
         if self.policy is not None:
             parts.append(f"policy={self.policy!r}")
+        if not self.use_sizes:
+            parts.append("sizes not used")
         return ", ".join(parts)
 
 
@@ -157,9 +166,10 @@ def limits_of(setting: Setting, hint: Hint,
 
 def replay(run: MeasuredRun) -> Replay:
     """The measured steps at the run's own setting and in the fixed order."""
-    fixed = tuple(_simulate(run, run.hint, step, "fixed", None, None).makespan
+    fixed = tuple(_simulate(run, run.hint, step, "fixed", None, None, None).makespan
                   for step in range(len(run.steps)))
-    own = _simulated_steps(run, run.hint, run.policy, run.limits)
+    own = _simulated_steps(run, run.hint, run.policy, run.limits,
+                           [step.timing.sizes if step.sizes_used else None for step in run.steps])
     return Replay(fixed, tuple(r.makespan for r in own), tuple(own))
 
 
@@ -169,7 +179,7 @@ def predict(run: MeasuredRun, setting: Setting, baseline: Replay) -> Prediction:
     hint = _built(run.hint, setting.hint)
     limits = limits_of(setting, hint, run.bytes_per_microbatch)
     policy = policy_for(setting.policy, hint, limits)
-    results = _simulated_steps(run, hint, policy, limits)
+    results = _simulated_steps(run, hint, policy, limits, _told(run, setting))
     own_steps = run.own_steps
     scaled = [step.step_time * r.makespan / own for step, r, own
               in zip(run.steps, results, baseline.own) if step in own_steps]
@@ -193,7 +203,9 @@ def predict(run: MeasuredRun, setting: Setting, baseline: Replay) -> Prediction:
 def predictions(run: MeasuredRun, settings: Sequence[Setting] | None = None
                 ) -> tuple[Replay, list[Prediction]]:
     """Every setting ScheduleRRFP accepts for the run (default: ``candidates``), best
-    predicted speedup first; settings that run the same limits and policy are one row."""
+    predicted speedup first; settings that run the same limits and policy are one row (told
+    the sizes or not: one row where the policy does not read them or the steps have none
+    that tell microbatches apart)."""
     baseline = replay(run)
     rows, seen = [], set()
     for setting in candidates(run) if settings is None else settings:
@@ -203,7 +215,8 @@ def predictions(run: MeasuredRun, settings: Sequence[Setting] | None = None
         except ValueError:
             continue
         policy = policy_for(setting.policy, hint, limits)
-        key = (hint.name, _frozen(limits), policy)
+        told = policy in SIZED_POLICIES and any(tell_apart(s) for s in _told(run, setting))
+        key = (hint.name, _frozen(limits), policy, told)
         if key in seen:
             continue
         seen.add(key)
@@ -216,24 +229,30 @@ def _frozen(limits: MemoryLimits) -> tuple:
     return tuple(sorted(limits.per_stage.items())), tuple(sorted(limits.per_rank.items()))
 
 
-def _simulated_steps(run: MeasuredRun, hint: Hint, policy: str,
-                     limits: MemoryLimits) -> list[SimResult]:
+def _told(run: MeasuredRun, setting: Setting) -> list[StepSizes | None]:
+    """Per measured step, the sizes ``setting``'s policy is told."""
+    return [step.timing.sizes if setting.use_sizes else None for step in run.steps]
+
+
+def _simulated_steps(run: MeasuredRun, hint: Hint, policy: str, limits: MemoryLimits,
+                     sizes: Sequence[StepSizes | None]) -> list[SimResult]:
+    """The measured steps in order under ``policy``, each told its ``sizes``."""
     results: list[SimResult] = []
     histories = None
     for step in range(len(run.steps)):
-        result = _simulate(run, hint, step, policy, limits, histories)
+        result = _simulate(run, hint, step, policy, limits, histories, sizes[step])
         histories = result.histories
         results.append(result)
     return results
 
 
 def _simulate(run: MeasuredRun, hint: Hint, step: int, policy: str,
-              limits: MemoryLimits | None, histories) -> SimResult:
+              limits: MemoryLimits | None, histories, sizes: StepSizes | None) -> SimResult:
     """One measured step under ``policy`` (the fixed order at the fixed schedule's launch
-    depth)."""
+    depth), its policy told ``sizes`` (as ``ScheduleRRFP`` tells it)."""
     timing = run.steps[step].timing
     return simulate(hint, timing.duration, latency=timing.latency, policy=policy,
-                    limits=limits, histories=histories,
+                    limits=limits, histories=histories, sizes=sizes,
                     launch_depth=run.fixed_launch_depth if policy == "fixed" else run.launch_depth,
                     launch_cost=run.dispatch_cost)
 

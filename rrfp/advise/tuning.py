@@ -17,14 +17,19 @@ from collections.abc import Sequence
 
 from rrfp.advise.measured import MeasuredRun
 from rrfp.advise.predict import NAMED_POLICIES, predictions, Setting
+from rrfp.core.sizes import tell_apart
 from rrfp.core.tuning import Candidate, Predicted
 
 
 def predict_candidates(run: MeasuredRun, limits: Sequence[str]) -> list[Predicted]:
     """Each candidate at ``limits`` (the default policy and the advisor's named ones)
-    replayed on the run's steps; settings that run alike are predicted once."""
-    settings = {Candidate(limit, policy): Setting(run.hint.name, limit, policy)
-                for limit in limits for policy in (None, *NAMED_POLICIES)}
+    replayed on the run's steps; where the steps recorded sizes that tell microbatches
+    apart, each told the sizes and not (``Candidate.use_sizes``). Settings that run alike
+    (a policy that does not read the sizes, told them or not) are predicted once."""
+    sized = any(tell_apart(step.timing.sizes) for step in run.steps)
+    settings = {Candidate(limit, policy, use): Setting(run.hint.name, limit, policy, use)
+                for limit in limits for policy in (None, *NAMED_POLICIES)
+                for use in ((True, False) if sized else (True,))}
     _, rows = predictions(run, list(settings.values()))
     by_setting = {row.setting: row.speedup for row in rows}
     return [Predicted(candidate, by_setting[setting])

@@ -6,7 +6,9 @@ import json
 import math
 import os
 from collections.abc import Iterable
-from dataclasses import dataclass, field, fields
+from dataclasses import asdict, dataclass, field, fields
+
+from rrfp.core.sizes import MicrobatchSize
 
 
 @dataclass(frozen=True)
@@ -123,6 +125,13 @@ class StepStats:
     sizes (``step(mb_sizes=...)``, before this step's own durations were learnt) fell from
     the measured ones: the median of |predicted - measured| / measured. None: the step had
     no sizes that tell microbatches apart, or no fit yet (the first steps with sizes)."""
+    sizes: list[MicrobatchSize | None] | None = None
+    """The training step's microbatch sizes as ``step(mb_sizes=...)`` gave them, whether or
+    not its policy was told them (None: none given, or a forward-only step): what a replay
+    of the step gives the settings it predicts."""
+    sizes_used: bool = False
+    """Whether the step's policy was told ``sizes`` (a self-driving setting may run
+    without them)."""
     spans: list[Span] = field(default_factory=list)
     arrivals: list[tuple[int, int, int, float]] = field(default_factory=list)
     """(source stage, destination stage, microbatch, seconds after start) of each
@@ -173,11 +182,13 @@ class StepStats:
         """Every field but the timeline (spans, messages, the realized order), as JSON
         values: what ``python -m rrfp.advise`` reads off a trace besides the timeline.
         Maps keyed by stage are keyed by its number as a string; an unbounded launch
-        depth is None."""
+        depth is None; each size is its fields (``MicrobatchSize``) or None."""
         timeline = {"spans", "arrivals", "sends", "realized_order"}
         values = {f.name: getattr(self, f.name) for f in fields(self) if f.name not in timeline}
         if math.isinf(self.launch_depth):
             values["launch_depth"] = None
+        if self.sizes is not None:
+            values["sizes"] = [None if size is None else asdict(size) for size in self.sizes]
         return values
 
     def chrome_trace_events(self) -> list[dict]:

@@ -47,7 +47,7 @@ from rrfp.failure.job import JobGroups, JobWatch
 from rrfp.runtime.executor import LossFn, Reduction, StageExecutor, StepInputs
 from rrfp.runtime.limit_plan import LimitPlan
 from rrfp.runtime.meter import ActivationMeter
-from rrfp.runtime.self_driving import SelfDriving
+from rrfp.runtime.self_driving import SelfDriving, told_sizes
 from rrfp.runtime.step_stats import step_stats
 from rrfp.runtime.torch_interface import CustomFunctions
 
@@ -156,9 +156,10 @@ class PipelineRuntime:
                     for r in self.receives.arrived(collected)]
 
         hint = self.hint if training else self._forward_only
-        self._expect_sizes(sizes if training else None)
         tuned, self.limits = (self.self_driving.before_step(self.training_steps_run, self.limits)
                               if training and self.self_driving else (None, self.limits))
+        told = told_sizes(sizes if training else None, tuned)
+        self._expect_sizes(told)
         meter = self.metering.for_step(
             self.steps_run, self.activation_bytes_per_microbatch is not None,
             self.stages.values(),
@@ -178,11 +179,9 @@ class PipelineRuntime:
                                         self.stall_timeout)
                        if self.coordination.twin is not None else None)
         loop = StepLoop(
-            arbiter, self.device, executor,
-            arrivals=arrivals,
+            arbiter, self.device, executor, arrivals=arrivals,
             clock=clock, launch_depth=math.inf if fixed else self.launch_depth,
-            reorder_ahead=self.reorder_ahead,
-            stall_timeout=self.stall_timeout,
+            reorder_ahead=self.reorder_ahead, stall_timeout=self.stall_timeout,
             describe_rank=f"pipeline rank {self.rank} (global rank {dist.get_rank()})",
             describe_peer=lambda peer: f"global rank {self.transport.channels.global_ranks[peer]}",
             coordinator=coordinator, block=self.wait)
@@ -202,14 +201,15 @@ class PipelineRuntime:
                 activation_bytes_per_microbatch=self.activation_bytes_per_microbatch,
                 receive_buffer_bytes=self.receives.peak_bytes, step=self.steps_run,
                 size_prediction_error=prediction_error,
-                setting=self.self_driving.label if self.self_driving else None)
+                setting=self.self_driving.label if self.self_driving else None,
+                sizes=sizes if training else None, sizes_used=told is not None)
             self.steps_run += 1
             self.training_steps_run += training
         if tuned is not None:
             self.self_driving.after_step(self.training_steps_run - 1, self.last_step_stats)
         if training and not fixed:
             loop.teach(self.history)
-            if sizes is not None:
+            if told is not None:
                 self.fit_sharing.publish(self.history.models.own_fits())
         return executor.losses
 

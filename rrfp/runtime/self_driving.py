@@ -21,9 +21,12 @@ leaves in the store do not grow with the steps.
 Candidates are the microbatch limits from the hint's own up to the budget (``"hint+k"``;
 a byte budget or ``"busiest"``: the largest ``"hint+k"`` whose worst mix of microbatches,
 at the first step's measured bytes per microbatch, fits every rank's budget), each under
-the default policy and the advisor's named ones. A budget below what the fixed schedule
-itself holds raises one ``ValueError`` on every rank at the first block's end, before any
-setting but the hint's own ran.
+the default policy and the advisor's named ones; where the measured steps were given
+microbatch sizes that tell microbatches apart, a policy that reads sizes is a candidate
+told them and one not told them (``Candidate.use_sizes``: the steps of a setting without
+them do not tell the policy the sizes they are given). A budget below what the fixed
+schedule itself holds raises one ``ValueError`` on every rank at the first block's end,
+before any setting but the hint's own ran.
 """
 
 from __future__ import annotations
@@ -45,6 +48,7 @@ from rrfp.core.errors import PipelineStallError
 from rrfp.core.hints import Hint
 from rrfp.core.limits import fixed_peak_bytes, most_bytes_allowed, resolve_buffer_limits
 from rrfp.core.settings import BufferLimit
+from rrfp.core.sizes import StepSizes
 from rrfp.core.stats import StepStats
 from rrfp.core.text import counted
 from rrfp.core.tuning import (Candidate, Decision, FIXED_ORDER, Predicted, StepRun, Tuner,
@@ -63,8 +67,9 @@ TRACE = "tune/trace"
 class BlockPlan:
     """What the deciding rank tells every rank for one block of steps."""
 
-    runs: tuple[tuple[str, str | None, bool], ...]
-    """Per step: (buffer_limit, policy, an A/B fixed-order step)."""
+    runs: tuple[tuple[str, str | None, bool, bool], ...]
+    """Per step: (buffer_limit, policy, whether the policy is told the step's sizes, an A/B
+    fixed-order step)."""
     share: bool
     """The ranks of the deciding rank's pipeline share each step's trace."""
     decisions: tuple[str, ...] = ()
@@ -82,6 +87,12 @@ class BlockPlan:
         said = json.loads(text)
         return BlockPlan(tuple(tuple(run) for run in said["runs"]), said["share"],
                          tuple(said["decisions"]), said["error"], said["waiting"])
+
+
+def told_sizes(sizes: StepSizes | None, run: StepRun | None) -> StepSizes | None:
+    """The sizes a step's policy is told: those the step was given, unless the
+    self-driving setting it runs (``run``; None: no self-driving) runs without them."""
+    return sizes if run is None or run.setting.use_sizes else None
 
 
 def candidate_limits(budget: BufferLimit, hint: Hint,
@@ -162,7 +173,8 @@ class SelfDriving:
         self._plan: BlockPlan | None = None
         self._told = 1
         """Decisions told to the ranks so far (the first, measuring, goes unsaid)."""
-        self._limit_plans: dict[Candidate, LimitPlan] = {}
+        self._limit_plans: dict[tuple[str, str | None], LimitPlan] = {}
+        """Per (buffer_limit, policy): the limits a setting runs at."""
         self._setting_since = 0
         """The training step from which the setting of now ran."""
         self._traces: dict[int, list[dict]] = {}
@@ -196,14 +208,14 @@ class SelfDriving:
                 self.waiting = self._plan.waiting
                 logger.info("rrfp self-driving: %s", self.waiting)
         assert self._plan is not None
-        limit, policy, ab_fixed = self._plan.runs[step % block]
-        run = StepRun(Candidate(limit, policy), ab_fixed)
+        limit, policy, use_sizes, ab_fixed = self._plan.runs[step % block]
+        run = StepRun(Candidate(limit, policy, use_sizes), ab_fixed)
         if run.setting == FIXED_ORDER or ab_fixed:
             return run, limits
-        plan = self._limit_plans.get(run.setting)
+        plan = self._limit_plans.get((limit, policy))  # the same with sizes or without
         if plan is None:
             plan = LimitPlan(limit, self.hint, self.rank, policy)
-            self._limit_plans[run.setting] = plan
+            self._limit_plans[limit, policy] = plan
         if plan is not limits:
             self._setting_since = step
         return run, plan
@@ -249,8 +261,8 @@ class SelfDriving:
             self._predict()
         except ValueError as e:
             error = str(e)
-        runs = tuple((run.setting.buffer_limit, run.setting.policy, run.ab_fixed)
-                     for run in tuner.plan_block())
+        runs = tuple((run.setting.buffer_limit, run.setting.policy, run.setting.use_sizes,
+                      run.ab_fixed) for run in tuner.plan_block())
         told, self._told = self._told, len(tuner.decisions)
         waiting, self._waiting_note = self._waiting_note, None
         return BlockPlan(runs, tuner.measuring,

@@ -8,6 +8,7 @@ import torch.distributed as dist
 
 from rrfp.comm.coordination import Coordinator
 from rrfp.core.loop import Device, StepLoop
+from rrfp.core.sizes import StepSizes
 from rrfp.core.stats import Span, StepStats
 from rrfp.runtime.executor import StageExecutor
 from rrfp.runtime.limit_plan import LimitPlan
@@ -20,11 +21,14 @@ def step_stats(loop: StepLoop, executor: StageExecutor, coordinator: Coordinator
                activation_bytes_per_microbatch: dict[int, int] | None,
                receive_buffer_bytes: int, step: int,
                size_prediction_error: dict[int, float] | None = None,
-               setting: str | None = None) -> StepStats:
+               setting: str | None = None, sizes: StepSizes | None = None,
+               sizes_used: bool = False) -> StepStats:
     """``end``: the step's length in seconds; ``sent``: (messages, bytes) it sent;
     ``meter``: the byte meter if this step was metered; ``size_prediction_error``: per
     stage, how far the durations predicted from the sizes fell from the measured ones;
-    ``setting``: what the user set in place of ``buffer_limit`` (self-driving's budget)."""
+    ``setting``: what the user set in place of ``buffer_limit`` (self-driving's budget);
+    ``sizes``: the step's microbatch sizes as given, ``sizes_used``: whether its policy
+    was told them."""
     arbiter = loop.arbiter
     hint = arbiter.hint
     local = hint.stages_on(rank)
@@ -81,5 +85,7 @@ def step_stats(loop: StepLoop, executor: StageExecutor, coordinator: Coordinator
         n_microbatches=hint.n_microbatches,
         placement=hint.layout,
         size_prediction_error=size_prediction_error,
+        sizes=None if sizes is None else list(sizes),
+        sizes_used=sizes_used,
         spans=spans,
     )

@@ -9,6 +9,9 @@ ranks' ``last_step_stats``, or ``rrfp.merge_chrome_traces`` of per-rank files). 
 come from the compute spans; a fused backward (B) is split evenly into I and W. Latencies
 are arrival minus send time of each message, so the ranks' clocks must agree (one host,
 or synchronized hosts). Several occurrences of one action (several steps) are averaged.
+The microbatch sizes (``Timing.sizes``) are those the ranks' step metadata recorded
+(``StepStats.sizes``), where they all say the same; a trace without them (no sizes given,
+or steps of different sizes averaged) has none.
 
 ``--resample SxM`` scales measured timings to a larger pipeline: each of S stages and M
 microbatches draws its (F, I, W) durations jointly from one measured (stage, microbatch)
@@ -27,10 +30,26 @@ import statistics
 from collections import defaultdict
 from collections.abc import Sequence
 
+from rrfp.core.sizes import MicrobatchSize
+from rrfp.core.stats import STEP_METADATA
 from rrfp.sim.workloads import Timing
 
 
+def sizes_from_trace(trace: dict) -> tuple[MicrobatchSize | None, ...] | None:
+    """The microbatch sizes the trace's step metadata recorded, where every rank (and
+    step) that recorded any recorded the same ones; else None."""
+    said = {json.dumps(event["args"]["sizes"]) for event in trace["traceEvents"]
+            if event.get("ph") == "M" and event.get("name") == STEP_METADATA
+            and event.get("args", {}).get("sizes") is not None}
+    if len(said) != 1:
+        return None
+    return tuple(None if size is None else MicrobatchSize(**size)
+                 for size in json.loads(said.pop()))
+
+
 def timing_from_trace(trace: dict) -> Timing:
+    """The step's timings (see the module's docstring), its sizes included where the
+    trace recorded them."""
     spans: dict[tuple[str, int, int], list[float]] = defaultdict(list)
     sends: dict[tuple[int, int, int], list[float]] = defaultdict(list)
     recvs: dict[tuple[int, int, int], list[float]] = defaultdict(list)
@@ -66,7 +85,11 @@ def timing_from_trace(trace: dict) -> Timing:
             src, dst, m = key
             latency = max(0.0, statistics.mean(r - t for r, t in zip(sorted(recvs[key]), sorted(sent))))
             (activation if dst > src else gradient)[src][m] = latency
-    return Timing(forward, backward_input, backward_weight, activation, gradient)
+    sizes = sizes_from_trace(trace)
+    if sizes is not None and len(sizes) != n_microbatches:
+        raise ValueError(f"the trace records {len(sizes)} microbatch sizes for "
+                         f"{n_microbatches} microbatches: is it one job's?")
+    return Timing(forward, backward_input, backward_weight, activation, gradient, sizes)
 
 
 def resample(timings: Sequence[Timing], num_stages: int, n_microbatches: int,

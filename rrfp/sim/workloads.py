@@ -49,9 +49,10 @@ class Timing:
     """``activation_latency[s][mb]``: stage s -> s+1 (last row unused)."""
     gradient_latency: list[list[float]]
     """``gradient_latency[s][mb]``: stage s -> s-1 (first row unused)."""
-    sizes: tuple[MicrobatchSize, ...] | None = None
+    sizes: tuple[MicrobatchSize | None, ...] | None = None
     """Each microbatch's size, what a rank knows of it before it runs (None: the
-    microbatches are alike; ``SIZE_WORKLOADS`` have sizes)."""
+    microbatches are alike; ``SIZE_WORKLOADS`` have sizes; an entry None: that
+    microbatch's size is not known)."""
 
     @property
     def num_stages(self) -> int:
@@ -95,10 +96,11 @@ class Timing:
         sizes = data.get("sizes")
         try:
             timing = cls(**tables, sizes=None if sizes is None
-                         else tuple(MicrobatchSize(**size) for size in sizes))
+                         else tuple(None if size is None else MicrobatchSize(**size)
+                                    for size in sizes))
         except (TypeError, ValueError) as e:
             raise ValueError(f"{path}: sizes must be a list of {{tokens, attention, images}} "
-                             f"per microbatch: {e}") from None
+                             f"(or null) per microbatch: {e}") from None
         shapes = {k: (len(v), {len(r) for r in v}) for k, v in tables.items()}
         if len({sh[0] for sh in shapes.values()}) != 1 or any(len(sh[1]) != 1 for sh in shapes.values()) \
                 or len({next(iter(sh[1])) for sh in shapes.values()}) != 1:

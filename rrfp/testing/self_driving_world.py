@@ -16,7 +16,10 @@ import torch
 from rrfp.advise.cost import CPU_SHARE
 from rrfp.advise.measured import MeasuredRun
 from rrfp.advise.tuning import predict_candidates
+from rrfp import ScheduleRRFP
 from rrfp.core.settings import Settings
+from rrfp.core.sizes import MicrobatchSize
+from rrfp.core.stats import StepStats
 from rrfp.core.tuning import Candidate, Predicted
 from rrfp.runtime.meter import ActivationMeter, MeteredModule
 from rrfp.testing.byte_limits_world import ROWS, WIDENING, Widened, WIDTH
@@ -36,7 +39,18 @@ def predicts_no_gain(run: MeasuredRun, limits: Sequence[str]) -> list[Predicted]
     return [Predicted(Candidate(limit), 1.0) for limit in limits]
 
 
-PREDICTORS = {"advisor": predict_candidates, "no gain": predicts_no_gain}
+def predicts_without_sizes(run: MeasuredRun, limits: Sequence[str]) -> list[Predicted]:
+    """Where every measured step's trace carried its microbatch sizes: the critical policy
+    at the budget's top limit, not told the sizes, predicted fastest (forces a switch to a
+    setting without sizes); else no gain."""
+    if any(step.timing.sizes is None for step in run.steps):
+        return predicts_no_gain(run, limits)
+    return [Predicted(Candidate("hint"), 1.0),
+            Predicted(Candidate(limits[-1], "critical", use_sizes=False), 1.5)]
+
+
+PREDICTORS = {"advisor": predict_candidates, "no gain": predicts_no_gain,
+              "without sizes": predicts_without_sizes}
 
 
 class FamilyClock:
@@ -48,10 +62,18 @@ class FamilyClock:
         self.family, self.steps, self.seed, self.base_s = family, steps, seed, base_s
         self.step = 0
 
-    def seconds(self, stage: int, mb: int, kind: str) -> float:
+    def _draw(self, mb: int) -> tuple[bool, int]:
+        """The current step's microbatch ``mb``: a long sequence or not, and its images."""
         rng = random.Random(f"{self.seed}/{self.step}/{mb}")
-        long_sequence = rng.random() < 0.2
-        images = rng.randint(0, 8)
+        return rng.random() < 0.2, rng.randint(0, 8)
+
+    def sizes(self, n_microbatches: int) -> list[MicrobatchSize]:
+        """The current step's microbatch sizes, as a data loader knows them."""
+        return [MicrobatchSize(tokens=4 if long_sequence else 1, images=images)
+                for long_sequence, images in map(self._draw, range(n_microbatches))]
+
+    def seconds(self, stage: int, mb: int, kind: str) -> float:
+        long_sequence, images = self._draw(mb)
         if self.family == "static-loses":
             return self.base_s * ((1 + images / 2) if stage == 0 else 1.0)
         if self.family == "uniform" or (self.family == "regime-change"
@@ -66,10 +88,25 @@ class FamilyClock:
                                   lambda mb: self.seconds(stage, mb, "B"))
 
 
+RECORDED = {"policy": "policy", "limits": "rank_buffer_limit",
+            "bytes": "peak_activation_bytes", "sizes": "sizes", "sizes_used": "sizes_used",
+            "size_error": "size_prediction_error"}
+"""Per key the world records each step under: the ``StepStats`` field it reads."""
+
+
+def _record(out: dict, stats: StepStats | None, meter: ActivationMeter | None) -> None:
+    """A step's stats where the schedule keeps them (RRFP's); else the meter's bytes."""
+    if stats is not None:
+        for key, name in RECORDED.items():
+            out[key].append(getattr(stats, name))
+    elif meter is not None:
+        out["bytes"].append(meter.peak)
+
+
 def self_driving_world(rank: int, world_size: int, family: str, steps: int,
                        budget: str = "hint+2", seed: int = 0, base_s: float = 0.002,
-                       predictor: str | None = "advisor", cpu_share: float = CPU_SHARE
-                       ) -> dict:
+                       predictor: str | None = "advisor", cpu_share: float = CPU_SHARE,
+                       sizes: bool = False) -> dict:
     """1F1B on ``world_size`` ranks, one stage each, 4 microbatches per rank: torch's
     Schedule1F1B (metered), then ScheduleRRFP with ``tune_within=budget`` (metered every
     step), ``steps`` steps each; ``predictor``: one of ``PREDICTORS``, run at once in the
@@ -77,7 +114,9 @@ def self_driving_world(rank: int, world_size: int, family: str, steps: int,
     host's CPU: decisions come when it is done). Returns per schedule the step times, and for the
     self-driving one per step its policy, limits and peak bytes, whether its gradients
     are bitwise torch's in every step, the decisions it logged, and how many keys the
-    store held more after it."""
+    store held more after it; ``sizes``: its steps are given their microbatch sizes
+    (``FamilyClock.sizes``), and it returns per step the sizes its stats recorded, whether
+    its policy was told them, and its ``size_prediction_error``."""
     num_stages, M = world_size, 4 * world_size
     torch.manual_seed(0)
     chain = [Widened(WIDENING[s % len(WIDENING)]) for s in range(num_stages)]
@@ -96,7 +135,8 @@ def self_driving_world(rank: int, world_size: int, family: str, steps: int,
         stages, blocks = build_stages(chain, rank, world_size, "loop", wrap=wrap)
         schedule = make_schedule(stages)
         optimizer = torch.optim.SGD([p for b in blocks for p in b.parameters()], lr=0.1)
-        out: dict = {"grads": [], "times": [], "bytes": [], "policy": [], "limits": []}
+        out: dict = {"grads": [], "times": [], **{key: [] for key in RECORDED}}
+        sized = sizes and isinstance(schedule, ScheduleRRFP)  # torch's take none
         for step in range(steps):
             clock.step = step
             for stage in stages:
@@ -105,16 +145,11 @@ def self_driving_world(rank: int, world_size: int, family: str, steps: int,
                 meter.reset(p for b in blocks for p in b.parameters())
             optimizer.zero_grad(set_to_none=True)
             start = time.perf_counter()
-            schedule.step(*inputs, target=y, return_outputs=False)
+            given = {"mb_sizes": clock.sizes(M)} if sized else {}
+            schedule.step(*inputs, target=y, return_outputs=False, **given)
             out["times"].append(time.perf_counter() - start)
             out["grads"].append([p.grad.clone() for b in blocks for p in b.parameters()])
-            stats = getattr(schedule, "last_step_stats", None)
-            if stats is not None:
-                out["policy"].append(stats.policy)
-                out["limits"].append(stats.rank_buffer_limit)
-                out["bytes"].append(stats.peak_activation_bytes)
-            elif meter is not None:
-                out["bytes"].append(meter.peak)
+            _record(out, getattr(schedule, "last_step_stats", None), meter)
             optimizer.step()
         out["schedule"] = schedule
         return out
@@ -141,7 +176,8 @@ def self_driving_world(rank: int, world_size: int, family: str, steps: int,
         "keys_added": store.num_keys() - keys_before,
         "fixed_times": fixed["times"], "fixed_bytes": max(fixed["bytes"][1:]),
         "times": tuned["times"], "policy": tuned["policy"], "limits": tuned["limits"],
-        "bytes": tuned["bytes"], "decisions": decisions,
+        "bytes": tuned["bytes"], "decisions": decisions, "sizes": tuned["sizes"],
+        "sizes_used": tuned["sizes_used"], "size_error": tuned["size_error"],
         "bitwise": [all(torch.equal(a, b) for a, b in zip(ga, gb))
                     for ga, gb in zip(tuned["grads"], fixed["grads"])],
     }
