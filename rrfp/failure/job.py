@@ -26,17 +26,18 @@ tensor/expert-parallel replicas (the default group's ranks).
   (``torchrun --max-restarts``) or builds new ones.
 * **The watch** (``JobWatch``): a thread per schedule blocks, on a store client of its
   own, in a wait for this rank's wake key (``rrfp.comm.board``: the rank whose failure the
-  job keeps sets every rank's): no polling, and no store operation while nothing happens.
-  The wait is not re-armed on a period: torch's store client logs a warning to the
+  job keeps sets every rank's): no polling, and the wait makes no store operation while
+  nothing happens. It is not re-armed on a period: torch's store client logs a warning to the
   process's standard error whenever a wait's timeout passes, so its timeout is the longest
   a ``TCPStore`` wait takes (``WATCH_WAIT_S``), and it ends when the key is set. When
   another rank failed it aborts this rank's job groups, which makes a collective blocked
   in them raise, and wakes the step loop; when the store's connection fails (its process
   gone: at once) it says so in one line naming the store, and does the same. A second
-  thread asks the store, every ``WATCH_PERIOD_S``, whether it still answers (one
-  ``check`` on a client of its own, which logs nothing): a store host that vanished
-  without closing its connections makes it fail once the connection gives up (the
-  unanswered request's retransmissions time out), and it says so as the watch does. ``close`` sets the rank's own wake key to end the wait.
+  thread writes, every ``WATCH_PERIOD_S``, one key on the rank's own client (a write gets
+  no answer, so it never holds the client up, and logs nothing): a store host that
+  vanished without closing its connections makes a write fail once the connection gives
+  up on the unacknowledged ones (TCP's retransmission timeout), and it says so as the
+  watch does. ``close`` sets the rank's own wake key to end the wait.
 * **Its settings** (``agree_on_settings``): every rank says the settings that must be the
   same everywhere (hint, limit, microbatches, ...) before any channel is built; the job's
   first rank compares them and says one verdict that every rank waits for: a few store
@@ -68,8 +69,10 @@ logger = logging.getLogger(__name__)
 ABORT_TIMEOUT_S = 10.0
 """How long aborting the job's groups may take before the rank goes on without them."""
 WATCH_PERIOD_S = 30.0
-"""How often the watch asks the store whether it still answers (one ``check``): a store
-host that vanished without closing its connections is found then."""
+"""How often the watch's probe writes its key (one store operation): a store host that
+vanished without closing its connections is found by a write."""
+PROBE = "watch-probe"
+"""The key (per global rank) the watch's probe writes in the job's store."""
 WATCH_WAIT_S = (2**31 - 1) / 1000
 """How long the watch's wait for its wake key lasts before it is re-armed: the longest a
 ``TCPStore`` wait takes (its client polls the connection for at most an ``int`` of
@@ -149,7 +152,7 @@ class JobWatch:
     docstring); when another rank failed it aborts ``groups``, wakes the step loop
     (``wakeup``) and calls ``told(rank, message)``, then ends; when the store is gone it
     aborts ``groups`` and wakes the step loop, whose next check raises. A second thread
-    asks the store every ``period`` seconds whether it still answers."""
+    writes a key every ``period`` seconds, which fails once the store's host is gone."""
 
     def __init__(self, board: FailureBoard, groups: JobGroups, wakeup: Wakeup,
                  told: Callable[[int, str], None], period: float = WATCH_PERIOD_S):
@@ -199,17 +202,15 @@ class JobWatch:
         self._wakeup.notify()
 
     def _probe(self) -> None:
-        """Every period, one ``check`` on a store client of its own (it logs nothing,
-        unlike a wait whose timeout passes; on the rank's client a check held up by a
-        store that no longer answers would hold up ``close``): a store host that vanished
-        without closing its connections makes it fail once the connection gives up."""
+        """Every period, one write on the rank's own store client: it gets no answer, so
+        it neither logs (as a wait whose timeout passes does) nor holds up the rank's
+        other operations or ``close``; once the connection gave up on a store host that
+        vanished without closing it, the write fails."""
         store = self._board.notice_store
-        if store is None or self._ended.is_set():
-            return
-        store = store.clone()
-        while not self._ended.wait(self._period):
+        key = f"{PROBE}/{self._board.me}"
+        while store is not None and not self._ended.wait(self._period):
             try:
-                store.check([FailureBoard.KEY])
+                store.set(key, "")
             except Exception as e:
                 self._store_gone(e)
                 return
