@@ -1,6 +1,7 @@
-"""The job's watch (``rrfp.failure.job.JobWatch``) on a real ``TCPStore``, in a process of
-its own so that its file descriptor 2 can be read: it prints nothing while it watches, also
-past its period (until a failure, which it says in one line); a failure still wakes it at once, and ``close`` ends it promptly."""
+"""The job's watch (``rrfp.failure.job.JobWatch``): on a real ``TCPStore``, in a process of
+its own so that its file descriptor 2 can be read, it prints nothing while it watches, also
+past its period (until a failure, which it says in one line); a failure still wakes it at
+once, and ``close`` ends it promptly. A failed write of its probe says the store is gone."""
 
 from __future__ import annotations
 
@@ -9,6 +10,12 @@ import os
 import subprocess
 import sys
 import textwrap
+
+import torch.distributed as dist
+
+from rrfp.comm.board import FailureBoard
+from rrfp.core.wakeup import Wakeup
+from rrfp.failure.job import JobGroups, JobWatch, PROBE
 
 WATCH = textwrap.dedent("""
     import datetime, json, sys, threading, time
@@ -69,3 +76,43 @@ def test_the_watch_prints_nothing_past_its_period_and_still_hears_a_failure_at_o
     assert result["alive"] == 0 and result["closed_in"] < 5 * period, result
     assert result["heard"] and result["heard_in"] < 5 * period, result
     assert result["failure"] == [0, "planted failure"], result
+
+
+class ProbeFails(dist.Store):
+    """A ``HashStore`` whose writes of the watch's probe key fail as a write on a
+    connection that gave up on its host does."""
+
+    def __init__(self):
+        super().__init__()
+        self.inner = dist.HashStore()
+
+    def set(self, key, value):
+        if key.startswith(PROBE):
+            raise dist.DistNetworkError("Connection timed out")
+        self.inner.set(key, value)
+
+    def clone(self):
+        return self.inner
+
+    def check(self, keys):
+        return self.inner.check(keys)
+
+    def get(self, key):
+        return self.inner.get(key)
+
+
+def test_a_failed_probe_write_says_the_store_is_gone_and_wakes_the_step_loop():
+    """The watch's probe writes its key every period on the rank's own client; when a write
+    fails, the board says the store is gone (one line naming it) and the step loop is
+    woken, a period or two after the watch started."""
+    store = ProbeFails()
+    board = FailureBoard(None, 0, job_store=store, job_ranks=(0, 1))
+    wakeup = Wakeup()
+    watch = JobWatch(board, JobGroups([]), wakeup, lambda r, m: None, period=0.2)
+    try:
+        assert wakeup.wait(30.0), "the step loop was not woken"
+        assert board.lost == ("the job's store at ProbeFails is gone (DistNetworkError: "
+                              "Connection timed out)"), board.lost
+    finally:
+        store.inner.set(board.wake_key, "closed")  # the wait's own client still answers
+        assert watch.close(30.0) == []
