@@ -71,7 +71,7 @@ PROCESSES = 8
 PP = 8
 """Ranks per pipeline."""
 IDLE_S = 35.0
-"""Long enough for each watch's wait to be re-armed once (``WATCH_PERIOD_S`` is 30 s)."""
+"""Long enough for each watch's probe to write its key once (``WATCH_PERIOD_S`` is 30 s)."""
 SIZED_STEPS = 5
 STEP_S = 1.0
 AGREE_CAP_S = 120.0

@@ -69,7 +69,7 @@ def steps_counted(rank: int, world_size: int, steps: int) -> dict:
 def test_a_ranks_store_operations_over_50_steps_do_not_grow_with_the_job():
     """The ranks of the first pipeline, in a job of that one pipeline and in a job of two:
     over 50 steps given sizes, each makes as many store operations, naming as many keys,
-    in both (the watch's re-arms aside): a write and a read of the pipeline's fits a
+    in both (the watch's probe aside): a write and a read of the pipeline's fits a
     step, nothing for the failure board."""
     small = run_local_world(2, steps_counted, STEPS, store="tcp", count_store_ops=True,
                             timeout=240)
@@ -77,7 +77,7 @@ def test_a_ranks_store_operations_over_50_steps_do_not_grow_with_the_job():
                             timeout=240)
     for rank in (0, 1):
         few, many = small[rank], large[rank]
-        # One wait per WATCH_PERIOD_S; before every peer has written its fits, a read
+        # One probe write per WATCH_PERIOD_S; before every peer has written its fits, a read
         # checks each first.
         slack = 3 + int(max(few["elapsed"], many["elapsed"]) // WATCH_PERIOD_S)
         assert few["calls"] <= 2 * STEPS + slack, (rank, few)

@@ -13,11 +13,11 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from rrfp.core.actions import _Action
 from rrfp.core.plan import held_through
 from rrfp.core.settings import BufferLimit, parse_buffer_limit
 
 if TYPE_CHECKING:
-    from rrfp.core.actions import _Action
     from rrfp.core.hints import Hint
     from rrfp.core.plan import RankPlan
 
@@ -137,6 +137,15 @@ def fixed_peak_bytes(hint: Hint, bytes_per_microbatch: Mapping[int, int]) -> dic
     return {rank: peak_bytes_held(plan, [node.action for node in plan.nodes],
                                   bytes_per_microbatch)
             for rank, plan in hint.plan.ranks.items()}
+
+
+def realized_peak_bytes(hint: Hint, rank: int, realized: Iterable[str],
+                        bytes_per_microbatch: Mapping[int, int]) -> int:
+    """The most activation bytes ``rank`` held at once in a step that ran ``realized``
+    (its actions as ``StepStats.realized_order`` writes them), at ``bytes_per_microbatch``:
+    counted as ``fixed_peak_bytes`` counts the hint's own order, so the two compare."""
+    return peak_bytes_held(hint.plan.ranks[rank], (_Action.from_str(a) for a in realized),
+                           bytes_per_microbatch)
 
 
 def peak_bytes_held(plan: RankPlan, order: Iterable[_Action],

@@ -26,11 +26,18 @@ tensor/expert-parallel replicas (the default group's ranks).
   (``torchrun --max-restarts``) or builds new ones.
 * **The watch** (``JobWatch``): a thread per schedule blocks, on a store client of its
   own, in a wait for this rank's wake key (``rrfp.comm.board``: the rank whose failure the
-  job keeps sets every rank's), re-armed every ``WATCH_PERIOD_S``: no polling, one store
-  operation per period while nothing happens. When another rank failed it aborts this
-  rank's job groups, which makes a collective blocked in them raise, and wakes the step
-  loop; when the store's connection fails it says so in one line naming the store, and
-  does the same. ``close`` sets the rank's own wake key to end the wait.
+  job keeps sets every rank's): no polling, and the wait makes no store operation while
+  nothing happens. It is not re-armed on a period: torch's store client logs a warning to the
+  process's standard error whenever a wait's timeout passes, so its timeout is the longest
+  a ``TCPStore`` wait takes (``WATCH_WAIT_S``), and it ends when the key is set. When
+  another rank failed it aborts this rank's job groups, which makes a collective blocked
+  in them raise, and wakes the step loop; when the store's connection fails (its process
+  gone: at once) it says so in one line naming the store, and does the same. A second
+  thread writes, every ``WATCH_PERIOD_S``, one key on the rank's own client (a write gets
+  no answer, so it never holds the client up, and logs nothing): a store host that
+  vanished without closing its connections makes a write fail once the connection gives
+  up on the unacknowledged ones (TCP's retransmission timeout), and it says so as the
+  watch does. ``close`` sets the rank's own wake key to end the wait.
 * **Its settings** (``agree_on_settings``): every rank says the settings that must be the
   same everywhere (hint, limit, microbatches, ...) before any channel is built; the job's
   first rank compares them and says one verdict that every rank waits for: a few store
@@ -62,9 +69,15 @@ logger = logging.getLogger(__name__)
 ABORT_TIMEOUT_S = 10.0
 """How long aborting the job's groups may take before the rank goes on without them."""
 WATCH_PERIOD_S = 30.0
-"""How long the watch's wait for its wake key lasts before it is re-armed: its one store
-operation while nothing happens (a store host that vanished without closing its
-connections is found at a re-arm)."""
+"""How often the watch's probe writes its key (one store operation): a store host that
+vanished without closing its connections is found by a write."""
+PROBE = "watch-probe"
+"""The key (per global rank) the watch's probe writes in the job's store."""
+WATCH_WAIT_S = (2**31 - 1) / 1000
+"""How long the watch's wait for its wake key lasts before it is re-armed: the longest a
+``TCPStore`` wait takes (its client polls the connection for at most an ``int`` of
+milliseconds). Only a wait whose timeout passes makes torch's store client log a warning;
+this one ends when its key is set (a failure, or ``close``) or its connection fails."""
 
 
 class JobGroups:
@@ -138,27 +151,32 @@ class JobWatch:
     """A thread that waits for this rank's wake key in the job's store (see the module
     docstring); when another rank failed it aborts ``groups``, wakes the step loop
     (``wakeup``) and calls ``told(rank, message)``, then ends; when the store is gone it
-    aborts ``groups`` and wakes the step loop, whose next check raises."""
+    aborts ``groups`` and wakes the step loop, whose next check raises. A second thread
+    writes a key every ``period`` seconds, which fails once the store's host is gone."""
 
     def __init__(self, board: FailureBoard, groups: JobGroups, wakeup: Wakeup,
                  told: Callable[[int, str], None], period: float = WATCH_PERIOD_S):
         self._board, self._groups, self._wakeup, self._told = board, groups, wakeup, told
         self._period = period
         self._stop = threading.Event()
+        self._ended = threading.Event()
+        """Set once the watch is over: closed, a failure heard, or the store gone."""
+        self._lock = threading.Lock()
         board.fed_by_watch()
         self.thread = threading.Thread(target=self._run, name="rrfp-job-watch", daemon=True)
+        self.prober = threading.Thread(target=self._probe, name="rrfp-job-watch-probe",
+                                       daemon=True)
         self.thread.start()
+        self.prober.start()
 
     def _run(self) -> None:
         try:
             failure = self._wait_for_failure()
         except Exception as e:
-            if not self._stop.is_set():
-                logger.error("rrfp: global rank %d stops: %s", self._board.me,
-                             self._board.lose(e))
-                self._groups.abort()
-                self._wakeup.notify()
+            self._store_gone(e)
             return
+        finally:
+            self._ended.set()
         if failure is None:
             return
         self._board.heard(failure)
@@ -171,6 +189,31 @@ class JobWatch:
             self._groups.abort()
             self._wakeup.notify()
             self._told(rank, message)
+
+    def _store_gone(self, error: BaseException) -> None:
+        """The wait's connection, or the probe, failed: unless the watch was closed, say
+        so once, abort the groups and wake the step loop."""
+        with self._lock:
+            if self._stop.is_set() or self._board.lost is not None:
+                return
+            line = self._board.lose(error)
+        logger.error("rrfp: global rank %d stops: %s", self._board.me, line)
+        self._groups.abort()
+        self._wakeup.notify()
+
+    def _probe(self) -> None:
+        """Every period, one write on the rank's own store client: it gets no answer, so
+        it neither logs (as a wait whose timeout passes does) nor holds up the rank's
+        other operations or ``close``; once the connection gave up on a store host that
+        vanished without closing it, the write fails."""
+        store = self._board.notice_store
+        key = f"{PROBE}/{self._board.me}"
+        while store is not None and not self._ended.wait(self._period):
+            try:
+                store.set(key, "")
+            except Exception as e:
+                self._store_gone(e)
+                return
 
     def _wait_for_failure(self) -> tuple[int, str] | None:
         """Block until this rank's wake key is set; the job's first failure then, or None
@@ -185,7 +228,7 @@ class JobWatch:
         wake, key = [self._board.wake_key], [FailureBoard.KEY]
         while not self._stop.is_set():
             try:
-                client.wait(wake, datetime.timedelta(seconds=self._period))
+                client.wait(wake, datetime.timedelta(seconds=WATCH_WAIT_S))
             except Exception as e:
                 if is_timeout(e):
                     continue
@@ -196,13 +239,16 @@ class JobWatch:
         return None
 
     def close(self, timeout: float) -> list[threading.Thread]:
-        """Stop the watch; return its thread if it is still running after ``timeout``."""
+        """Stop the watch; return its threads still running after ``timeout``."""
         self._stop.set()
+        self._ended.set()
         if self.thread.is_alive():
             self._board.wake_own_watch()
-        if self.thread is not threading.current_thread():
-            self.thread.join(timeout)
-        return [self.thread] if self.thread.is_alive() else []
+        threads = [self.thread, self.prober]
+        for thread in threads:
+            if thread is not threading.current_thread():
+                thread.join(timeout)
+        return [thread for thread in threads if thread.is_alive()]
 
 
 SETTINGS, VERDICT = "settings", "settings-verdict"

@@ -32,6 +32,7 @@ from torchtitan.components.loss import IGNORE_INDEX
 from rrfp.core.sizes import MicrobatchSize
 
 from torchtitan_ext.common.assets import arithmetic_corpus
+from torchtitan_ext.common.batch import batch_settings
 
 PATCHES_PER_IMAGE = 4
 MAX_PATCHES = 40
@@ -96,10 +97,15 @@ class DocumentDataset(IterableDataset, Stateful):
 
 def _dataloader(images: bool):
     def build(dp_world_size: int, dp_rank: int, tokenizer, job_config, infinite: bool = True):
-        text_len = job_config.training.seq_len - (MAX_PATCHES if images else 0)
+        batch = batch_settings(job_config.training, job_config.parallelism)
+        if batch.local_batch_size is None:
+            raise ValueError("rrfp's document dataloader builds batches of samples "
+                             "(training.local_batch_size); this config counts tokens "
+                             "(torchtitan main's training.num_tokens_per_microbatch_per_dp_rank)")
+        text_len = batch.context_length - (MAX_PATCHES if images else 0)
         dataset = DocumentDataset(tokenizer, text_len, dp_rank, dp_world_size, images, infinite)
         return ParallelAwareDataloader(dataset, dp_rank=dp_rank, dp_world_size=dp_world_size,
-                                       batch_size=job_config.training.local_batch_size)
+                                       batch_size=batch.local_batch_size)
     return build
 
 

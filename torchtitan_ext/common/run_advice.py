@@ -34,14 +34,14 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import rrfp
 from rrfp import ScheduleRRFP, StepStats
 from rrfp.advise import ab_speedups, child_environment, lower_priority
 from rrfp.advise.cost import available_cores, CPU_SHARE, prediction_cpu_seconds
 from rrfp.advise.report import MIN_STEPS, size, spread
-from rrfp.core.limits import fixed_peak_bytes
+from rrfp.core.limits import fixed_peak_bytes, realized_peak_bytes
 from torchtitan.tools.logging import logger
 
 FIRST_VERDICT_AFTER = MIN_STEPS
@@ -163,6 +163,9 @@ class StepRecord:
     """Per rank, the most microbatches of activations it held (counted every step)."""
     fixed_held: dict[str, int]
     """Per rank, what the hint's fixed order holds at its peak."""
+    held_bytes: dict[str, int] = field(default_factory=dict)
+    """Per rank, the most activation bytes the step's realized order held, at the bytes per
+    microbatch metered so far (empty before every stage's are)."""
 
 
 class RunAdvice:
@@ -208,6 +211,9 @@ class RunAdvice:
 
     def _add(self, step: int, gathered: list[StepStats]) -> dict[str, float]:
         fixed = gathered[0].policy == "fixed"
+        for s in gathered:
+            for stage, nbytes in (s.activation_bytes_per_microbatch or {}).items():
+                self.bytes_per_microbatch[stage] = nbytes
         self.records.append(StepRecord(
             step, fixed, max(s.step_time for s in gathered),
             {self.label(s): s.idle_fraction for s in gathered},
@@ -215,10 +221,7 @@ class RunAdvice:
             {self.label(s): s.dispatched for s in gathered},
             {self.label(s): s.peak_activation_bytes for s in gathered},
             {self.label(s): s.peak_rank_in_flight for s in gathered},
-            {self.label(s): s.hint_rank_peak for s in gathered}))
-        for s in gathered:
-            for stage, nbytes in (s.activation_bytes_per_microbatch or {}).items():
-                self.bytes_per_microbatch[stage] = nbytes
+            {self.label(s): s.hint_rank_peak for s in gathered}, self._held_bytes(gathered)))
         if self.advise:
             self.events.append([e for s in gathered for e in s.chrome_trace_events()])
             if len(self.records) == FIRST_VERDICT_AFTER + 1:
@@ -231,6 +234,16 @@ class RunAdvice:
                               f"from steps 2-{FIRST_VERDICT_AFTER + 1}")
             self.first_verdict = None
         return scalars
+
+    def _held_bytes(self, gathered: list[StepStats]) -> dict[str, int]:
+        """Per rank, the most activation bytes the step's realized order held at the bytes
+        per microbatch metered so far (empty before every stage's are)."""
+        hint = self.schedule.hint
+        if len(self.bytes_per_microbatch) != hint.num_stages:
+            return {}
+        return {self.label(s): realized_peak_bytes(hint, s.pp_rank, s.realized_order,
+                                                   self.bytes_per_microbatch)
+                for s in gathered}
 
     def _start_first_verdict(self, step: int) -> None:
         needs = prediction_cpu_seconds(sum(sum(r.actions.values()) for r in self.records))
@@ -346,19 +359,40 @@ class RunAdvice:
                 *(f"    {line}" for line in self.decisions)]
 
     def _peaks(self, labels: list[str]) -> str:
-        measured = {k: max((r.activation_bytes[k] for r in self.records
-                            if r.activation_bytes[k] is not None), default=None) for k in labels}
         hint = self.schedule.hint
         fixed = (fixed_peak_bytes(hint, self.bytes_per_microbatch)
                  if len(self.bytes_per_microbatch) == hint.num_stages else None)
-        if all(v is None for v in measured.values()):
-            return "not measured (rrfp.meter_activations off)"
-        return ", ".join(
-            f"{k} {'-' if measured[k] is None else size(measured[k])}"
-            + ("" if fixed is None else f" (fixed schedule {size(fixed[rank])})")
-            for rank, k in enumerate(labels)) + " (metered in step" + steps_named(
-            [r.step for r in self.records if any(v is not None for v in r.activation_bytes.values())]) \
-            + "; the fixed schedule's at the measured bytes per microbatch)"
+        return peaks_line(self.records, labels, fixed)
+
+
+def peaks_line(records: list[StepRecord], labels: list[str],
+               fixed: dict[int, int] | None) -> str:
+    """Per rank the most activation bytes held in any step (each step's realized order at
+    the metered bytes per microbatch), against the fixed schedule's (``fixed``, per pipeline
+    rank in ``labels``' order), naming the steps that held more; then what the meter
+    measured itself, naming the steps it metered."""
+    metered_steps = [r.step for r in records
+                     if any(v is not None for v in r.activation_bytes.values())]
+    if not metered_steps:
+        return "not measured (rrfp.meter_activations off)"
+    metered = {k: max((r.activation_bytes[k] for r in records
+                       if r.activation_bytes[k] is not None), default=None) for k in labels}
+    counted = [r for r in records if r.held_bytes]
+    parts = []
+    for rank, k in enumerate(labels):
+        if not counted or fixed is None:
+            parts.append(f"{k} -")
+            continue
+        more = [r.step for r in counted if r.held_bytes[k] > fixed[rank]]
+        parts.append(f"{k} {size(max(r.held_bytes[k] for r in counted))} (fixed schedule "
+                     f"{size(fixed[rank])}" + (f"; more in step{steps_named(more)})"
+                                               if more else ")"))
+    every = (" (in step" + steps_named([r.step for r in counted]) + ": the microbatches "
+             "each held, at the bytes per microbatch metered)"
+             if counted and fixed is not None else "")
+    return (", ".join(parts) + every + "; metered in step" + steps_named(metered_steps)
+            + ": " + ", ".join(f"{k} {'-' if metered[k] is None else size(metered[k])}"
+                               for k in labels))
 
 
 def steps_named(steps: list[int]) -> str:

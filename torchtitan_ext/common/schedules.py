@@ -32,6 +32,7 @@ from rrfp.core.checks import a_flag, check_settings as check_rrfp_settings, chos
 from rrfp.core.settings import parse_policy, Settings
 from rrfp.core.text import counted
 from rrfp.devices.platform import platform_for
+from torchtitan_ext.common.batch import batch_settings
 from torchtitan_ext.config import RRFPConfig
 
 PREFIX = "RRFP"
@@ -131,16 +132,7 @@ def rrfp_settings(job_config) -> RRFPConfig:
 
 
 def n_microbatches(job_config) -> int:
-    return microbatches_of(job_config.training.local_batch_size, job_config.parallelism)
-
-
-def microbatches_of(batch: int, parallelism) -> int:
-    microbatch = parallelism.pipeline_parallel_microbatch_size
-    if batch % microbatch != 0:
-        raise ValueError(
-            f"training.local_batch_size={batch} must be a multiple of "
-            f"parallelism.pipeline_parallel_microbatch_size={microbatch}")
-    return batch // microbatch
+    return batch_settings(job_config.training, job_config.parallelism).microbatches
 
 
 def stages_per_rank(job_config, n_layers: int) -> int:
@@ -191,7 +183,8 @@ def validate(job_config, n_layers: int) -> None:
         raise ValueError(f"hint {hint!r} runs one stage per rank, but "
                          f"pipeline_parallel_layers_per_stage gives {per_rank} per rank")
     layout = "v" if placement_schedule(hint) in _V_HINTS else "loop"
-    microbatches = n_microbatches(job_config)
+    batch = batch_settings(job_config.training, parallelism)
+    microbatches = batch.microbatches
     try:
         built = build_hint(hint, num_ranks=pp, num_stages=pp * per_rank,
                            n_microbatches=microbatches, layout=layout)
@@ -199,11 +192,7 @@ def validate(job_config, n_layers: int) -> None:
         if "microbatches" not in str(e):
             raise
         raise ValueError(
-            f"{e}; here microbatches = training.local_batch_size "
-            f"({job_config.training.local_batch_size}) / "
-            f"parallelism.pipeline_parallel_microbatch_size "
-            f"({parallelism.pipeline_parallel_microbatch_size}): raise the first or lower "
-            "the second") from None
+            f"{e}; here microbatches = {batch.source}: {batch.remedy}") from None
     if microbatches < built.num_stages:
         from torchtitan.tools.logging import logger
 

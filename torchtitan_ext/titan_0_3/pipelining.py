@@ -25,8 +25,9 @@ require((0, 3), "torchtitan_ext.titan_0_3.pipelining", CONFIG_FN_INSTEAD)
 from torchtitan.tools.logging import logger  # noqa: E402
 
 from torchtitan_ext.config import RRFPConfig  # noqa: E402
+from torchtitan_ext.common.batch import batch_settings  # noqa: E402
 from torchtitan_ext.common.schedules import (  # noqa: E402
-    build_schedule, hint_of, microbatches_of, placement_schedule)
+    build_schedule, hint_of, placement_schedule)
 
 
 TORCHTITAN_SCHEDULE_LINE = "Using pipeline schedule "
@@ -75,7 +76,7 @@ def rrfp_pipelining(model, *, parallelism, training, loss_fn, model_pipelining: 
         return loss
 
     schedule = build_schedule(name, settings, torch_schedule_stages(torch_schedule),
-                              microbatches_of(training.local_batch_size, parallelism),
+                              batch_settings(training, parallelism).microbatches,
                               scalar_loss)
     return schedule, model_parts, has_first, has_last
 
