@@ -214,7 +214,7 @@ class CriticalPath:
     its next forward: ``rrfp.core.graph``), costed per kind (F, B, I, W) by this rank's device
     durations in earlier steps, taken to be alike on every stage (a rank measures only its
     own); where the step's microbatch sizes are known (``History.expect_sizes``), each
-    action's kind cost is scaled halfway (``SIZE_WEIGHT``) towards what its size predicts
+    action's kind cost is scaled part of the way (``SIZE_WEIGHT``) towards what its size predicts
     over its stage's mean (``rrfp.core.sizes``; the fits of other ranks' stages shared with
     this one). So a forward runs ahead only while the memory it takes will
     not hold up a backward chain that is longer. Ties go to the input that arrived first,
@@ -306,12 +306,13 @@ def _measured_costs(history: History | None,
     return tuple(sorted((kind, round(cost * 4) / 4) for kind, cost in costs.items()))
 
 
-SIZE_WEIGHT = 0.5
+SIZE_WEIGHT = 0.25
 """How far ``critical`` moves an action's cost from its kind's cost towards what its
-microbatch's size predicts. Halfway keeps what the sizes buy on the size-driven workloads
-and loses nothing where link latencies vary, which the chains leave out: there, costed
-fully by the predictions, the default fell below itself not told the sizes
-(simulated: benchmarks/results/optimum_100-119_*_sizes-known.md)."""
+microbatch's size predicts (relative to its stage's mean). The chains leave out link
+latency and the fits' errors; where latency varies, costing actions further towards the
+predictions made the default slower told the sizes than not told them, and a quarter of
+the way kept what the sizes buy where they drive the durations
+(benchmarks/results/sizes_default.md)."""
 
 
 def _size_scaled_costs(history: History | None, hint: Hint,
