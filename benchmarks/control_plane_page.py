@@ -34,6 +34,7 @@ def summarize(run: dict) -> dict:
     ranks = [rank for worker in run["workers"] for rank in worker["ranks"]]
     started, count = run["started"], run["ranks"]
     agreed = [rank["agreed_at"] for rank in ranks if rank["agreed_at"] is not None]
+    armed = [rank["armed_at"] for rank in ranks if rank.get("armed_at") is not None]
     errors = sorted({rank["error"] for rank in ranks if rank["error"]})
     idle = _rates(run["workers"], "idle", "sized")
     sized = _differences(run["workers"], "sized", "fail")
@@ -44,6 +45,7 @@ def summarize(run: dict) -> dict:
     return {
         "ranks": count, "errors": errors,
         "agree_s": max(agreed) - started["agree"] if len(agreed) == count else None,
+        "armed_s": max(armed) - started["agree"] if len(armed) == count else None,
         "agree_calls": mean(rank["agree_ops"][0] for rank in ranks),
         "agree_calls_max": max(rank["agree_ops"][0] for rank in ranks),
         "agree_keys": mean(rank["agree_ops"][1] for rank in ranks),
@@ -90,15 +92,16 @@ def _fmt(value, digits: int = 2) -> str:
 
 def _table(label: str, rows: list[dict]) -> list[str]:
     lines = [f"**{label}**", "",
-             "| K | idle ops/s per rank | idle ops/s total | start (s) | start ops per rank "
-             "(mean / max) | keys named at start per rank (mean / max) | ops per sized step "
+             "| K | idle ops/s per rank | idle ops/s total | start (s) | watches armed (s) | "
+             "start ops per rank (mean / max) | keys named at start per rank (mean / max) | ops per sized step "
              "per rank | keys per sized step per rank | failure reach first / last (s) | "
              "ranks raised | hang report (s) |",
-             "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+             "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for row in rows:
         lines.append(
             f"| {row['ranks']} | {_fmt(row['idle_per_rank'], 3)} | {_fmt(row['idle_total'], 1)} "
-            f"| {_fmt(row['agree_s'])} | {_fmt(row['agree_calls'], 1)} / "
+            f"| {_fmt(row['agree_s'])} | {_fmt(row['armed_s'])} "
+            f"| {_fmt(row['agree_calls'], 1)} / "
             f"{row['agree_calls_max']} | {_fmt(row['agree_keys'], 1)} / {row['agree_keys_max']} "
             f"| {_fmt(row['step_calls'], 1)} | {_fmt(row['step_keys'], 1)} "
             f"| {_fmt(row['reach_first'])} / {_fmt(row['reach_last'])} "
