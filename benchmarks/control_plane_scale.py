@@ -5,7 +5,9 @@ Each simulated rank is a thread with its own store client (counted: a ``Counting
 and its own failure board, settings agreement (``agree_on_settings``), job watch
 (``JobWatch``: its own thread), duration-fit sharing (``FitSharing``) and hang report
 (``HangReport``), in pipelines of ``PP`` ranks; the ranks are spread over ``PROCESSES``
-processes; the store is served by a process of its own (``ServedStore``). For each K it
+processes, more where a process would hold over ``RANKS_PER_PROCESS`` (past that, a
+process's threads queue for the interpreter's lock after every blocking call they return
+from at once, such as all its watches connecting as the agreement ends); the store is served by a process of its own (``ServedStore``). For each K it
 measures, in phases the driver starts through the store:
 
 * **start**: every rank agrees on the job's settings, then makes its job watch, which
@@ -71,6 +73,7 @@ except ImportError:  # the code before: one flat package
 RESULTS = Path(__file__).resolve().parent / "results"
 RANKS = (64, 256, 1024, 4096)
 PROCESSES = 8
+RANKS_PER_PROCESS = 128
 PP = 8
 """Ranks per pipeline."""
 IDLE_S = 35.0
@@ -278,7 +281,8 @@ def measure(ranks: int, processes: int, idle_s: float = IDLE_S) -> dict:
             for first in range(0, ranks, share)]
         started = _drive(driver, ranks, idle_s)
         outputs = [json.loads(w.communicate(timeout=300)[0].splitlines()[-1]) for w in workers]
-    return {"ranks": ranks, "failing": failing, "started": started, "workers": outputs}
+    return {"ranks": ranks, "processes": len(workers), "failing": failing, "started": started,
+            "workers": outputs}
 
 
 def probe(seconds: float = PROBE_S, processes: int = 4, threads: int = 4) -> float:
@@ -335,7 +339,7 @@ def main() -> None:
     print(f"store capacity: {capacity:.0f} check/s", flush=True)
     runs = []
     for ranks in args.ranks:
-        run = measure(ranks, args.processes, args.idle)
+        run = measure(ranks, max(args.processes, -(-ranks // RANKS_PER_PROCESS)), args.idle)
         runs.append(run)
         print(f"K={ranks} done", flush=True)
         (args.results / f"control_plane_scale_{args.label}.json").write_text(json.dumps(
