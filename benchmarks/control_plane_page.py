@@ -187,13 +187,6 @@ def _extrapolation(capacity: float, after: dict, before: dict | None) -> list[st
         f"tells its state: about {failure_ops:,} key operations, {failure_ops / capacity:.1f} s "
         "of the store's time before the last rank has raised and told.",
     ]
-    if after.get("armed_s") is not None and after["agree_s"] is not None:
-        connecting = after["armed_s"] - after["agree_s"]
-        lines.append(
-            f"* arming: the {after['ranks']:,} watches connected within {connecting:.1f} s of "
-            f"the agreement's end ({after['ranks'] / connecting:,.0f} connections a second, "
-            f"with the workers' first name lookups); {n:,} at that rate: "
-            f"{n * connecting / after['ranks']:.1f} s, before the first step.")
     if before is not None and before["idle_per_rank"] is not None:
         demand = before["idle_per_rank"] * n
         lines.append(f"* before: {before['idle_per_rank']:.2f} ops/s per rank measured at "
