@@ -10,23 +10,56 @@ from statistics import mean
 
 EXTRAPOLATE_TO = 16384
 COMMAND = "python -m benchmarks.control_plane_scale --label after --ranks 64 256 1024"
+BEFORE_COMMAND = ("python -m benchmarks.control_plane_scale --label before --ranks 64 256 1024 "
+                  "--results <this checkout>/benchmarks/results")
 NOTES = [
     "What the figures are: *idle* counts every store call a rank made over the idle phase "
     "(35 s), divided by its length; the watch's wait is one call (a wait that times out "
     "costs the server a second message, its cancel). *ops per sized step* include the first "
     "step's checks of each pipeline peer's fits (later steps: a write and a read). The "
     "before code's step loop read the store every 0.1 s while waiting; the simulated loop "
-    "looks once a second, so its before figures are a lower bound.",
+    "looks once a second, so its before figures are a lower bound. *watches armed*: from "
+    "the go to the last rank's watch connected (each rank makes its watch once it has "
+    "agreed, as the runtime does before its first step; the code before had no watch "
+    "connection).",
     "",
-    "This host has no name server: torch's store client looks up the store's address when "
-    "it connects, and each lookup that goes to the resolver waits out its timeout (the "
-    "benchmark sets it to 1 s). Connections made at once (the watches' second connections, "
-    "all made when the idle phase starts) then take seconds to minutes to set up; a rank "
-    "whose watch is not yet waiting learns of a failure only once it is (the slow last "
-    "rank of the failure reach where K is large, and a steady-state rate below one wait per "
-    "rank). The after run at K = 1024 also shared the 2 cores with this change's failure "
-    "tests. K = 4096 was not run in the time this "
-    "change had: the 16k figures below come from the measured cost per operation."]
+    "The store is served on an IPv4 socket of its own (`rrfp.testing.store_ops.SERVE`). An "
+    "earlier after run had it on the IPv6 socket torch opens by itself, and its last rank at "
+    "K = 1024 raised 55 s after the failure. That was the harness: torch's server looks up "
+    "the name of each client that connects, on its one thread; a client of an IPv6 socket "
+    "is `::ffff:127.0.0.1`, which this host's hosts file does not name, so each lookup asks "
+    "the name server, which drops queries sent at once; each dropped one held every "
+    "connection behind it for the resolver's timeout (5 s, retried). The watches, then made "
+    "all at once as the idle phase began, took up to minutes to connect, and a rank whose "
+    "watch was not yet waiting learned of the failure only once it was. By hand: 512 "
+    "clients connecting at once from 4 processes took up to 50 s on the IPv6 socket, 1.0 s "
+    "on the IPv4 one. What the runtime changed with it: a watch connects when it is made, "
+    "so a rank is armed before its first step. The clients' own lookups (torch's client "
+    "looks up the store's address as it connects, until a lookup fails in the process) "
+    "cost a worker one resolver timeout (1 s, `RES_OPTIONS`) the first time: most of the "
+    "arming time at small K.",
+    "",
+    "The before figures are those measured before this change (the store on torch's IPv6 "
+    "socket, which the code before connected to once per rank, before the go). The code "
+    "before was not run at K = 4096: its settings agreement has every rank read every rank's "
+    "settings, 16.8 million key reads, minutes of this store's capacity and beyond the "
+    "benchmark's cap on a start (`AGREE_CAP_S`).",
+    "",
+    "The after run shared the host's 2 cores with other work (load averages from 9 to "
+    "hundreds): its store capacity is below the quiet host's (78,248 `check`/s before), "
+    "and the 16k figures below take the lower one. An earlier run of the same code at "
+    "K = 1024 (commit d983eb1) had its last rank raise 0.47 s after the failure and its "
+    "hang report in 0.42 s; this one, 14.6 s and 14.4 s: the spread is the host's load.",
+    "",
+    "K = 4096 did not complete here. With 8 worker processes (512 ranks each) the agreement "
+    "ended within 2.5 s on nearly every rank, but the watches, made as it ended, took 2 to "
+    "7 minutes to connect: a process's 512 threads, each back from its connection at once, "
+    "queued for the interpreter's lock (gdb: about 400 of them in `take_gil`), while 4096 "
+    "raw connections at once from 8 processes took at most 1.3 s; the driver's phases then "
+    "reached the workers minutes late and the failing rank never published. With 32 "
+    "processes (128 ranks each) the run passed its 40-minute limit on this shared host, the "
+    "store's process gone before the end. The 16k figures below therefore come from K = "
+    "1024."]
 
 
 def summarize(run: dict) -> dict:
@@ -34,6 +67,7 @@ def summarize(run: dict) -> dict:
     ranks = [rank for worker in run["workers"] for rank in worker["ranks"]]
     started, count = run["started"], run["ranks"]
     agreed = [rank["agreed_at"] for rank in ranks if rank["agreed_at"] is not None]
+    armed = [rank["armed_at"] for rank in ranks if rank.get("armed_at") is not None]
     errors = sorted({rank["error"] for rank in ranks if rank["error"]})
     idle = _rates(run["workers"], "idle", "sized")
     sized = _differences(run["workers"], "sized", "fail")
@@ -44,6 +78,7 @@ def summarize(run: dict) -> dict:
     return {
         "ranks": count, "errors": errors,
         "agree_s": max(agreed) - started["agree"] if len(agreed) == count else None,
+        "armed_s": max(armed) - started["agree"] if len(armed) == count else None,
         "agree_calls": mean(rank["agree_ops"][0] for rank in ranks),
         "agree_calls_max": max(rank["agree_ops"][0] for rank in ranks),
         "agree_keys": mean(rank["agree_ops"][1] for rank in ranks),
@@ -90,15 +125,16 @@ def _fmt(value, digits: int = 2) -> str:
 
 def _table(label: str, rows: list[dict]) -> list[str]:
     lines = [f"**{label}**", "",
-             "| K | idle ops/s per rank | idle ops/s total | start (s) | start ops per rank "
-             "(mean / max) | keys named at start per rank (mean / max) | ops per sized step "
+             "| K | idle ops/s per rank | idle ops/s total | start (s) | watches armed (s) | "
+             "start ops per rank (mean / max) | keys named at start per rank (mean / max) | ops per sized step "
              "per rank | keys per sized step per rank | failure reach first / last (s) | "
              "ranks raised | hang report (s) |",
-             "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+             "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for row in rows:
         lines.append(
             f"| {row['ranks']} | {_fmt(row['idle_per_rank'], 3)} | {_fmt(row['idle_total'], 1)} "
-            f"| {_fmt(row['agree_s'])} | {_fmt(row['agree_calls'], 1)} / "
+            f"| {_fmt(row['agree_s'])} | {_fmt(row['armed_s'])} "
+            f"| {_fmt(row['agree_calls'], 1)} / "
             f"{row['agree_calls_max']} | {_fmt(row['agree_keys'], 1)} / {row['agree_keys_max']} "
             f"| {_fmt(row['step_calls'], 1)} | {_fmt(row['step_keys'], 1)} "
             f"| {_fmt(row['reach_first'])} / {_fmt(row['reach_last'])} "
@@ -141,7 +177,7 @@ def _extrapolation(capacity: float, after: dict, before: dict | None) -> list[st
     lines = [
         f"The store served {capacity:,.0f} `check` operations per second from 16 client "
         f"threads in 4 processes ({cost_us:.1f} us each). At {n:,} ranks, with the per-rank "
-        f"figures measured at K={after['ranks']} (the highest steady-state rate measured):", "",
+        f"figures measured at K={after['ranks']} (the largest K measured):", "",
         f"* steady state: {after['idle_per_rank']:.3f} ops/s per rank, {steady:,.0f} ops/s in "
         f"all: {100 * steady / capacity:.2f}% of the store's capacity;",
         f"* start: {after['agree_keys']:.1f} keys named per rank on average (the first rank "
@@ -177,21 +213,20 @@ def write_page(results: Path) -> None:
              "does):", "", "```", "# after (this checkout)", COMMAND,
              "# before: the same command in a checkout of the code before, with this file "
              "and rrfp/testing/store_ops.py copied in",
-             "python -m benchmarks.control_plane_scale --label before --results <this "
-             "checkout>/benchmarks/results",
+             BEFORE_COMMAND,
              "python -m benchmarks.control_plane_scale --page", "```", "",
              f"Commits: after {after['commit']}"
              + (f", before {loaded['before']['commit']}" if "before" in loaded else "")
-             + ". One TCPStore (torch 2.13, libuv server) in a process of its own; 8 worker "
-             "processes of simulated ranks on the same 2-core host.", "",
+             + ". One TCPStore (torch 2.13, libuv server) in a process of its own; worker "
+             "processes of simulated ranks on the same 2-core host (after: "
+             + ", ".join(f"{run.get('processes', 8)} at K = {run['ranks']}"
+                         for run in after["runs"]) + ").", "",
              "![the control plane against K](control_plane_scale.png)", ""]
     for label in ("before", "after"):
         if label in runs:
             lines += _table(label, runs[label])
     lines += NOTES + [""]
-    # The highest steady-state rate measured: where watches were still connecting during
-    # the idle phase, their first wait fell outside it.
-    biggest = max(runs["after"], key=lambda row: row["idle_per_rank"] or 0.0)
+    biggest = max(runs["after"], key=lambda row: row["ranks"])
     lines += ["## 16k ranks", ""] + _extrapolation(
         after["capacity"], biggest,
         max(runs["before"], key=lambda row: row["ranks"]) if "before" in runs else None)

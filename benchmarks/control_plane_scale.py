@@ -5,11 +5,15 @@ Each simulated rank is a thread with its own store client (counted: a ``Counting
 and its own failure board, settings agreement (``agree_on_settings``), job watch
 (``JobWatch``: its own thread), duration-fit sharing (``FitSharing``) and hang report
 (``HangReport``), in pipelines of ``PP`` ranks; the ranks are spread over ``PROCESSES``
-processes; the store is served by a process of its own (``ServedStore``). For each K it
+processes, more where a process would hold over ``RANKS_PER_PROCESS`` (past that, a
+process's threads queue for the interpreter's lock after every blocking call they return
+from at once, such as all its watches connecting as the agreement ends); the store is served by a process of its own (``ServedStore``). For each K it
 measures, in phases the driver starts through the store:
 
-* **start**: every rank agrees on the job's settings; the time from the go to the last
-  rank done, and the operations (calls, and keys named) each rank made;
+* **start**: every rank agrees on the job's settings, then makes its job watch, which
+  connects before it is made (as the runtime's, so that a rank is armed before its first
+  step); the time from the go to the last rank agreed and to the last rank armed, and the
+  operations (calls, and keys named) each rank made to agree;
 * **idle**: ``IDLE_S`` seconds of steady state between steps; each rank's step loop looks
   at its board once a second (the runtime does every ``FAILURE_POLL_S`` while it waits);
 * **sized steps**: ``SIZED_STEPS`` steps given sizes, a second apart: each rank writes its
@@ -22,7 +26,8 @@ It also measures the store's capacity (``check`` operations per second from 4 pr
 of 4 client threads, ``PROBE_S`` seconds), from which the page extrapolates to 16k ranks.
 
 ``python -m benchmarks.control_plane_scale --label after`` measures the code of this
-checkout and writes ``results/control_plane_scale_after.json``; the same command in a
+checkout and writes ``results/control_plane_scale_after.json`` (the store served on IPv4:
+``rrfp.testing.store_ops.SERVE`` says why); the same command in a
 checkout of the code before (where this file and ``rrfp/testing/store_ops.py`` are copied
 in) with ``--label before`` writes the before figures; ``--page`` writes
 ``results/control_plane_scale.md`` and its plot from both. The code before read the rank
@@ -68,6 +73,7 @@ except ImportError:  # the code before: one flat package
 RESULTS = Path(__file__).resolve().parent / "results"
 RANKS = (64, 256, 1024, 4096)
 PROCESSES = 8
+RANKS_PER_PROCESS = 128
 PP = 8
 """Ranks per pipeline."""
 IDLE_S = 35.0
@@ -126,6 +132,7 @@ class SimulatedRank:
     folder: str
     agree_ops: tuple[int, int] = (0, 0)
     agreed_at: float | None = None
+    armed_at: float | None = None
     raised_at: float | None = None
     published_at: float | None = None
     report_s: float | None = None
@@ -163,11 +170,11 @@ class SimulatedRank:
             self.agreed_at = time.time()
             after = self.store.ops.snapshot()
             self.agree_ops = (after[0] - before[0], after[1] - before[1])
-            control.add("agreed", 1)
-            # The watches start once every rank has agreed, as the runtime starts its watch
-            # after the agreement (here apart from it, so their connections do not slow it).
-            phase.wait_past("agree")
+            # As the runtime makes its watch: once the settings are agreed, before a step.
             self.watch = JobWatch(self.board, JobGroups([]), self.wakeup, lambda r, m: None)
+            self.armed_at = time.time()
+            control.add("agreed", 1)
+            phase.wait_past("agree")
             self._steps(phase, control)
         except (PipelineStallError, RuntimeError) as e:
             self.error = f"{type(e).__name__}: {str(e).splitlines()[0]}"
@@ -263,9 +270,9 @@ def measure(ranks: int, processes: int, idle_s: float = IDLE_S) -> dict:
     share = -(-ranks // processes)
     with ServedStore() as served:
         driver = _client(served.port)
-        # This host has no name server: each reverse lookup torch's client makes of the
-        # store's address waits out the resolver's timeout (5 s by default, stalling a
-        # connection); one second bounds it.
+        # torch's client looks up the name of the store's address (``::ffff:127.0.0.1``)
+        # as it connects, until a lookup fails in the process; this sandbox's name server
+        # drops queries sent at once, and one second bounds the wait for each.
         env = dict(os.environ, RES_OPTIONS="timeout:1 attempts:1")
         workers = [subprocess.Popen(
             [sys.executable, "-m", "benchmarks.control_plane_scale", "--worker",
@@ -274,7 +281,8 @@ def measure(ranks: int, processes: int, idle_s: float = IDLE_S) -> dict:
             for first in range(0, ranks, share)]
         started = _drive(driver, ranks, idle_s)
         outputs = [json.loads(w.communicate(timeout=300)[0].splitlines()[-1]) for w in workers]
-    return {"ranks": ranks, "failing": failing, "started": started, "workers": outputs}
+    return {"ranks": ranks, "processes": len(workers), "failing": failing, "started": started,
+            "workers": outputs}
 
 
 def probe(seconds: float = PROBE_S, processes: int = 4, threads: int = 4) -> float:
@@ -331,7 +339,7 @@ def main() -> None:
     print(f"store capacity: {capacity:.0f} check/s", flush=True)
     runs = []
     for ranks in args.ranks:
-        run = measure(ranks, args.processes, args.idle)
+        run = measure(ranks, max(args.processes, -(-ranks // RANKS_PER_PROCESS)), args.idle)
         runs.append(run)
         print(f"K={ranks} done", flush=True)
         (args.results / f"control_plane_scale_{args.label}.json").write_text(json.dumps(

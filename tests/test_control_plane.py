@@ -15,9 +15,10 @@ import torch
 import torch.distributed as dist
 from torch.distributed.pipelining import PipelineStage
 
-from rrfp import ScheduleRRFP, Settings, StoreLostError
-from rrfp.comm.board import JobScope
-from rrfp.failure.job import agree_on_settings, WATCH_PERIOD_S
+from rrfp import PeerFailedError, ScheduleRRFP, Settings, StoreLostError
+from rrfp.comm.board import FailureBoard, JobScope
+from rrfp.core.wakeup import Wakeup
+from rrfp.failure.job import agree_on_settings, JobGroups, JobWatch, WATCH_PERIOD_S
 from rrfp.testing.chains import loss_fn, make_batch, make_chain, run_steps
 from rrfp.testing.emulation import EmulatedDeviceTime
 from rrfp.testing.probes import rrfp_threads
@@ -165,3 +166,47 @@ def test_a_killed_store_host_stops_every_rank_within_the_stall_timeout_naming_th
                "gone" in error, (rank, error)
         assert result["raised_at"] - killed_at < stall, (rank, result)
         assert result["threads"] == [], (rank, result)
+
+
+class SlowToConnect(CountingStore):
+    """A counted client whose clones take ``CONNECT_S`` to connect, or fail (``refuse``)."""
+
+    CONNECT_S = 0.5
+
+    def __init__(self, inner: dist.Store, refuse: bool = False):
+        super().__init__(inner)
+        self.refuse = refuse
+        self.connected = 0
+
+    def clone(self) -> CountingStore:
+        time.sleep(self.CONNECT_S)
+        if self.refuse:
+            raise dist.DistNetworkError("Connection refused (planted)")
+        self.connected += 1
+        return super().clone()
+
+
+def test_a_watch_connects_before_it_is_made_so_its_rank_is_armed_before_a_step():
+    """A ``JobWatch`` has its own connection to the store when its constructor returns
+    (however long connecting takes), and hears another rank's failure through it; a watch
+    that could not connect makes the rank's next check raise ``StoreLostError`` naming
+    the store."""
+    with ServedStore() as served:
+        store = SlowToConnect(served.client())
+        board = FailureBoard(None, 1, job_store=store, job_ranks=range(2))
+        wakeup, told = Wakeup(), threading.Event()
+        watch = JobWatch(board, JobGroups([]), wakeup, lambda rank, message: told.set())
+        assert store.connected == 1, "the watch returned before its connection was made"
+        failing = FailureBoard(None, 0, job_store=served.client(), job_ranks=range(2))
+        failing.publish("planted failure")
+        assert told.wait(10.0), "the watch did not hear the failure"
+        with pytest.raises(PeerFailedError, match="global rank 0 of the job failed"):
+            board.check()
+        assert watch.close(10.0) == []
+        refused = SlowToConnect(served.client(), refuse=True)
+        lost = FailureBoard(None, 1, job_store=refused, job_ranks=range(2))
+        watch = JobWatch(lost, JobGroups([]), Wakeup(), lambda rank, message: None)
+        watch.thread.join(10.0)
+        with pytest.raises(StoreLostError, match=f"the job's store at {served.host}:"
+                                                 f"{served.port} is gone"):
+            lost.check()

@@ -25,7 +25,8 @@ tensor/expert-parallel replicas (the default group's ranks).
   pytorch#119797). Aborted groups cannot be used again: the job restarts
   (``torchrun --max-restarts``) or builds new ones.
 * **The watch** (``JobWatch``): a thread per schedule blocks, on a store client of its
-  own, in a wait for this rank's wake key (``rrfp.comm.board``: the rank whose failure the
+  own (connected when the watch is made, so a rank is armed before its first step), in
+  a wait for this rank's wake key (``rrfp.comm.board``: the rank whose failure the
   job keeps sets every rank's): no polling, and the wait makes no store operation while
   nothing happens. It is not re-armed on a period: torch's store client logs a warning to the
   process's standard error whenever a wait's timeout passes, so its timeout is the longest
@@ -148,11 +149,13 @@ def collective_groups(modules: Iterable[torch.nn.Module]) -> list[dist.ProcessGr
 
 
 class JobWatch:
-    """A thread that waits for this rank's wake key in the job's store (see the module
-    docstring); when another rank failed it aborts ``groups``, wakes the step loop
-    (``wakeup``) and calls ``told(rank, message)``, then ends; when the store is gone it
-    aborts ``groups`` and wakes the step loop, whose next check raises. A second thread
-    writes a key every ``period`` seconds, which fails once the store's host is gone."""
+    """A thread that waits for this rank's wake key in the job's store, on a connection
+    made before the constructor returns (see the module docstring); when another rank
+    failed it aborts ``groups``, wakes the step loop (``wakeup``) and calls
+    ``told(rank, message)``, then ends; when the store is gone (or could not be
+    connected) it aborts ``groups`` and wakes the step loop, whose next check raises. A
+    second thread writes a key every ``period`` seconds, which fails once the store's host
+    is gone."""
 
     def __init__(self, board: FailureBoard, groups: JobGroups, wakeup: Wakeup,
                  told: Callable[[int, str], None], period: float = WATCH_PERIOD_S):
@@ -162,6 +165,7 @@ class JobWatch:
         self._ended = threading.Event()
         """Set once the watch is over: closed, a failure heard, or the store gone."""
         self._lock = threading.Lock()
+        self._client, self._unreachable = self._connect(board.notice_store)
         board.fed_by_watch()
         self.thread = threading.Thread(target=self._run, name="rrfp-job-watch", daemon=True)
         self.prober = threading.Thread(target=self._probe, name="rrfp-job-watch-probe",
@@ -215,16 +219,28 @@ class JobWatch:
                 self._store_gone(e)
                 return
 
+    @staticmethod
+    def _connect(store: dist.Store | None) -> tuple[dist.Store | None, Exception | None]:
+        """The watch's own client of ``store`` (a store client runs one operation at a
+        time: a wait on the rank's own client would hold up every other operation of the
+        rank), or why it could not connect (the watch's thread reports it)."""
+        if store is None:
+            return None, None
+        try:
+            return store.clone(), None
+        except Exception as e:
+            return None, e
+
     def _wait_for_failure(self) -> tuple[int, str] | None:
         """Block until this rank's wake key is set; the job's first failure then, or None
         if the watch was closed (or the board has no store)."""
-        store = self._board.notice_store
-        if store is None:
+        if self._unreachable is not None:
+            raise self._unreachable
+        # The thread holds the watch's connection alone: it closes when the thread ends.
+        client, self._client = self._client, None
+        if client is None:
             self._stop.wait()
             return None
-        # A store client runs one operation at a time: a wait on the rank's own client
-        # would hold up every other operation of the rank.
-        client = store.clone()
         wake, key = [self._board.wake_key], [FailureBoard.KEY]
         while not self._stop.is_set():
             try:

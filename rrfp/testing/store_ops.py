@@ -5,7 +5,7 @@ the keys they name), shared with its clones: what the tests and
 ``benchmarks.control_plane_scale`` measure a control plane's traffic by. It is a
 ``dist.Store``, so torch's ``PrefixStore`` and ``init_process_group(store=...)`` take it.
 ``ServedStore`` runs a ``TCPStore`` server in a process of its own, which a test kills to
-take the store away from a job.
+take the store away from a job (``SERVE`` says why it listens on IPv4).
 """
 
 from __future__ import annotations
@@ -108,13 +108,23 @@ class CountingStore(dist.Store):
         return clone
 
 
-SERVE = ("import sys, time, datetime\n"
+SERVE = ("import datetime, socket, sys\n"
          "import torch.distributed as dist\n"
-         "store = dist.TCPStore('127.0.0.1', 0, is_master=True, wait_for_workers=False,\n"
-         "                      timeout=datetime.timedelta(seconds=600))\n"
+         "listening = socket.socket(socket.AF_INET, socket.SOCK_STREAM)\n"
+         "listening.bind(('127.0.0.1', 0))\n"
+         "port = listening.getsockname()[1]\n"
+         "store = dist.TCPStore('127.0.0.1', port, is_master=True, wait_for_workers=False,\n"
+         "                      timeout=datetime.timedelta(seconds=600),\n"
+         "                      master_listen_fd=listening.detach())\n"
          "print(store.port, flush=True)\n"
          "sys.stdin.read()\n")
-"""The server process: serves until its stdin closes (or it is killed)."""
+"""The server process: serves until its stdin closes (or it is killed), on an IPv4 socket
+of its own. torch's server listens on IPv6 (``::``) where it binds the socket itself, and
+looks up the name of each client that connects, on its one thread: a client's address is
+then ``::ffff:127.0.0.1``, which the hosts file does not name, so each lookup asks the
+name server, and where that drops queries sent at once (this sandbox's does) every
+connection waits out the resolver's timeout behind it. On an IPv4 socket a client is
+``127.0.0.1``, which the hosts file names."""
 
 
 class ServedStore:
