@@ -271,8 +271,10 @@ MUTATIONS = [
         ("tests/test_tuning.py::test_a_drift_in_the_step_times_measures_again_and_chooses_anew",)),
     Mutation(
         "self_driving_plan_ignored", "every rank runs the setting the deciding rank chose",
-        "rrfp/runtime/self_driving.py", "run = StepRun(Candidate(limit, policy), ab_fixed)",
-        "run = StepRun(Candidate(limit if self.deciding else \"hint\", policy), ab_fixed)",
+        "rrfp/runtime/self_driving.py",
+        "limit, policy, use_sizes, ab_fixed = self._plan.runs[step % block]",
+        "limit, policy, use_sizes, ab_fixed = self._plan.runs[step % block]\n"
+        "        limit = limit if self.deciding else \"hint\"",
         ("tests/test_self_driving.py::test_every_rank_switches_at_the_same_step_within_a_byte_"
          "budget_and_stays_bitwise",)),
     Mutation(
