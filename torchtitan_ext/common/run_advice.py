@@ -238,6 +238,8 @@ class RunAdvice:
     def _held_bytes(self, gathered: list[StepStats]) -> dict[str, int]:
         """Per rank, the most activation bytes the step's realized order held at the bytes
         per microbatch metered so far (empty before every stage's are)."""
+        if not self.bytes_per_microbatch:
+            return {}
         hint = self.schedule.hint
         if len(self.bytes_per_microbatch) != hint.num_stages:
             return {}
