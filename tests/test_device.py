@@ -112,6 +112,25 @@ def test_close_stops_the_device_thread_and_skips_queued_work():
     assert not device_thread.is_alive()
 
 
+def test_close_returns_a_device_thread_still_running_until_a_later_close_sees_it_end():
+    """A failed step lets go of the stages' state only once the device's thread, which may
+    read it, has ended: ``close`` must keep reporting that thread while it runs."""
+    device = EmulatedDevice()
+    device.begin_step(time.perf_counter(), Wakeup())
+    ran: list[int] = []
+    started, gate = threading.Event(), threading.Event()
+    device.launch(_Action(0, F, 0), lambda: (started.set(), gate.wait(30.0), ran.append(0)))
+    device.launch(_Action(0, F, 1), lambda: ran.append(1))
+    assert started.wait(5.0)
+    (running,) = device.close(0.05)
+    assert running.name == "rrfp-emulated-device" and running.is_alive()
+    assert device.close(0.05) == [running]
+    gate.set()
+    assert device.close(5.0) == []
+    assert ran == [0] and not running.is_alive()
+    assert device.close(5.0) == []
+
+
 def test_wakeup_wakes_a_waiter_and_host_device_completes_at_launch():
     wakeup = Wakeup()
     threading.Timer(0.05, wakeup.notify).start()

@@ -5,6 +5,7 @@ clean close lets the peer finish its step (each world has a hard timeout)."""
 from __future__ import annotations
 
 import copy
+import threading
 import time
 
 import pytest
@@ -13,6 +14,7 @@ import torch.distributed as dist
 
 from rrfp import PipelineStallError, ScheduleRRFP, Settings
 from rrfp._torch_compat import forward_states_held
+from rrfp.comm.channels import create_channels, make_channel_group
 from rrfp.testing.chains import (bitwise_equal, build_stages, local_stage_indices, loss_fn,
                                  make_batch, make_chain, run_steps, torch_schedule)
 from rrfp.testing.emulation import EmulatedDevice, EmulatedDeviceTime
@@ -77,19 +79,71 @@ def receive_buffers_bound(stages) -> int:
                for info in infos if not info.is_root_arg)
 
 
-def split_backward_failure(rank: int, world_size: int) -> dict:
+class HeldSends:
+    """A gloo channel group whose sends, once ``armed``, deliver their data but do not
+    complete until ``released`` is set: a send that gloo leaves pending (issued into a
+    connection its peer has just closed, it neither completes nor fails until the
+    channel's timeout), so a failed step's close finds its send thread still waiting."""
+
+    def __init__(self, group: dist.ProcessGroup, released: threading.Event):
+        self.group, self.released, self.armed = group, released, False
+
+    def send(self, tensors, peer: int, tag: int):
+        work = self.group.send(tensors, peer, tag)
+        return HeldWork(work, self.released) if self.armed else work
+
+    def __getattr__(self, name: str):
+        return getattr(self.group, name)
+
+
+class HeldWork:
+    def __init__(self, work, released: threading.Event):
+        self.work, self.released = work, released
+
+    def is_completed(self) -> bool:
+        return self.work.is_completed() and self.released.is_set()
+
+    def wait(self, timeout=None) -> bool:
+        self.work.wait()
+        self.released.wait()
+        return True
+
+
+def channels_with_held_sends(released: threading.Event):
+    """A study's channel maker (``Study(channels=...)``): rrfp's gloo channels, each
+    group a ``HeldSends`` armed once the channels are connected."""
+    groups: list[HeldSends] = []
+
+    def make_group(*args, **kwargs):
+        groups.append(HeldSends(make_channel_group(*args, **kwargs), released))
+        return groups[-1]
+
+    def make(hint, group, device, backend, **options):
+        channels = create_channels(hint, group, device, backend, group_factory=make_group,
+                                   **options)
+        for held in groups:
+            held.armed = True
+        return channels
+
+    return make
+
+
+def split_backward_failure(rank: int, world_size: int, sends_held: bool) -> dict:
     """ZBVZeroBubble (backward split into I and W) over the emulated device; the loss of
     the third microbatch raises on the rank that holds the last stage. What each rank's
-    stages still hold for unfinished microbatches once the step has failed."""
+    stages still hold for unfinished microbatches once the step has failed
+    (``sends_held``: every send stays pending until then, ``HeldSends``)."""
     M = 4
     chain = make_chain(2 * world_size)
     x, y = make_batch(M)
     failing_loss = FailingLoss(fail_at_call=3)
     stages, blocks = build_stages(chain, rank, world_size, "v")
     failing_loss.armed = any(stage.is_last for stage in stages)
+    released = threading.Event()
     schedule = StudySchedule(stages, M, loss_fn=failing_loss, hint="ZBVZeroBubble",
                              settings=Settings(stall_timeout=30, launch_depth=1),
-                             study=Study(device=EmulatedDevice()))
+                             study=Study(device=EmulatedDevice(), channels=(
+                                 channels_with_held_sends(released) if sends_held else None)))
     error = None
     try:
         run_steps(schedule, stages, blocks, x, y, 1)
@@ -98,14 +152,17 @@ def split_backward_failure(rank: int, world_size: int) -> dict:
     held = {name: sum(len(getattr(stage, name)) for stage in stages)
             for name in ("backward_state", "dw_runner", "bwd_cache")}
     held["forward_states"] = sum(forward_states_held(stage) for stage in stages)
+    released.set()
     return {"error": error, "held": held, "bound": receive_buffers_bound(stages)}
 
 
-def test_a_failed_step_under_split_backward_leaves_no_unfinished_microbatch_held():
+@pytest.mark.parametrize("sends_held", [False, True], ids=["sends-complete", "sends-held"])
+def test_a_failed_step_under_split_backward_leaves_no_unfinished_microbatch_held(sends_held):
     """With I and W split, a microbatch between its I and its W keeps its graph in the
     stage's backward state: a failed step must let go of that too, not only of the
-    forward caches."""
-    for rank, result in enumerate(run_local_world(2, split_backward_failure,
+    forward caches; also while a send of the step is still pending at close (its thread
+    holds the sent data, not the stages' state)."""
+    for rank, result in enumerate(run_local_world(2, split_backward_failure, sends_held,
                                                   timeout=120)):
         assert result["error"] is not None, f"rank {rank} did not fail"
         assert result["held"] == {"forward_states": 0, "backward_state": 0, "dw_runner": 0,

@@ -142,18 +142,23 @@ class EmulatedDevice:
 
     def close(self, timeout: float) -> list[threading.Thread]:
         """Stop the device thread after its current work; skip work not yet started.
-        Returns the thread if it is still running after ``timeout`` seconds."""
-        thread, self._thread = self._thread, None
+        Returns the thread if it is still running after ``timeout`` seconds (a later
+        ``close`` waits for it again)."""
+        thread = self._thread
         if thread is None:
             return []
-        self._skip = True
-        self._work.put(_STOP)
+        if not self._skip:
+            self._skip = True
+            self._work.put(_STOP)
         thread.join(timeout)
+        if thread.is_alive():
+            return [thread]
+        self._thread = None
         self._skip = False
         self._error = None
         self._outstanding = 0
         self._done = queue.SimpleQueue()
-        return [thread] if thread.is_alive() else []
+        return []
 
     def _run(self) -> None:
         while (item := self._work.get()) is not _STOP:
