@@ -7,8 +7,10 @@ from __future__ import annotations
 import dataclasses
 import os
 import pickle
+import signal
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -161,6 +163,60 @@ def test_a_failed_prediction_keeps_the_hints_own_setting(caplog):
     assert "the prediction failed" in caplog.text and "the child died" in caplog.text
     assert driving.tuner.decisions[-1].reason == "no gain"
     assert driving.tuner.setting.buffer_limit == "hint"
+
+
+STARTS_A_PREDICTION_CHILD = """
+import subprocess, sys, time
+from rrfp.advise import child_environment
+child = subprocess.Popen([sys.executable, "-m", *sys.argv[1].split()], stdin=int(sys.argv[2]),
+                         stdout=subprocess.DEVNULL, env=child_environment())
+print(child.pid, flush=True)
+time.sleep(300)
+"""
+
+
+@pytest.mark.parametrize("command, when", [("rrfp.advise.tuning", "starting"),
+                                           ("rrfp.advise.tuning", "reading"),
+                                           ("rrfp.advise - --json", "reading")])
+def test_a_prediction_child_exits_once_the_trainer_that_started_it_is_killed(command, when):
+    # Its standard input stays open (this test holds its write end): only the parent's
+    # death can end the child, which would otherwise wait, or predict, for nobody. The
+    # trainer is killed at once, or once the child waits for its input.
+    read_end, write_end = os.pipe()
+    trainer = subprocess.Popen([sys.executable, "-c", STARTS_A_PREDICTION_CHILD, command,
+                                str(read_end)], stdout=subprocess.PIPE, text=True,
+                               pass_fds=(read_end,))
+    os.close(read_end)
+    child = int(trainer.stdout.readline())
+    try:
+        deadline = time.monotonic() + 120
+        while when == "reading" and not _reading_a_pipe(child):
+            assert time.monotonic() < deadline, "the child never read its input"
+            time.sleep(0.05)
+        trainer.kill()
+        trainer.wait()
+        deadline = time.monotonic() + 60
+        while _running(child) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not _running(child), "the prediction child outlived its parent"
+    finally:
+        os.close(write_end)
+        if _running(child):
+            os.kill(child, signal.SIGKILL)
+
+
+def _reading_a_pipe(pid: int) -> bool:
+    with open(f"/proc/{pid}/wchan") as f:
+        return "pipe" in f.read()
+
+
+def _running(pid: int) -> bool:
+    """Whether ``pid`` runs (a process that exited and was not reaped yet does not)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
 
 
 @pytest.mark.skipif(not hasattr(os, "SCHED_IDLE"), reason="Linux scheduling classes")

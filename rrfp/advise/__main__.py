@@ -20,7 +20,7 @@ import os
 import sys
 import time
 
-from rrfp.advise import lower_priority
+from rrfp.advise import end_with_parent, lower_priority
 from rrfp.advise.measured import AdviceError, read_run, run_from_trace_events
 from rrfp.advise.report import advise, DEFAULT_MARGIN
 
@@ -55,6 +55,7 @@ def main(argv: list[str] | None = None) -> int:
                         help="once started, run at the lowest CPU priority (Linux's "
                              "SCHED_IDLE, else nice 19): beside a training job")
     args = parser.parse_args(argv)
+    end_with_parent()
     if args.low_priority:
         lower_priority()
     try:

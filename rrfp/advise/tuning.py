@@ -5,7 +5,8 @@ the job's measured steps by the advisor, in a process of its own.
 standard input and writes the pickled ``(list[Predicted], CPU seconds it took)`` on its
 standard output: the runtime starts it at ``nice 19``, so that predicting takes little of
 a core training uses (and, as a fresh interpreter, it imports nothing of the training
-script), and counts its CPU against the predictions' share (``rrfp.advise.cost``).
+script), and counts its CPU against the predictions' share (``rrfp.advise.cost``). It
+exits once the runtime's process is gone (``rrfp.advise.end_with_parent``).
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import sys
 import time
 from collections.abc import Sequence
 
+from rrfp.advise import end_with_parent
 from rrfp.advise.measured import MeasuredRun
 from rrfp.advise.predict import NAMED_POLICIES, predictions, Setting
 from rrfp.core.sizes import tell_apart
@@ -37,6 +39,7 @@ def predict_candidates(run: MeasuredRun, limits: Sequence[str]) -> list[Predicte
 
 
 def main() -> None:
+    end_with_parent()
     run, limits = pickle.load(sys.stdin.buffer)
     predicted = predict_candidates(run, limits)
     pickle.dump((predicted, time.process_time()), sys.stdout.buffer)
