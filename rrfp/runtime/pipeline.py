@@ -330,12 +330,12 @@ class PipelineRuntime:
 
     def _usable_after_failure(self, operations: int, coordinator: Coordinator | None,
                               custom: CustomFunctions) -> bool:
-        """After this rank's step failed: whether it had issued no receive, send or
-        coordination round in it (its transport had issued ``operations`` at the start),
-        and nothing it launched still runs. Then its channels and its peers are as before the step, and the runtime stays
-        usable, as torch's schedules do after an error raised before their first send or
-        receive: what the step left on the device and in the stages goes, and no failure
-        is told to the peers (they wait, as for a rank that has not stepped yet)."""
+        """After this rank's step failed: whether nothing it launched still runs and it
+        had issued no receive, send or coordination round (its transport had issued
+        ``operations`` at the start). Then its channels and peers are as before the step
+        and the runtime stays usable, as torch's schedules do after an error raised before
+        their first send or receive: what the step left goes, and no failure is told to
+        the peers (they wait, as for a rank that has not stepped yet)."""
         computing = self.device.close(self.stall_timeout)
         if computing or self.transport.operations != operations or (
                 coordinator is not None and coordinator.rounds):
@@ -345,18 +345,16 @@ class PipelineRuntime:
 
     def _abandon(self, error: BaseException, custom: CustomFunctions) -> None:
         """After a failed step (its failure already published, or a peer's seen): abort
-        the channels, all at once, so that pending receives fail (on gloo the peers' too),
-        and stop the device; free the unfinished microbatches' activations (unless the
-        device's thread still runs: it may read them); refuse further steps."""
+        the groups a replica may be blocked in with this rank, then the channels, so that
+        pending collectives and receives fail (on gloo the peers' too); stop the device;
+        free the unfinished microbatches' activations (unless the device's thread, which
+        may read them, still runs); refuse further steps."""
         self._failure = f"a step failed with {type(error).__name__} on pipeline rank {self.rank}"
-        # First the groups a replica may be blocked in with this rank (on gloo this fails
-        # their pending collectives at the peers too).
         self.job_groups.abort()
         computing = self.device.close(self.stall_timeout)
         try:
             self.close(failed=True)
-        except RuntimeError as e:  # the step's own error is the one to raise
-            # A send gloo leaves pending holds the sent data, not the stages' state.
+        except RuntimeError as e:  # e.g. a send gloo left pending: it holds no stage state
             logger.warning("pipeline rank %d: %s", self.rank, e)
         if not computing:
             self._let_go_of_the_step(custom)
