@@ -187,6 +187,7 @@ def tensorboard_texts(dump) -> dict[str, list[str]]:
 
 LOSS, GRAD_NORM = "loss_metrics/global_avg_loss", "grad_norm"
 STATS_LINE = (r"rrfp step {step:2}{fixed}: \d+ ms \| {label}pp0 idle \d+% out-of-hint \d+ held \d+"
-              r"{activations} \| {label}pp1 idle \d+% out-of-hint \d+ held \d+{activations}\n")
+              r"{activations} \| {label}pp1 idle \d+% out-of-hint \d+ held \d+{activations}"
+              r"( \| A/B [^\n]*)?\n")
 METERED = r" activations \d+\.\d MiB"
 UNMETERED = ""

@@ -195,14 +195,16 @@ class RunAdvice:
         self.first_verdict: AdvisorProcess | None = None
         """Started once ``FIRST_VERDICT_AFTER`` steps after the first ran, where it fits."""
         self._pairs_logged = 0
+        self.ab_note: str | None = None
+        """The A/B pair the latest step completed, as its console line says it (None: none)."""
         self.bookkeeping_s = 0.0
         """Seconds this rank's main thread spent in ``add`` (what training pays)."""
         self.child_cpu_s = 0.0
         """CPU seconds the verdicts' child processes reported."""
 
     def add(self, step: int, gathered: list[StepStats]) -> dict[str, float]:
-        """Keep the step (every rank's stats); log the A/B pair or the verdict that became
-        ready. Returns TensorBoard scalars."""
+        """Keep the step (every rank's stats); note the A/B pair (``ab_note``) and log the
+        verdict that became ready. Returns TensorBoard scalars."""
         start = time.perf_counter()
         try:
             return self._add(step, gathered)
@@ -210,6 +212,7 @@ class RunAdvice:
             self.bookkeeping_s += time.perf_counter() - start
 
     def _add(self, step: int, gathered: list[StepStats]) -> dict[str, float]:
+        self.ab_note = None
         fixed = gathered[0].policy == "fixed"
         for s in gathered:
             for stage, nbytes in (s.activation_bytes_per_microbatch or {}).items():
@@ -269,13 +272,14 @@ class RunAdvice:
             self.text.add("rrfp/self_driving", line, step)
 
     def _ab_pair(self) -> dict[str, float]:
-        """The in-run A/B's newest pair, once a step after its fixed-order step has run."""
+        """The in-run A/B's newest pair, once a step after its fixed-order step has run
+        (``ab_note`` says it for the step's console line)."""
         pairs = ab_speedups([(r.fixed_order, r.step_time) for r in self.records[1:]])
         if len(pairs) == self._pairs_logged:
             return {}
         self._pairs_logged = len(pairs)
-        logger.info(f"rrfp A/B: fixed order / RRFP step time {pairs[-1]:.3f}x; so far "
-                    f"{spread(pairs)} over {len(pairs)} pairs")
+        self.ab_note = (f"A/B fixed order / RRFP step time {pairs[-1]:.3f}x, so far "
+                        f"{spread(pairs)} over {len(pairs)} pairs")
         return {"rrfp/ab_speedup": pairs[-1]}
 
     def _say_verdict(self, process: AdvisorProcess, step: int, when: str) -> str:

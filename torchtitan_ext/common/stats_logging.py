@@ -140,6 +140,7 @@ class StepStatsLog:
         if gathered is None:
             return {}
         scalars: dict[str, float] = {}
+        line = []
         if self.log_stats:
             for stats in gathered:
                 for metric in METRICS:
@@ -153,13 +154,15 @@ class StepStatsLog:
                 scalars.update(self_driving_scalars(gathered, self.label))
             step_ms = max(stats.step_time for stats in gathered) * 1e3
             scalars["rrfp/step_time_ms"] = step_ms
-            fixed = " (fixed order)" if gathered[0].policy == "fixed" else ""
-            logger.info(f"rrfp step {step:2}{fixed}: {step_ms:.0f} ms | " + " | ".join(
-                " ".join([self.label(stats), *filter(None, (m.show(stats) for m in METRICS)),
-                          *size_error_field(stats)])
-                for stats in gathered))
+            line.append(f"{step_ms:.0f} ms")
+            line += [" ".join([self.label(stats), *filter(None, (m.show(stats) for m in METRICS)),
+                               *size_error_field(stats)]) for stats in gathered]
         if self.advice is not None:
             scalars.update(self.advice.add(step, gathered))
+            line += filter(None, [self.advice.ab_note])
+        if line:
+            fixed = " (fixed order)" if gathered[0].policy == "fixed" else ""
+            logger.info(f"rrfp step {step:2}{fixed}: " + " | ".join(line))
         if self.trace_folder:
             os.makedirs(self.trace_folder, exist_ok=True)
             write_chrome_trace(gathered, os.path.join(self.trace_folder, f"step{step}.json"))
