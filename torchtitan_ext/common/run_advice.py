@@ -251,8 +251,10 @@ class RunAdvice:
                 for s in gathered}
 
     def _start_first_verdict(self, step: int) -> None:
-        needs = prediction_cpu_seconds(sum(sum(r.actions.values()) for r in self.records))
         steps_left = self.total_steps - step
+        if steps_left <= 0:
+            return  # the end of the run's verdict comes next
+        needs = prediction_cpu_seconds(sum(sum(r.actions.values()) for r in self.records))
         cores = available_cores()
         has = steps_left * statistics.median(r.step_time for r in self.records[1:]) * cores
         if needs <= CPU_SHARE * has:
