@@ -10,6 +10,7 @@ import os
 import subprocess
 import sys
 import textwrap
+import time
 
 import torch.distributed as dist
 
@@ -114,6 +115,12 @@ def test_a_failed_probe_write_says_the_store_is_gone_and_wakes_the_step_loop():
         assert wakeup.wait(30.0), "the step loop was not woken"
         assert board.lost == ("the job's store at ProbeFails is gone (DistNetworkError: "
                               "Connection timed out)"), board.lost
+        # Nothing ends the wait on a vanished host: close neither waits for it nor
+        # reports it (the runtime's close would raise, and a failed step keep its state).
+        started = time.monotonic()
+        assert watch.close(30.0) == []
+        assert time.monotonic() - started < 10.0
+        assert watch.thread.is_alive()
     finally:
         store.inner.set(board.wake_key, "closed")  # the wait's own client still answers
-        assert watch.close(30.0) == []
+        watch.thread.join(30.0)

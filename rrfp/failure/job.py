@@ -53,6 +53,7 @@ import functools
 import json
 import logging
 import threading
+import time
 from collections.abc import Callable, Iterable
 
 import torch
@@ -255,15 +256,20 @@ class JobWatch:
         return None
 
     def close(self, timeout: float) -> list[threading.Thread]:
-        """Stop the watch; return its threads still running after ``timeout``."""
+        """Stop the watch; return its threads still running after ``timeout`` (together).
+        With the store gone, the wait's thread is left behind, unreported: nothing can end
+        a wait on a connection whose host vanished, and it holds only that connection (a
+        daemon thread, ended with the process)."""
         self._stop.set()
         self._ended.set()
-        if self.thread.is_alive():
+        threads = [self.prober]
+        if self._board.lost is None:
             self._board.wake_own_watch()
-        threads = [self.thread, self.prober]
+            threads.append(self.thread)
+        deadline = time.monotonic() + timeout
         for thread in threads:
             if thread is not threading.current_thread():
-                thread.join(timeout)
+                thread.join(max(0.0, deadline - time.monotonic()))
         return [thread for thread in threads if thread.is_alive()]
 
 
