@@ -276,6 +276,39 @@ def test_the_peak_activations_count_every_step_and_name_those_above_the_fixed_sc
         "pp1 10.0 MiB"), peaks
 
 
+def test_each_step_s_peak_is_compared_with_the_fixed_schedule_s_at_that_step_s_bytes():
+    """The bytes per microbatch metered change during the run (10 MiB, then 20 MiB from
+    step 3): rank 0's run ahead in step 2 held more than the fixed order at step 2's bytes,
+    though less than the fixed order at the later bytes; step 4, in the hint's own order,
+    held no more than it."""
+    from rrfp.core.hints import build_hint
+    from torchtitan_ext.common.run_advice import RunAdvice
+
+    class Schedule:
+        hint = build_hint("1F1B", num_ranks=2, num_stages=2, n_microbatches=4)
+        policy = "lookahead"
+
+    own = {rank: [str(node.action) for node in plan.nodes]
+           for rank, plan in Schedule.hint.plan.ranks.items()}
+    ahead = ["0F0", "0F1", "0F2", "0B0", "0F3", "0B1", "0B2", "0B3", "0REDUCE_GRAD"]
+    mib = 2**20
+    advice = RunAdvice(Schedule(), source="traces", label=lambda s: f"pp{s.pp_rank}",
+                       advise=False, total_steps=5, tensorboard_folder=None)
+    for step in range(1, 6):
+        per_microbatch = (10 if step < 3 else 20) * mib
+        advice.add(step, [made_up_stats(
+            rank, realized_order=ahead if rank == 0 and step == 2 else own[rank],
+            peak_rank_in_flight=3 if rank == 0 and step == 2 else 2 - rank,
+            hint_rank_peak=2 - rank,
+            peak_activation_bytes=(2 - rank) * per_microbatch if step in (1, 3) else None,
+            activation_bytes_per_microbatch={rank: per_microbatch}) for rank in (0, 1)])
+    peaks = next(line for line in advice.summary(None)
+                 if line.startswith("  peak activations"))
+    assert peaks.startswith(
+        "  peak activations: pp0 40.0 MiB (fixed schedule 40.0 MiB; more in step 2), "
+        "pp1 20.0 MiB (fixed schedule 20.0 MiB) (in steps 1-5"), peaks
+
+
 DECISIONS = [
     "from step 8: buffer_limit='hint+2', the default policy (switch; predicted 1.100x the "
     "fixed schedule)",

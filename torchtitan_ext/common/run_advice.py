@@ -166,6 +166,8 @@ class StepRecord:
     held_bytes: dict[str, int] = field(default_factory=dict)
     """Per rank, the most activation bytes the step's realized order held, at the bytes per
     microbatch metered so far (empty before every stage's are)."""
+    fixed_held_bytes: dict[str, int] = field(default_factory=dict)
+    """Per rank, what the hint's fixed order holds at its peak at those same bytes."""
 
 
 class RunAdvice:
@@ -224,7 +226,7 @@ class RunAdvice:
             {self.label(s): s.dispatched for s in gathered},
             {self.label(s): s.peak_activation_bytes for s in gathered},
             {self.label(s): s.peak_rank_in_flight for s in gathered},
-            {self.label(s): s.hint_rank_peak for s in gathered}, self._held_bytes(gathered)))
+            {self.label(s): s.hint_rank_peak for s in gathered}, *self._held_bytes(gathered)))
         if self.advise:
             self.events.append([e for s in gathered for e in s.chrome_trace_events()])
             if len(self.records) == FIRST_VERDICT_AFTER + 1:
@@ -238,17 +240,20 @@ class RunAdvice:
             self.first_verdict = None
         return scalars
 
-    def _held_bytes(self, gathered: list[StepStats]) -> dict[str, int]:
-        """Per rank, the most activation bytes the step's realized order held at the bytes
-        per microbatch metered so far (empty before every stage's are)."""
+    def _held_bytes(self, gathered: list[StepStats]) -> tuple[dict[str, int], dict[str, int]]:
+        """Per rank, the most activation bytes the step's realized order held, and the
+        hint's fixed order would hold, at the bytes per microbatch metered so far (empty
+        before every stage's are): the two compare within the step."""
         if not self.bytes_per_microbatch:
-            return {}
+            return {}, {}
         hint = self.schedule.hint
         if len(self.bytes_per_microbatch) != hint.num_stages:
-            return {}
-        return {self.label(s): realized_peak_bytes(hint, s.pp_rank, s.realized_order,
-                                                   self.bytes_per_microbatch)
-                for s in gathered}
+            return {}, {}
+        fixed = fixed_peak_bytes(hint, self.bytes_per_microbatch)
+        return ({self.label(s): realized_peak_bytes(hint, s.pp_rank, s.realized_order,
+                                                    self.bytes_per_microbatch)
+                 for s in gathered},
+                {self.label(s): fixed[s.pp_rank] for s in gathered})
 
     def _start_first_verdict(self, step: int) -> None:
         steps_left = self.total_steps - step
@@ -342,7 +347,7 @@ class RunAdvice:
             f"{k} {sum(r.out_of_hint[k] for r in own)} of {sum(r.actions[k] for r in own)}"
             for k in labels))
         lines.append("  microbatches held (every step): " + held_line(self.records, labels))
-        lines.append("  peak activations: " + self._peaks(labels))
+        lines.append("  peak activations: " + peaks_line(self.records, labels))
         lines.append(f"  advisor cost: {self.bookkeeping_s / len(self.records) * 1e3:.1f} ms per "
                      f"step on this rank's main thread; {self.child_cpu_s:.1f} s of CPU in its "
                      "verdicts' child processes")
@@ -366,19 +371,11 @@ class RunAdvice:
                 "took effect (rrfp counts steps from 0, torchtitan from 1):",
                 *(f"    {line}" for line in self.decisions)]
 
-    def _peaks(self, labels: list[str]) -> str:
-        hint = self.schedule.hint
-        fixed = (fixed_peak_bytes(hint, self.bytes_per_microbatch)
-                 if len(self.bytes_per_microbatch) == hint.num_stages else None)
-        return peaks_line(self.records, labels, fixed)
-
-
-def peaks_line(records: list[StepRecord], labels: list[str],
-               fixed: dict[int, int] | None) -> str:
+def peaks_line(records: list[StepRecord], labels: list[str]) -> str:
     """Per rank the most activation bytes held in any step (each step's realized order at
-    the metered bytes per microbatch), against the fixed schedule's (``fixed``, per pipeline
-    rank in ``labels``' order), naming the steps that held more; then what the meter
-    measured itself, naming the steps it metered."""
+    the bytes per microbatch metered by then), against the most the fixed schedule holds
+    at those bytes, naming the steps that held more than it would have at theirs; then
+    what the meter measured itself, naming the steps it metered."""
     metered_steps = [r.step for r in records
                      if any(v is not None for v in r.activation_bytes.values())]
     if not metered_steps:
@@ -387,17 +384,16 @@ def peaks_line(records: list[StepRecord], labels: list[str],
                        if r.activation_bytes[k] is not None), default=None) for k in labels}
     counted = [r for r in records if r.held_bytes]
     parts = []
-    for rank, k in enumerate(labels):
-        if not counted or fixed is None:
+    for k in labels:
+        if not counted:
             parts.append(f"{k} -")
             continue
-        more = [r.step for r in counted if r.held_bytes[k] > fixed[rank]]
+        more = [r.step for r in counted if r.held_bytes[k] > r.fixed_held_bytes[k]]
+        fixed = max(r.fixed_held_bytes[k] for r in counted)
         parts.append(f"{k} {size(max(r.held_bytes[k] for r in counted))} (fixed schedule "
-                     f"{size(fixed[rank])}" + (f"; more in step{steps_named(more)})"
-                                               if more else ")"))
+                     f"{size(fixed)}" + (f"; more in step{steps_named(more)})" if more else ")"))
     every = (" (in step" + steps_named([r.step for r in counted]) + ": the microbatches "
-             "each held, at the bytes per microbatch metered)"
-             if counted and fixed is not None else "")
+             "each held, at the bytes per microbatch metered)" if counted else "")
     return (", ".join(parts) + every + "; metered in step" + steps_named(metered_steps)
             + ": " + ", ".join(f"{k} {'-' if metered[k] is None else size(metered[k])}"
                                for k in labels))
