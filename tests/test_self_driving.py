@@ -17,11 +17,10 @@ import pytest
 from rrfp.advise.cost import CPU_SHARE
 from rrfp.advise.tuning import predict_candidates
 from rrfp.core.limits import resolve_buffer_limits
-from rrfp.core.policy import policy_for
+from rrfp.core.policy import policy_for, SIZE_READING_POLICIES
 from rrfp.core.sizes import MicrobatchSize
 from rrfp.core.tuning import TuningRules
 from rrfp.runtime.self_driving import BlockPlan, predicted_in_a_child
-from rrfp.sim.selfdriving import SIZED_POLICIES
 from rrfp.testing.self_driving_world import self_driving_world
 from rrfp.testing.worlds import run_local_world
 
@@ -140,7 +139,7 @@ def test_a_policy_reading_sizes_is_a_candidate_told_them_and_not_where_they_tell
         for setting in without:  # each beside its twin told the sizes; none runs alike
             assert dataclasses.replace(setting, use_sizes=True) in settings, setting
             limits = resolve_buffer_limits(setting.buffer_limit, run.hint)
-            assert policy_for(setting.policy, run.hint, limits) in SIZED_POLICIES, setting
+            assert policy_for(setting.policy, run.hint, limits) in SIZE_READING_POLICIES, setting
 
 
 def test_a_failed_prediction_keeps_the_hints_own_setting(caplog):

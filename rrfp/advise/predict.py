@@ -26,11 +26,10 @@ from rrfp.advise.measured import MeasuredRun
 from rrfp.core.hints import build_hint, Hint, HINT_NAMES
 from rrfp.core.limits import (byte_budgets, fixed_peak_bytes, limits_within_bytes, MemoryLimits,
                               most_bytes_allowed, peak_bytes_held, resolve_buffer_limits)
-from rrfp.core.policy import policy_for
+from rrfp.core.policy import policy_for, SIZE_READING_POLICIES
 from rrfp.core.settings import parse_buffer_limit
 from rrfp.core.sizes import StepSizes, tell_apart
 from rrfp.sim.engine import simulate, SimResult
-from rrfp.sim.selfdriving import SIZED_POLICIES
 
 MICROBATCH_LIMITS = ("hint", "hint+1", "hint+2", "2x hint")
 BUDGET_FACTORS = (1.25, 1.5)
@@ -215,7 +214,7 @@ def predictions(run: MeasuredRun, settings: Sequence[Setting] | None = None
         except ValueError:
             continue
         policy = policy_for(setting.policy, hint, limits)
-        told = policy in SIZED_POLICIES and any(tell_apart(s) for s in _told(run, setting))
+        told = policy in SIZE_READING_POLICIES and any(tell_apart(s) for s in _told(run, setting))
         key = (hint.name, _frozen(limits), policy, told)
         if key in seen:
             continue

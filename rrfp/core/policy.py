@@ -415,6 +415,11 @@ def policy_for(given: str | None, hint: Hint, limits: MemoryLimits) -> str:
     return given or default_policy(hint, limits)
 
 
+SIZE_READING_POLICIES = frozenset({"lookahead", "critical"})
+"""The policies that cost actions by the microbatches' predicted sizes where they are
+told them (``History.predicted``): for the others, told the sizes or not runs alike."""
+
+
 PolicyFactory = Callable[["History | None", "Callable[[], float] | None"], Policy]
 """``(history, clock) -> policy``: what a step's policy is made from (``clock``: seconds
 since the step start; both may be None where the caller has none)."""

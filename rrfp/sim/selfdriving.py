@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from rrfp.core.hints import Hint
 from rrfp.core.history import History
 from rrfp.core.limits import resolve_buffer_limits
-from rrfp.core.policy import policy_for
+from rrfp.core.policy import policy_for, SIZE_READING_POLICIES
 from rrfp.core.settings import DEFAULT_LAUNCH_DEPTH, parse_buffer_limit
 from rrfp.core.tuning import Candidate, Decision, FIXED_ORDER, Predicted, Tuner, TuningRules
 from rrfp.sim.engine import simulate
@@ -30,8 +30,6 @@ from rrfp.sim.workloads import Timing
 
 POLICIES = ("hint", "lookahead", "critical", "drain")
 """The policies a candidate may run, beside the default at its limit."""
-SIZED_POLICIES = frozenset({"lookahead", "critical"})
-"""The policies that cost actions by the microbatches' sizes where they are given."""
 
 
 def candidates(hint: Hint, budget: str, *, sizes: bool = False) -> list[Candidate]:
@@ -51,7 +49,7 @@ def candidates(hint: Hint, budget: str, *, sizes: bool = False) -> list[Candidat
         limits = resolve_buffer_limits(spec, hint)
         for policy in (None, *POLICIES):
             runs = policy_for(policy, hint, limits)
-            for use in (True, False) if sizes and runs in SIZED_POLICIES else (True,):
+            for use in (True, False) if sizes and runs in SIZE_READING_POLICIES else (True,):
                 key = (spec, runs, use)
                 if key not in seen:
                     seen.add(key)
