@@ -55,3 +55,11 @@ def test_torchtitan_mains_names_give_the_microbatches_themselves():
                            TokenParallelism(num_pp_microbatches=8))
     assert (batch.microbatches, batch.context_length, batch.local_batch_size) == (8, 512, None)
     assert (batch.source, batch.remedy) == ("parallelism.num_pp_microbatches (8)", "raise it")
+
+
+@pytest.mark.parametrize("count", [0, -1, None, 2.0])
+def test_a_count_of_microbatches_that_is_not_a_whole_number_above_zero_is_refused(count):
+    with pytest.raises(ValueError, match=r"parallelism.num_pp_microbatches must be a whole "
+                                         rf"number >= 1 \(the pipeline's microbatches per "
+                                         rf"step\), got {count!r}"):
+        batch_settings(TokenTraining(), TokenParallelism(num_pp_microbatches=count))

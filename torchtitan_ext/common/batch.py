@@ -36,9 +36,12 @@ class BatchSettings:
 def batch_settings(training, parallelism) -> BatchSettings:
     """The batch settings of a job's ``training`` and ``parallelism`` configs, under
     torchtitan 0.2.2's and 0.3's names or main's; ValueError where a batch does not split
-    into whole microbatches."""
+    into whole microbatches, or main's count of them is not a whole number >= 1."""
     if hasattr(training, TOKEN_BATCH_FIELD):
         count = parallelism.num_pp_microbatches
+        if isinstance(count, bool) or not isinstance(count, int) or count < 1:
+            raise ValueError(f"parallelism.num_pp_microbatches must be a whole number >= 1 "
+                             f"(the pipeline's microbatches per step), got {count!r}")
         return BatchSettings(count, training.max_context_length, None,
                              f"parallelism.num_pp_microbatches ({count})", "raise it")
     batch = training.local_batch_size
