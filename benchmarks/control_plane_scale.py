@@ -5,10 +5,11 @@ Each simulated rank is a thread with its own store client (counted: a ``Counting
 and its own failure board, settings agreement (``agree_on_settings``), job watch
 (``JobWatch``: its own thread), duration-fit sharing (``FitSharing``) and hang report
 (``HangReport``), in pipelines of ``PP`` ranks; the ranks are spread over ``PROCESSES``
-processes, more where a process would hold over ``RANKS_PER_PROCESS`` (past that, a
-process's threads queue for the interpreter's lock after every blocking call they return
-from at once, such as all its watches connecting as the agreement ends); the store is served by a process of its own (``ServedStore``). For each K it
-measures, in phases the driver starts through the store:
+processes, more where a process would hold over ``RANKS_PER_PROCESS`` (a real rank is a
+process of its own; here a process's threads queue for the interpreter's lock after every
+blocking call they return from at once, such as all its watches waking at a failure, and
+the last of them raises late by that queue); the store is served by a process of its own
+(``ServedStore``). For each K it measures, in phases the driver starts through the store:
 
 * **start**: every rank agrees on the job's settings, then makes its job watch, which
   connects before it is made (as the runtime's, so that a rank is armed before its first
@@ -73,7 +74,7 @@ except ImportError:  # the code before: one flat package
 RESULTS = Path(__file__).resolve().parent / "results"
 RANKS = (64, 256, 1024, 4096)
 PROCESSES = 8
-RANKS_PER_PROCESS = 128
+RANKS_PER_PROCESS = 64
 PP = 8
 """Ranks per pipeline."""
 IDLE_S = 35.0
