@@ -74,7 +74,7 @@ except ImportError:  # the code before: one flat package
 RESULTS = Path(__file__).resolve().parent / "results"
 RANKS = (64, 256, 1024, 4096)
 PROCESSES = 8
-RANKS_PER_PROCESS = 64
+RANKS_PER_PROCESS = 128
 PP = 8
 """Ranks per pipeline."""
 IDLE_S = 35.0
