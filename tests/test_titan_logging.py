@@ -237,12 +237,13 @@ def test_the_summary_names_the_steps_that_held_more_than_the_fixed_schedule():
         "it): fixed / RRFP step time 1.20x [1.20-1.20] over 4 pairs; RRFP faster in every pair")
 
 
-def test_the_peak_activations_count_every_step_and_name_those_above_the_fixed_schedule():
-    """``hint+2``, metered in the first step only (``meter_every``): rank 0 runs its
-    forwards ahead of the hint in steps 2 and 4, holding three microbatches where the
-    fixed schedule holds two. The summary's peak activations count every step's realized
-    order at the metered bytes per microbatch, above the fixed schedule's on rank 0, naming
-    those steps, and say apart what the meter measured and in which step."""
+AHEAD = ["0F0", "0F1", "0F2", "0B0", "0F3", "0B1", "0B2", "0B3", "0REDUCE_GRAD"]
+"""Rank 0 of 1F1B (2 ranks, 4 microbatches) running its forwards ahead: three held at once."""
+MIB = 2**20
+
+
+def one_f_one_b_advice():
+    """A ``RunAdvice`` of 5 steps over 1F1B on 2 ranks, and each rank's own order."""
     from rrfp.core.hints import build_hint
     from torchtitan_ext.common.run_advice import RunAdvice
 
@@ -252,18 +253,25 @@ def test_the_peak_activations_count_every_step_and_name_those_above_the_fixed_sc
 
     own = {rank: [str(node.action) for node in plan.nodes]
            for rank, plan in Schedule.hint.plan.ranks.items()}
-    ahead = ["0F0", "0F1", "0F2", "0B0", "0F3", "0B1", "0B2", "0B3", "0REDUCE_GRAD"]
-    mib = 2**20
-    advice = RunAdvice(Schedule(), source="traces", label=lambda s: f"pp{s.pp_rank}",
-                       advise=False, total_steps=5, tensorboard_folder=None)
+    return RunAdvice(Schedule(), source="traces", label=lambda s: f"pp{s.pp_rank}",
+                     advise=False, total_steps=5, tensorboard_folder=None), own
+
+
+def test_the_peak_activations_count_every_step_and_name_those_above_the_fixed_schedule():
+    """``hint+2``, metered in the first step only (``meter_every``): rank 0 runs its
+    forwards ahead of the hint in steps 2 and 4, holding three microbatches where the
+    fixed schedule holds two. The summary's peak activations count every step's realized
+    order at the metered bytes per microbatch, above the fixed schedule's on rank 0, naming
+    those steps, and say apart what the meter measured and in which step."""
+    advice, own = one_f_one_b_advice()
     for step in range(1, 6):
         metered = step == 1
         advice.add(step, [made_up_stats(
-            rank, realized_order=ahead if rank == 0 and step in (2, 4) else own[rank],
+            rank, realized_order=AHEAD if rank == 0 and step in (2, 4) else own[rank],
             peak_rank_in_flight=3 if rank == 0 and step in (2, 4) else 2 - rank,
             hint_rank_peak=2 - rank,
-            peak_activation_bytes=(2 - rank) * 10 * mib if metered else None,
-            activation_bytes_per_microbatch={rank: 10 * mib}) for rank in (0, 1)])
+            peak_activation_bytes=(2 - rank) * 10 * MIB if metered else None,
+            activation_bytes_per_microbatch={rank: 10 * MIB}) for rank in (0, 1)])
     lines = advice.summary(None)
     held = next(line for line in lines if line.startswith("  microbatches held"))
     assert held.endswith("pp0 at most 3 (fixed schedule 2; more in steps 2, 4), pp1 at most "
@@ -281,23 +289,11 @@ def test_each_step_s_peak_is_compared_with_the_fixed_schedule_s_at_that_step_s_b
     step 3): rank 0's run ahead in step 2 held more than the fixed order at step 2's bytes,
     though less than the fixed order at the later bytes; step 4, in the hint's own order,
     held no more than it."""
-    from rrfp.core.hints import build_hint
-    from torchtitan_ext.common.run_advice import RunAdvice
-
-    class Schedule:
-        hint = build_hint("1F1B", num_ranks=2, num_stages=2, n_microbatches=4)
-        policy = "lookahead"
-
-    own = {rank: [str(node.action) for node in plan.nodes]
-           for rank, plan in Schedule.hint.plan.ranks.items()}
-    ahead = ["0F0", "0F1", "0F2", "0B0", "0F3", "0B1", "0B2", "0B3", "0REDUCE_GRAD"]
-    mib = 2**20
-    advice = RunAdvice(Schedule(), source="traces", label=lambda s: f"pp{s.pp_rank}",
-                       advise=False, total_steps=5, tensorboard_folder=None)
+    advice, own = one_f_one_b_advice()
     for step in range(1, 6):
-        per_microbatch = (10 if step < 3 else 20) * mib
+        per_microbatch = (10 if step < 3 else 20) * MIB
         advice.add(step, [made_up_stats(
-            rank, realized_order=ahead if rank == 0 and step == 2 else own[rank],
+            rank, realized_order=AHEAD if rank == 0 and step == 2 else own[rank],
             peak_rank_in_flight=3 if rank == 0 and step == 2 else 2 - rank,
             hint_rank_peak=2 - rank,
             peak_activation_bytes=(2 - rank) * per_microbatch if step in (1, 3) else None,
