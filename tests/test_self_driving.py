@@ -174,9 +174,8 @@ time.sleep(300)
 """
 
 
-@pytest.mark.parametrize("command, when", [("rrfp.advise.tuning", "starting"),
-                                           ("rrfp.advise.tuning", "reading"),
-                                           ("rrfp.advise - --json", "reading")])
+@pytest.mark.parametrize("command, when", [("rrfp.advise.tuning", "reading"),
+                                           ("rrfp.advise - --json", "starting")])
 def test_a_prediction_child_exits_once_the_trainer_that_started_it_is_killed(command, when):
     # Its standard input stays open (this test holds its write end): only the parent's
     # death can end the child, which would otherwise wait, or predict, for nobody. The
