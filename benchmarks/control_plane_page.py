@@ -47,13 +47,14 @@ NOTES = [
     "",
     "No other work ran beside the after run (the store served the `check` operations below "
     "against 78,248 `check`/s in the before run). Its K = 1024 "
-    "figures match an earlier run of the same code on a quiet host (commit d983eb1: last "
+    "figures are close to an earlier run of the same code on a quiet host (commit d983eb1: last "
     "rank raised 0.47 s after the failure, hang report 0.42 s); on a host shared with other "
     "work the same K gave 14.6 s and 14.4 s.",
     "",
     "K = 4096 meets the steady-state, start and start-operations figures, not the failure "
     "reach: the last rank raised 8.6 s after the failure (the first 0.39 s, half of them by "
-    "7.4 s), and the hang report took 8.4 s. The time is this host's CPU, not the store: "
+    "7.4 s), and the hang report took 8.4 s. It reads as this host's CPU, not the store "
+    "(not measured apart: the CPU per simulated rank is the next thing to measure): "
     "every simulated rank's share of a failure (its watch's wake and read, its step loop's "
     "raise, its told state: Python on a thread among 384 in its process) runs on the same "
     "2 cores, 4,096 times; the last rank raised 0.69 s after the failure at K = 1024 and "
