@@ -43,10 +43,10 @@ def child_environment() -> dict[str, str]:
 
 def end_with_parent() -> None:
     """In a prediction process started with ``child_environment``: exit as soon as the
-    process that started it is gone (a killed trainer leaves no child predicting for
-    nobody, also one killed before the child started), looked at every
-    ``PARENT_CHECK_S`` on a thread of its own. Elsewhere (the
-    variable absent: nothing). Its own children do not inherit the variable."""
+    process that started it is gone, also if it died before this one started (a killed
+    trainer leaves no child predicting for nobody); looked at every ``PARENT_CHECK_S`` on
+    a thread of its own. Without the variable (a user's own run): nothing. This process's
+    children do not inherit it."""
     parent = os.environ.pop(PARENT, None)
     if parent is None:
         return
