@@ -97,7 +97,39 @@ def summarize(run: dict) -> dict:
         "reach_first": min(raised) - published if raised and published else None,
         "reach_last": max(raised) - published if raised and published else None,
         "report_s": report,
+        **_failure_cpu(run),
     }
+
+
+def _failure_cpu(run: dict) -> dict:
+    """The failure phase (from the driver's go to its stop): its length, and the CPU
+    seconds the worker processes (all their ranks) and the store's process used in it
+    (runs measured before these were kept have none)."""
+    store = run.get("store_cpu")
+    snaps = [worker["snapshots"] for worker in run["workers"]]
+    if not store or not all(len(s.get("fail", ())) > 2 and "stop" in s for s in snaps):
+        return {}
+    return {"fail_wall": run["started"]["stop"] - run["started"]["fail"],
+            "fail_cpu_ranks": sum(s["stop"][2] - s["fail"][2] for s in snaps),
+            "fail_cpu_store": store["stop"] - store["fail"], "cores": run["cores"]}
+
+
+def _cpu_table(rows: list[dict]) -> list[str]:
+    """The failure phase's CPU, per K (rows that measured it)."""
+    rows = [row for row in rows if "fail_wall" in row]
+    if not rows:
+        return []
+    lines = ["**after: the CPU of the failure phase** (from the driver's go to its stop, the "
+             "hang report written; the host's CPU: its cores times the phase's length)", "",
+             "| K | phase (s) | simulated ranks' CPU (s) | per rank (ms) | store's CPU (s) | "
+             "of the host's CPU |", "|---:|---:|---:|---:|---:|---:|"]
+    for row in rows:
+        host = row["cores"] * row["fail_wall"]
+        lines.append(
+            f"| {row['ranks']} | {row['fail_wall']:.2f} | {row['fail_cpu_ranks']:.2f} "
+            f"| {1e3 * row['fail_cpu_ranks'] / row['ranks']:.2f} | {row['fail_cpu_store']:.2f} "
+            f"| {(row['fail_cpu_ranks'] + row['fail_cpu_store']) / host:.0%} |")
+    return lines + [""]
 
 
 def _differences(workers: list[dict], start: str, end: str) -> list[tuple[int, int]]:
@@ -231,6 +263,7 @@ def write_page(results: Path) -> None:
     for label in ("before", "after"):
         if label in runs:
             lines += _table(label, runs[label])
+    lines += _cpu_table(runs["after"])
     lines += NOTES + [""]
     biggest = max(runs["after"], key=lambda row: row["ranks"])
     lines += ["## 16k ranks", ""] + _extrapolation(

@@ -23,8 +23,11 @@ the last of them raises late by that queue); the store is served by a process of
   ``PeerFailedError`` (first and last after the publish) and tell their state; the failed
   rank writes the hang report (its duration).
 
-It also measures the store's capacity (``check`` operations per second from 4 processes
-of 4 client threads, ``PROBE_S`` seconds), from which the page extrapolates to 16k ranks.
+At each phase's start every worker notes its process's CPU time and the driver the
+store's process's: the page says what the failure phase cost this host's CPU, per
+simulated rank. It also measures the store's capacity (``check`` operations per second
+from 4 processes of 4 client threads, ``PROBE_S`` seconds), from which the page
+extrapolates to 16k ranks.
 
 ``python -m benchmarks.control_plane_scale --label after`` measures the code of this
 checkout and writes ``results/control_plane_scale_after.json`` (the store served on IPv4:
@@ -228,7 +231,8 @@ def worker(port: int, ranks: int, first: int, count: int, failing: int) -> None:
         while phase.name != "stop":
             name = control.get("phase").decode() if control.check(["phase"]) else "connect"
             if name != phase.name:
-                snapshots[name] = (time.time(), [rank.store.ops.snapshot() for rank in simulated])
+                snapshots[name] = (time.time(), [rank.store.ops.snapshot() for rank in simulated],
+                                   time.process_time())
                 phase.set(name)
             time.sleep(0.05)
         for thread in threads:
@@ -240,9 +244,16 @@ def worker(port: int, ranks: int, first: int, count: int, failing: int) -> None:
                       "snapshots": snapshots}))
 
 
-def _drive(driver: dist.Store, ranks: int, idle_s: float) -> dict[str, float]:
-    """Start each phase in turn; when each started."""
-    started = {}
+def _cpu_seconds(pid: int) -> float:
+    """The CPU time process ``pid`` has used (user and system), from ``/proc``."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def _drive(driver: dist.Store, ranks: int, idle_s: float, store_pid: int
+           ) -> tuple[dict[str, float], dict[str, float]]:
+    """Start each phase in turn; when each started, and the store's CPU seconds then."""
+    started, store_cpu = {}, {}
 
     def until(condition, limit: float) -> None:
         end = time.time() + limit
@@ -252,6 +263,7 @@ def _drive(driver: dist.Store, ranks: int, idle_s: float) -> dict[str, float]:
     until(lambda: driver.add("ready", 0) >= ranks, 600)
     for name in PHASES:
         started[name] = time.time()
+        store_cpu[name] = _cpu_seconds(store_pid)
         driver.set("phase", name)
         if name == "agree":
             until(lambda: driver.add("agreed", 0) >= ranks, AGREE_CAP_S + 30)
@@ -262,7 +274,7 @@ def _drive(driver: dist.Store, ranks: int, idle_s: float) -> dict[str, float]:
         elif name == "fail":
             until(lambda: driver.add("raised", 0) >= ranks - 1 and driver.check(["reported"]),
                   60)
-    return started
+    return started, store_cpu
 
 
 def measure(ranks: int, processes: int, idle_s: float = IDLE_S) -> dict:
@@ -280,10 +292,10 @@ def measure(ranks: int, processes: int, idle_s: float = IDLE_S) -> dict:
              str(served.port), str(ranks), str(first), str(min(share, ranks - first)),
              str(failing)], stdout=subprocess.PIPE, text=True, env=env)
             for first in range(0, ranks, share)]
-        started = _drive(driver, ranks, idle_s)
+        started, store_cpu = _drive(driver, ranks, idle_s, served.pid)
         outputs = [json.loads(w.communicate(timeout=300)[0].splitlines()[-1]) for w in workers]
     return {"ranks": ranks, "processes": len(workers), "failing": failing, "started": started,
-            "workers": outputs}
+            "store_cpu": store_cpu, "cores": os.cpu_count(), "workers": outputs}
 
 
 def probe(seconds: float = PROBE_S, processes: int = 4, threads: int = 4) -> float:

@@ -124,3 +124,18 @@ def test_a_failed_probe_write_says_the_store_is_gone_and_wakes_the_step_loop():
     finally:
         store.inner.set(board.wake_key, "closed")  # the wait's own client still answers
         watch.thread.join(30.0)
+
+
+def test_a_closed_watch_leaves_no_key_of_its_own_in_the_store():
+    """Once its probe has written its key, a watch closed leaves neither that key nor its
+    wake key behind."""
+    store = dist.HashStore()
+    board = FailureBoard(None, 3, job_store=store, job_ranks=(2, 3))
+    watch = JobWatch(board, JobGroups([]), Wakeup(), lambda r, m: None, period=0.05)
+    probe_key = f"{PROBE}/3"
+    deadline = time.monotonic() + 30.0
+    while not store.check([probe_key]) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert store.check([probe_key]), "the probe never wrote its key"
+    assert watch.close(30.0) == []
+    assert store.num_keys() == 0, [k for k in (probe_key, board.wake_key) if store.check([k])]

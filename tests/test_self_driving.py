@@ -39,17 +39,19 @@ def first_change(values: list) -> int | None:
 def test_every_rank_switches_at_the_same_step_within_a_byte_budget_and_stays_bitwise():
     # 1F1B on 2 ranks: each rank's fixed order holds 4096 B at its peak (rank 0: two
     # microbatches of 2048 B; rank 1: one of 4096 B). 12 KiB lets each hold two more.
-    ranks = run_local_world(2, self_driving_world, "gains", STEPS, "12KiB", timeout=240)
+    # The budget's top setting predicted fastest (forced: the advisor's predictions from
+    # the first 4 emulated steps ranged 1.01x-1.10x over runs of this world).
+    ranks = run_local_world(2, self_driving_world, "gains", STEPS, "12KiB", 0, 0.002,
+                            "top limit", timeout=240)
     decisions = {tuple(r["decisions"]) for r in ranks}
     assert len(decisions) == 1, decisions
     [(first, *_)] = decisions
-    # One microbatch in five four times as long: slack gains (which setting is best
-    # depends on the measured steps); 12 KiB allows up to two more.
-    assert first.startswith(f"from step {FIRST}: buffer_limit='hint+") and "(switch" in first, first
+    assert first.startswith(f"from step {FIRST}: buffer_limit='hint+2'") and "(switch" in first, \
+        first
     for rank, r in enumerate(ranks):
         assert r["fixed_bytes"] == 4096
         assert first_change(r["limits"]) == FIRST, r["limits"]
-        assert r["limits"][0] < r["limits"][FIRST] <= r["limits"][0] + 2
+        assert r["limits"][FIRST] == r["limits"][0] + 2
         assert all(r["bitwise"]), rank
         # Metered on the tensors in every step: never above the budget.
         assert max(r["bytes"]) <= 12 * 1024, r["bytes"]

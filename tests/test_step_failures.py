@@ -283,6 +283,18 @@ FAILED_AT: list[float] = []
 """``time.time()`` when a planted failure struck in this process."""
 
 
+class ClosesCounted(EmulatedDevice):
+    """The emulated device, with the timeout of each ``close`` kept in ``closes``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.closes: list[float] = []
+
+    def close(self, timeout: float) -> list[threading.Thread]:
+        self.closes.append(timeout)
+        return super().close(timeout)
+
+
 def _strike(what: str):
     FAILED_AT.append(time.time())
     raise RuntimeError(f"{what} failed on purpose")
@@ -340,10 +352,11 @@ def failure_reaches_every_rank(rank: int, world_size: int, kind: str, how: str) 
 
     wrap = (lambda s, b: Failing(b)) if how == "forward" and rank == failing else None
     stages, blocks = build_stages(chain, rank, world_size, "loop", wrap=wrap)
+    device = ClosesCounted()
     schedule = StudySchedule(stages, M, loss_fn=loss if how == "loss" and rank == failing
                             else loss_fn, hint="GPipe",
                              settings=Settings(stall_timeout=300, launch_depth=1),
-                             study=Study(device=EmulatedDevice(), channels=channels))
+                             study=Study(device=device, channels=channels))
     run_steps(schedule, stages, blocks, x, y, 1)
     snapshot = [copy.deepcopy(b) for b in blocks]
     armed, calls[0] = True, 0
@@ -353,6 +366,7 @@ def failure_reaches_every_rank(rank: int, world_size: int, kind: str, how: str) 
     if plant and kind == "gloo":
         sent.clear()
     error, failed_rank = None, None
+    device.closes.clear()
     try:
         run_steps(schedule, stages, blocks, x, y, 1)
     except Exception as e:
@@ -365,7 +379,8 @@ def failure_reaches_every_rank(rank: int, world_size: int, kind: str, how: str) 
     bitwise = recovers_as_gpipe(chain, snapshot, rank, world_size, M, x, y, channels_for(kind))
     return {"error": error, "failed_rank": failed_rank, "raised_at": raised_at,
             "failed_at": FAILED_AT[0] if FAILED_AT else None,
-            "bitwise": bitwise, "threads_at_end": rrfp_threads()}
+            "bitwise": bitwise, "threads_at_end": rrfp_threads(),
+            "stall_closes": device.closes.count(300)}
 
 
 @pytest.mark.parametrize("how", ["forward", "loss", "send"])
@@ -376,7 +391,8 @@ def test_a_rank_failing_mid_step_makes_every_rank_raise_within_2_s_naming_it(kin
     error). Every other rank raises ``PeerFailedError`` naming it within 2 s — on gloo,
     whose closed connections would also fail the neighbours, and on channels whose abort
     does not reach the peer (``rrfp.testing.nccl_like``), where only the store tells them. Then a
-    new schedule in the same process steps bitwise as torch's GPipe."""
+    new schedule in the same process steps bitwise as torch's GPipe. A rank waits for its
+    device at most once for ``stall_timeout`` (not again after a first wait)."""
     ranks = run_local_world(3, failure_reaches_every_rank, kind, how, timeout=150)
     failing = {"forward": 0, "loss": 2, "send": 1}[how]
     own = ranks[failing]
@@ -389,6 +405,7 @@ def test_a_rank_failing_mid_step_makes_every_rank_raise_within_2_s_naming_it(kin
     for rank, result in enumerate(ranks):
         assert result["bitwise"], f"rank {rank}: the new schedule's step differs from GPipe"
         assert result["threads_at_end"] == [], result["threads_at_end"]
+        assert result["stall_closes"] == 1, (rank, result["stall_closes"])
         if rank == failing:
             continue
         assert result["error"].startswith("PeerFailedError"), result["error"]

@@ -19,19 +19,18 @@ from collections.abc import Sequence
 from rrfp.advise import end_with_parent
 from rrfp.advise.measured import MeasuredRun
 from rrfp.advise.predict import NAMED_POLICIES, predictions, Setting
-from rrfp.core.sizes import tell_apart
 from rrfp.core.tuning import Candidate, Predicted
 
 
 def predict_candidates(run: MeasuredRun, limits: Sequence[str]) -> list[Predicted]:
     """Each candidate at ``limits`` (the default policy and the advisor's named ones)
-    replayed on the run's steps; where the steps recorded sizes that tell microbatches
-    apart, each told the sizes and not (``Candidate.use_sizes``). Settings that run alike
-    (a policy that does not read the sizes, told them or not) are predicted once."""
-    sized = any(tell_apart(step.timing.sizes) for step in run.steps)
+    replayed on the run's steps, each told the sizes and not (``Candidate.use_sizes``).
+    Settings that run alike are predicted once, the first of them a candidate
+    (``predictions`` says which: told the sizes or not, a policy that does not read them,
+    or steps whose sizes do not tell microbatches apart)."""
     settings = {Candidate(limit, policy, use): Setting(run.hint.name, limit, policy, use)
                 for limit in limits for policy in (None, *NAMED_POLICIES)
-                for use in ((True, False) if sized else (True,))}
+                for use in (True, False)}
     _, rows = predictions(run, list(settings.values()))
     by_setting = {row.setting: row.speedup for row in rows}
     return [Predicted(candidate, by_setting[setting])

@@ -60,7 +60,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-from rrfp.comm.board import FailureBoard, is_timeout, JobScope
+from rrfp.comm.board import FailureBoard, first_line, is_timeout, JobScope
 from rrfp.comm.channels import break_gloo_group
 from rrfp.comm.threads import concurrently
 from rrfp.core.errors import PipelineStallError
@@ -270,7 +270,23 @@ class JobWatch:
         for thread in threads:
             if thread is not threading.current_thread():
                 thread.join(max(0.0, deadline - time.monotonic()))
-        return [thread for thread in threads if thread.is_alive()]
+        alive = [thread for thread in threads if thread.is_alive()]
+        if not alive:
+            self._forget_keys()
+        return alive
+
+    def _forget_keys(self) -> None:
+        """Delete the watch's keys (its wake key, its probe's) once its threads ended: the
+        store keeps none per rank of a closed schedule."""
+        store = self._board.notice_store
+        if store is None or self._board.lost is not None:
+            return
+        try:
+            for key in (self._board.wake_key, f"{PROBE}/{self._board.me}"):
+                store.delete_key(key)
+        except Exception as e:  # the store gone since: nothing is left to keep tidy
+            logger.warning("global rank %d could not delete its watch's keys: %s",
+                           self._board.me, first_line(e))
 
 
 SETTINGS, VERDICT = "settings", "settings-verdict"

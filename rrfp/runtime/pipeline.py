@@ -148,13 +148,6 @@ class PipelineRuntime:
         def clock() -> float:
             return time.perf_counter() - origin
 
-        def arrivals() -> list[Arrival]:
-            collected = self.transport.collect()
-            if not collected:
-                return []
-            return [Arrival(r.edge, r.microbatch, r.seen - origin)
-                    for r in self.receives.arrived(collected)]
-
         hint = self.hint if training else self._forward_only
         tuned, self.limits = (self.self_driving.before_step(self.training_steps_run, self.limits)
                               if training and self.self_driving else (None, self.limits))
@@ -179,8 +172,9 @@ class PipelineRuntime:
                                         self.stall_timeout)
                        if self.coordination.twin is not None else None)
         loop = StepLoop(
-            arbiter, self.device, executor, arrivals=arrivals,
-            clock=clock, launch_depth=math.inf if fixed else self.launch_depth,
+            arbiter, self.device, executor,
+            arrivals=_arrivals_since(origin, self.transport, self.receives), clock=clock,
+            launch_depth=math.inf if fixed else self.launch_depth,
             reorder_ahead=self.reorder_ahead, stall_timeout=self.stall_timeout,
             describe_rank=f"pipeline rank {self.rank} (global rank {dist.get_rank()})",
             describe_peer=lambda peer: f"global rank {self.transport.channels.global_ranks[peer]}",
@@ -242,7 +236,8 @@ class PipelineRuntime:
         except StoreLostError as e:
             self._stop_for_store(e, custom, e)
         except BaseException as e:
-            if self._usable_after_failure(operations, coordinator, custom):
+            computing = bool(self.device.close(self.stall_timeout))
+            if self._usable_after_failure(operations, coordinator, custom, computing):
                 raise
             # A peer's failure may be what broke this step (a closed gloo connection, an
             # aborted collective): say so, naming it; otherwise this rank failed first,
@@ -250,31 +245,32 @@ class PipelineRuntime:
             try:
                 self.board.check(force=True)
             except PeerFailedError as peer:
-                self._stop_for_peer(peer, loop, custom, e)
+                self._stop_for_peer(peer, loop, custom, e, computing)
             except StoreLostError as lost:
-                self._stop_for_store(lost, custom, e)
-            self._fail(e, custom)
+                self._stop_for_store(lost, custom, e, computing)
+            self._fail(e, custom, computing)
 
     def _stop_for_peer(self, error: PeerFailedError, loop: StepLoop, custom: CustomFunctions,
-                       cause: BaseException) -> NoReturn:
+                       cause: BaseException, computing: bool | None = None) -> NoReturn:
         """Another rank failed first: tell this rank's state (for a hang report), abandon
         the step, raise ``error`` saying what this rank was waiting for."""
         self.report.tell(self._state(error))
-        self._abandon(error, custom)
+        self._abandon(error, custom, computing)
         raise PeerFailedError(
             f"pipeline rank {self.rank} (global rank {dist.get_rank()}) stops its step: "
             f"{error}\nit was waiting for:\n" + "\n".join(loop.waiting()),
             error.failed_rank) from cause
 
     def _stop_for_store(self, error: StoreLostError, custom: CustomFunctions,
-                        cause: BaseException) -> NoReturn:
+                        cause: BaseException, computing: bool | None = None) -> NoReturn:
         """The job's store is gone: abandon the step (nothing more is asked of the store)
         and raise one line naming it."""
-        self._abandon(error, custom)
+        self._abandon(error, custom, computing)
         raise StoreLostError(f"pipeline rank {self.rank} (global rank {dist.get_rank()}) "
                              f"stops its step: {error}") from cause
 
-    def _fail(self, error: BaseException, custom: CustomFunctions) -> NoReturn:
+    def _fail(self, error: BaseException, custom: CustomFunctions,
+              computing: bool) -> NoReturn:
         """This rank failed first: tell every rank of the job, naming the action it ran;
         abandon the step. A stall also gets the job's hang report, written here if this
         rank's failure is the one the board kept (the others' errors point at it)."""
@@ -289,7 +285,7 @@ class PipelineRuntime:
         first = board.failure()
         state = self._state(error)
         self.report.tell(state)
-        self._abandon(error, custom)
+        self._abandon(error, custom, computing)
         report = ""
         if stalled and first is not None and first[0] == board.me:
             report = f"\nhang report: {self.report.write(state)}"
@@ -329,29 +325,32 @@ class PipelineRuntime:
                 return
 
     def _usable_after_failure(self, operations: int, coordinator: Coordinator | None,
-                              custom: CustomFunctions) -> bool:
-        """After this rank's step failed: whether nothing it launched still runs and it
+                              custom: CustomFunctions, computing: bool) -> bool:
+        """After this rank's step failed and its device closed (``computing``: its thread
+        still runs): whether nothing it launched still runs and it
         had issued no receive, send or coordination round (its transport had issued
         ``operations`` at the start). Then its channels and peers are as before the step
         and the runtime stays usable, as torch's schedules do after an error raised before
         their first send or receive: what the step left goes, and no failure is told to
         the peers (they wait, as for a rank that has not stepped yet)."""
-        computing = self.device.close(self.stall_timeout)
         if computing or self.transport.operations != operations or (
                 coordinator is not None and coordinator.rounds):
             return False
         self._let_go_of_the_step(custom)
         return True
 
-    def _abandon(self, error: BaseException, custom: CustomFunctions) -> None:
+    def _abandon(self, error: BaseException, custom: CustomFunctions,
+                 computing: bool | None) -> None:
         """After a failed step (its failure already published, or a peer's seen): abort
         the groups a replica may be blocked in with this rank, then the channels, so that
         pending collectives and receives fail (on gloo the peers' too); stop the device;
         free the unfinished microbatches' activations (unless the device's thread, which
-        may read them, still runs); refuse further steps."""
+        may read them, still runs: ``computing``, where the device was closed already);
+        refuse further steps."""
         self._failure = f"a step failed with {type(error).__name__} on pipeline rank {self.rank}"
         self.job_groups.abort()
-        computing = self.device.close(self.stall_timeout)
+        if computing is None:
+            computing = bool(self.device.close(self.stall_timeout))
         try:
             self.close(failed=True)
         except RuntimeError as e:  # e.g. a send gloo left pending: it holds no stage state
@@ -383,6 +382,19 @@ class PipelineRuntime:
         alive += device_alive + watch_alive
         if alive:
             raise RuntimeError(f"threads still running after close(): {[t.name for t in alive]}")
+
+
+def _arrivals_since(origin: float, transport: Transport, receives: ReceiveRings
+                    ) -> Callable[[], list[Arrival]]:
+    """The step loop's arrivals: the messages the transport collected since it last
+    looked, on the step's clock (from ``origin``)."""
+    def arrivals() -> list[Arrival]:
+        collected = transport.collect()
+        if not collected:
+            return []
+        return [Arrival(r.edge, r.microbatch, r.seen - origin) for r in receives.arrived(collected)]
+
+    return arrivals
 
 
 def _closing_at_exit(runtime: PipelineRuntime) -> Callable[[], None]:

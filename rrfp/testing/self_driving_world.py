@@ -49,8 +49,16 @@ def predicts_without_sizes(run: MeasuredRun, limits: Sequence[str]) -> list[Pred
             Predicted(Candidate(limits[-1], "critical", use_sizes=False), 1.5)]
 
 
+def predicts_top_limit(run: MeasuredRun, limits: Sequence[str]) -> list[Predicted]:
+    """The budget's top limit under the default policy predicted 1.2x the fixed schedule,
+    the others 1.0x: forces a switch (the advisor's own predictions from a few emulated
+    steps spread too widely around this world's small gain to force one)."""
+    return [Predicted(Candidate(limit), 1.2 if limit == limits[-1] else 1.0)
+            for limit in limits]
+
+
 PREDICTORS = {"advisor": predict_candidates, "no gain": predicts_no_gain,
-              "without sizes": predicts_without_sizes}
+              "without sizes": predicts_without_sizes, "top limit": predicts_top_limit}
 
 
 class FamilyClock:

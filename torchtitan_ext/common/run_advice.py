@@ -194,6 +194,9 @@ class RunAdvice:
         self.records: list[StepRecord] = []
         self.events: collections.deque[list[dict]] = collections.deque(maxlen=KEPT_STEPS)
         self.bytes_per_microbatch: dict[int, int] = {}
+        self._fixed_peaks: tuple[tuple[tuple[int, int], ...], dict[int, int]] = ((), {})
+        """The hint's fixed order's peak bytes per rank, and the bytes per microbatch they
+        are at (they change only when a metered step changes those)."""
         self.first_verdict: AdvisorProcess | None = None
         """Started once ``FIRST_VERDICT_AFTER`` steps after the first ran, where it fits."""
         self._pairs_logged = 0
@@ -249,7 +252,10 @@ class RunAdvice:
         hint = self.schedule.hint
         if len(self.bytes_per_microbatch) != hint.num_stages:
             return {}, {}
-        fixed = fixed_peak_bytes(hint, self.bytes_per_microbatch)
+        at = tuple(sorted(self.bytes_per_microbatch.items()))
+        if self._fixed_peaks[0] != at:
+            self._fixed_peaks = at, fixed_peak_bytes(hint, self.bytes_per_microbatch)
+        fixed = self._fixed_peaks[1]
         return ({self.label(s): realized_peak_bytes(hint, s.pp_rank, s.realized_order,
                                                     self.bytes_per_microbatch)
                  for s in gathered},
