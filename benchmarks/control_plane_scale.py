@@ -87,6 +87,13 @@ STEP_S = 1.0
 AGREE_CAP_S = 120.0
 """The longest a start may take before the run of that K is given up."""
 PROBE_S = 3.0
+SWITCH_INTERVAL_S = 0.5
+"""The workers' ``sys.setswitchinterval``. A thread waiting for the interpreter's lock
+wakes every interval to ask for it; at a failure every rank's watch and step loop in a
+worker (hundreds; a real rank is an interpreter of its own, with a few threads) wait for
+it at once, and at CPython's 5 ms their wake-ups alone kept this host's 2 cores busy
+(a load of ~2,000 for minutes at K = 4096). The threads here release the lock at every
+store call and wait, so a longer interval costs them nothing else."""
 SETTINGS = {"hint": "1F1B (orders 3f2a9c0d1b7e)", "n_microbatches": "32",
             "stall_timeout": "300.0", "buffer_limit": "'hint'", "policy": "None",
             "launch_depth": "2", "coordination": "'leader'"}
@@ -212,6 +219,7 @@ class SimulatedRank:
 def worker(port: int, ranks: int, first: int, count: int, failing: int) -> None:
     """Ranks ``first`` .. ``first + count - 1``; prints what they measured as JSON."""
     threading.stack_size(512 * 1024)
+    sys.setswitchinterval(SWITCH_INTERVAL_S)
     control = _client(port)
     phase = Phase()
     with tempfile.TemporaryDirectory() as folder:
