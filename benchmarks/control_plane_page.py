@@ -51,21 +51,22 @@ NOTES = [
     "rank raised 0.47 s after the failure, hang report 0.42 s); on a host shared with other "
     "work the same K gave 14.6 s and 14.4 s.",
     "",
-    "K = 4096 meets the steady-state, start and start-operations figures, not the failure "
-    "reach: the last rank raised 8.6 s after the failure (the first 0.39 s, half of them by "
-    "7.4 s), and the hang report took 8.4 s. It reads as this host's CPU, not the store "
-    "(not measured apart: the CPU per simulated rank is the next thing to measure): "
-    "every simulated rank's share of a failure (its watch's wake and read, its step loop's "
-    "raise, its told state: Python on a thread among 384 in its process) runs on the same "
-    "2 cores, 4,096 times; the last rank raised 0.69 s after the failure at K = 1024 and "
-    "0.13 s at K = 256, and the store answered the driver's own calls throughout. Other runs "
-    "of K = 4096 on this host spread widely: 5.2 s (a 10 s idle phase), 68 s with 64 "
-    "ranks a process (64 interpreters filled the host's memory), and 355 s in the first "
-    "run, where whole worker processes came late (their own loops saw the driver's last "
-    "phase minutes after the driver set it; 3797 of 4095 ranks raised). With 8 processes of 512 ranks "
-    "the watches took minutes to connect (about 400 threads of a process in `take_gil`). A "
-    "real rank is a process of its own, on a host of its own: its share is milliseconds of "
-    "its own CPU."]
+    "K = 4096 meets every figure: the last rank raised 2.0 s after the failure (the first "
+    "0.42 s), and the hang report took 1.9 s. The failure phase (table above) cost the "
+    "worker processes 3.5 s of CPU, 0.85 ms a simulated rank (its watch's wake and read, its "
+    "step loop's raise and told state, and its worker's own polling of the driver), and the "
+    "store's process 0.39 s: 85% of this host's 2 cores over the phase. The reach at this K "
+    "is this host's CPU running every rank's share; a real rank runs its share on its own "
+    "host.",
+    "",
+    "The workers run at a 0.5 s switch interval (`SWITCH_INTERVAL_S`). At CPython's 5 ms, a "
+    "thread waiting for its interpreter's lock wakes every 5 ms to ask for it, and at a "
+    "failure every watch and step loop of a worker (256 threads) waits for it at once: two "
+    "runs of K = 4096 at 5 ms stalled (a load of 1,800-2,900 on 2 cores for minutes; 87 and "
+    "275 of 4,095 ranks had raised when the runs were cut at 5 and 7 minutes), and earlier "
+    "runs at 5 ms gave 8.6 s, 5.2 s and 355 s. The simulated ranks' threads release the lock "
+    "at every store call and wait, so the longer interval costs them nothing else; a real "
+    "rank has a few threads in its interpreter."]
 
 
 def summarize(run: dict) -> dict:
