@@ -50,9 +50,10 @@ def predicts_without_sizes(run: MeasuredRun, limits: Sequence[str]) -> list[Pred
 
 
 def predicts_top_limit(run: MeasuredRun, limits: Sequence[str]) -> list[Predicted]:
-    """The budget's top limit under the default policy predicted 1.2x the fixed schedule,
-    the others 1.0x: forces a switch (the advisor's own predictions from a few emulated
-    steps spread too widely around this world's small gain to force one)."""
+    """The budget's top limit under the default policy predicted well above the switch
+    margin, every other limit as fast as the fixed schedule: forces a switch (the advisor's
+    own predictions from a few emulated steps spread too widely around this world's small
+    gain to force one)."""
     return [Predicted(Candidate(limit), 1.2 if limit == limits[-1] else 1.0)
             for limit in limits]
 

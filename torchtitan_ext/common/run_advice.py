@@ -41,6 +41,7 @@ from rrfp import ScheduleRRFP, StepStats
 from rrfp.advise import ab_speedups, child_environment, lower_priority
 from rrfp.advise.cost import available_cores, CPU_SHARE, prediction_cpu_seconds
 from rrfp.advise.report import MIN_STEPS, size, spread
+from rrfp.core.hints import Hint
 from rrfp.core.limits import fixed_peak_bytes, realized_peak_bytes
 from torchtitan.tools.logging import logger
 
@@ -194,9 +195,11 @@ class RunAdvice:
         self.records: list[StepRecord] = []
         self.events: collections.deque[list[dict]] = collections.deque(maxlen=KEPT_STEPS)
         self.bytes_per_microbatch: dict[int, int] = {}
-        self._fixed_peaks: tuple[tuple[tuple[int, int], ...], dict[int, int]] = ((), {})
-        """The hint's fixed order's peak bytes per rank, and the bytes per microbatch they
-        are at (they change only when a metered step changes those)."""
+        self._fixed_peaks: tuple[Hint | None, tuple[tuple[int, int], ...], dict[int, int]] = \
+            (None, (), {})
+        """The hint and bytes per microbatch the fixed order's peak bytes per rank were
+        counted at, and those peaks (they change only with the hint or a metered step's
+        bytes)."""
         self.first_verdict: AdvisorProcess | None = None
         """Started once ``FIRST_VERDICT_AFTER`` steps after the first ran, where it fits."""
         self._pairs_logged = 0
@@ -253,9 +256,9 @@ class RunAdvice:
         if len(self.bytes_per_microbatch) != hint.num_stages:
             return {}, {}
         at = tuple(sorted(self.bytes_per_microbatch.items()))
-        if self._fixed_peaks[0] != at:
-            self._fixed_peaks = at, fixed_peak_bytes(hint, self.bytes_per_microbatch)
-        fixed = self._fixed_peaks[1]
+        if self._fixed_peaks[0] is not hint or self._fixed_peaks[1] != at:
+            self._fixed_peaks = hint, at, fixed_peak_bytes(hint, self.bytes_per_microbatch)
+        fixed = self._fixed_peaks[2]
         return ({self.label(s): realized_peak_bytes(hint, s.pp_rank, s.realized_order,
                                                     self.bytes_per_microbatch)
                  for s in gathered},
