@@ -16,7 +16,9 @@ NOTES = [
     "What the figures are: *idle* counts every store call a rank made over the idle phase "
     "(35 s), divided by its length; the watch's wait is one call (a wait that times out "
     "costs the server a second message, its cancel). *ops per sized step* include the first "
-    "step's checks of each pipeline peer's fits (later steps: a write and a read). The "
+    "step's checks of each pipeline peer's fits (later steps: a write and a read), over the "
+    "sized steps each rank ran in the phase (in brackets: the fewest and most; fewer "
+    "steps weigh the first one's checks more). The "
     "before code's step loop read the store every 0.1 s while waiting; the simulated loop "
     "looks once a second, so its before figures are a lower bound. *watches armed*: from "
     "the go to the last rank's watch connected (each rank makes its watch once it has "
@@ -93,6 +95,7 @@ def summarize(run: dict) -> dict:
         "idle_per_rank": mean(idle) if idle else None,
         "idle_total": sum(idle) if idle else None,
         "step_calls": (sum(calls for calls, _ in sized) / max(1, sum(steps))) if sized else None,
+        "steps_range": (min(steps), max(steps)),
         "step_keys": (sum(keys for _, keys in sized) / max(1, sum(steps))) if sized else None,
         "raised": len(raised),
         "reach_first": min(raised) - published if raised and published else None,
@@ -175,7 +178,8 @@ def _table(label: str, rows: list[dict]) -> list[str]:
             f"| {_fmt(row['agree_s'])} | {_fmt(row['armed_s'])} "
             f"| {_fmt(row['agree_calls'], 1)} / "
             f"{row['agree_calls_max']} | {_fmt(row['agree_keys'], 1)} / {row['agree_keys_max']} "
-            f"| {_fmt(row['step_calls'], 1)} | {_fmt(row['step_keys'], 1)} "
+            f"| {_fmt(row['step_calls'], 1)} ({row['steps_range'][0]}-{row['steps_range'][1]} "
+            f"steps) | {_fmt(row['step_keys'], 1)} "
             f"| {_fmt(row['reach_first'])} / {_fmt(row['reach_last'])} "
             f"| {row['raised']} of {row['ranks'] - 1} | {_fmt(row['report_s'])} |")
     errors = [f"K={row['ranks']}: {e}" for row in rows for e in row["errors"]]
