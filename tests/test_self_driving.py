@@ -110,9 +110,13 @@ def test_a_plan_reads_back_as_it_was_said():
     assert BlockPlan.decode(plan.encode()) == plan
 
 
-def test_the_child_process_predicts_what_the_advisor_predicts(tmp_path):
+def test_the_child_process_predicts_what_the_advisor_predicts(tmp_path, monkeypatch):
     from rrfp.advise import read_run
     from tests.test_advise import write_run
+
+    # At nice 19 the child gets next to no CPU beside a loaded machine's busy processes
+    # (it timed out in CI beside a simulation); what it predicts is the point here.
+    monkeypatch.setattr("rrfp.runtime.self_driving.lower_priority", lambda *a, **k: None)
 
     write_run(tmp_path / "run", steps=4, ranks=2)
     run, _ = read_run(str(tmp_path / "run"))
