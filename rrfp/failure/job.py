@@ -162,6 +162,7 @@ class JobWatch:
                  told: Callable[[int, str], None], period: float = WATCH_PERIOD_S):
         self._board, self._groups, self._wakeup, self._told = board, groups, wakeup, told
         self._period = period
+        self._probe_key = f"{PROBE}/{board.me}"
         self._stop = threading.Event()
         self._ended = threading.Event()
         """Set once the watch is over: closed, a failure heard, or the store gone."""
@@ -212,7 +213,7 @@ class JobWatch:
         other operations or ``close``; once the connection gave up on a store host that
         vanished without closing it, the write fails."""
         store = self._board.notice_store
-        key = f"{PROBE}/{self._board.me}"
+        key = self._probe_key
         while store is not None and not self._ended.wait(self._period):
             try:
                 store.set(key, "")
@@ -282,7 +283,7 @@ class JobWatch:
         if store is None or self._board.lost is not None:
             return
         try:
-            for key in (self._board.wake_key, f"{PROBE}/{self._board.me}"):
+            for key in (self._board.wake_key, self._probe_key):
                 store.delete_key(key)
         except Exception as e:  # the store gone since, or one that cannot delete keys
             # (torch's PrefixStore over a store written in Python): two small keys are left
