@@ -18,23 +18,18 @@ import time
 import weakref
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from typing import NoReturn
 
 import torch.distributed as dist
 from torch.distributed.pipelining.stage import _PipelineStageBase
 
-from rrfp._torch_compat import clear_after_failure
 from rrfp.comm.board import FAILURE_POLL_S, FailureBoard
 from rrfp.comm.coordination import Coordinator, CoordinationGroup, make_coordinator
 from rrfp.comm.fit_sharing import FitSharing
 from rrfp.comm.receives import ReceiveRings
 from rrfp.comm.transport import Transport
-from rrfp.core.actions import describe
 from rrfp.core.arbiter import Arbiter
-from rrfp.core.errors import PeerFailedError, PipelineStallError, StoreLostError
 from rrfp.core.hints import Hint
 from rrfp.core.history import History
-from rrfp.core.limits import ByteLimits, MemoryLimits
 from rrfp.core.loop import Arrival, Device, StepLoop
 from rrfp.core.policy import make_policy
 from rrfp.core.sizes import StepSizes
@@ -42,8 +37,9 @@ from rrfp.core.stats import StepStats
 from rrfp.core.tuning import FIXED_ORDER
 from rrfp.core.wakeup import Wakeup
 from rrfp.devices.platform import Platform
-from rrfp.failure.hang_report import HangReport, rank_state
+from rrfp.failure.hang_report import HangReport
 from rrfp.failure.job import JobGroups, JobWatch
+from rrfp.runtime.step_failure import StepFailure
 from rrfp.runtime.executor import LossFn, Reduction, StageExecutor, StepInputs
 from rrfp.runtime.limit_plan import LimitPlan
 from rrfp.runtime.meter import ActivationMeter
@@ -114,10 +110,13 @@ class PipelineRuntime:
         self.activation_bytes_per_microbatch: dict[int, int] | None = None
         """Per local stage, the most bytes one microbatch's forward saved for backward in
         the last metered training step (None before one)."""
-        self._failure: str | None = None
-        self.job_groups, self.report, self.board = job_groups, report, board
-        self._step: tuple[StepLoop, StageExecutor] | None = None
-        """The step running now, if any."""
+        self.report, self.board = report, board
+        self.failure = StepFailure(rank, stages, device=device, transport=transport,
+                                   receives=receives, board=board, report=report,
+                                   job_groups=job_groups, stall_timeout=stall_timeout,
+                                   close=lambda: self.close(failed=True))
+        self._in_step = False
+        """Whether a step runs now."""
         self._watch = JobWatch(board, job_groups, wakeup, self._told_by_watch)
         self._close_at_exit = _closing_at_exit(self)
 
@@ -125,13 +124,6 @@ class PipelineRuntime:
         """Rank ready actions by ``hint`` within ``limits`` from the next step on (the same
         placement: the channels were built for it)."""
         self.hint, self._forward_only, self.limits = hint, hint.forward_only(), limits
-
-    def refuse_if_failed(self) -> None:
-        if self._failure is not None:
-            raise RuntimeError(
-                f"this ScheduleRRFP cannot run another step ({self._failure}); its channels "
-                "are closed: build a new ScheduleRRFP on every rank of the pipeline, which "
-                "connects fresh ones")
 
     def run(self, inputs: StepInputs, *, training: bool, loss: LossFn | None,
             reduction: Reduction, custom: CustomFunctions,
@@ -179,16 +171,16 @@ class PipelineRuntime:
             describe_rank=f"pipeline rank {self.rank} (global rank {dist.get_rank()})",
             describe_peer=lambda peer: f"global rank {self.transport.channels.global_ranks[peer]}",
             coordinator=coordinator, block=self.wait)
-        self._step = (loop, executor)
+        self._in_step = True
         prediction_error = None
         try:
-            self._run_loop(loop, origin, hint, training, coordinator, custom)
+            self._run_loop(loop, executor, origin, hint, training, coordinator, custom)
             prediction_error = self.history.prediction_errors(loop.device_runs)
             if training and meter is not None:
                 self.activation_bytes_per_microbatch = {
                     s: executor.saved_per_microbatch.get(s, 0) for s in self.stages}
         finally:
-            self._step = None
+            self._in_step = False
             self.last_step_stats = step_stats(
                 loop, executor, coordinator, clock(), self.transport.take_sent(),
                 rank=self.rank, device=self.device, meter=meter, limits=self.limits,
@@ -214,11 +206,11 @@ class PipelineRuntime:
         if self.history.sizes_tell_apart:
             self.history.models.adopt(self.fit_sharing.latest())
 
-    def _run_loop(self, loop: StepLoop, origin: float, hint: Hint, training: bool,
-                  coordinator: Coordinator | None, custom: CustomFunctions) -> None:
-        """Run the step's loop to its end, its sends completed; on failure, tell the other
-        ranks (or name the peer whose failure broke this step) and abandon the step, unless
-        it failed before this rank communicated (then it stays usable)."""
+    def _run_loop(self, loop: StepLoop, executor: StageExecutor, origin: float, hint: Hint,
+                  training: bool, coordinator: Coordinator | None,
+                  custom: CustomFunctions) -> None:
+        """Run the step's loop to its end, its sends completed; on failure, hand the error
+        to ``StepFailure``, which raises for it."""
         self.device.begin_step(origin, self.wakeup)
         self.transport.ledger.start_step(self.transport.channels)
         operations = self.transport.operations
@@ -231,86 +223,15 @@ class PipelineRuntime:
                 coordinator.finish()
             self.transport.finish_sends(self.stall_timeout)
             self.receives.finish()
-        except PeerFailedError as e:
-            self._stop_for_peer(e, loop, custom, e)
-        except StoreLostError as e:
-            self._stop_for_store(e, custom, e)
         except BaseException as e:
-            computing = bool(self.device.close(self.stall_timeout))
-            if self._usable_after_failure(operations, coordinator, custom, computing):
-                raise
-            # A peer's failure may be what broke this step (a closed gloo connection, an
-            # aborted collective): say so, naming it; otherwise this rank failed first,
-            # and tells the others.
-            try:
-                self.board.check(force=True)
-            except PeerFailedError as peer:
-                self._stop_for_peer(peer, loop, custom, e, computing)
-            except StoreLostError as lost:
-                self._stop_for_store(lost, custom, e, computing)
-            self._fail(e, custom, computing)
-
-    def _stop_for_peer(self, error: PeerFailedError, loop: StepLoop, custom: CustomFunctions,
-                       cause: BaseException, computing: bool | None = None) -> NoReturn:
-        """Another rank failed first: tell this rank's state (for a hang report), abandon
-        the step, raise ``error`` saying what this rank was waiting for."""
-        self.report.tell(self._state(error))
-        self._abandon(error, custom, computing)
-        raise PeerFailedError(
-            f"pipeline rank {self.rank} (global rank {dist.get_rank()}) stops its step: "
-            f"{error}\nit was waiting for:\n" + "\n".join(loop.waiting()),
-            error.failed_rank) from cause
-
-    def _stop_for_store(self, error: StoreLostError, custom: CustomFunctions,
-                        cause: BaseException, computing: bool | None = None) -> NoReturn:
-        """The job's store is gone: abandon the step (nothing more is asked of the store)
-        and raise one line naming it."""
-        self._abandon(error, custom, computing)
-        raise StoreLostError(f"pipeline rank {self.rank} (global rank {dist.get_rank()}) "
-                             f"stops its step: {error}") from cause
-
-    def _fail(self, error: BaseException, custom: CustomFunctions,
-              computing: bool) -> NoReturn:
-        """This rank failed first: tell every rank of the job, naming the action it ran;
-        abandon the step. A stall also gets the job's hang report, written here if this
-        rank's failure is the one the board kept (the others' errors point at it)."""
-        stalled = isinstance(error, (PipelineStallError, TimeoutError))
-        running = self._step[1].running if self._step is not None else None
-        board = self.board
-        board.publish(
-            f"pipeline rank {self.rank} (global rank {dist.get_rank()}) failed its step"
-            + (f" in {describe(running)}" if running is not None else "")
-            + f": {_with_causes(error)}"
-            + (f"\nhang report: {self.report.path}" if stalled else ""))
-        first = board.failure()
-        state = self._state(error)
-        self.report.tell(state)
-        self._abandon(error, custom, computing)
-        report = ""
-        if stalled and first is not None and first[0] == board.me:
-            report = f"\nhang report: {self.report.write(state)}"
-        elif stalled and first is not None:  # another rank's stall came first: its report
-            report = "".join(f"\n{line} (by global rank {first[0]}, whose failure came first)"
-                             for line in first[1].splitlines()[-1:]
-                             if line.startswith("hang report: "))
-        if isinstance(error, TimeoutError):
-            raise PipelineStallError(f"pipeline rank {self.rank}: {error}{report}") from error
-        if report:
-            raise PipelineStallError(f"{error}{report}") from error
-        raise error
-
-    def _state(self, error: BaseException | None) -> dict:
-        """What this rank tells a hang report now."""
-        return rank_state(rank=dist.get_rank(), pipeline_rank=self.rank,
-                          stages=sorted(self.stages), step=self.steps_run, error=error,
-                          loop=self._step[0] if self._step is not None else None,
-                          transport=self.transport)
+            self.failure.handle(e, loop=loop, running=executor.running, step=self.steps_run,
+                                operations=operations, coordinator=coordinator, custom=custom)
 
     def _told_by_watch(self, rank: int, message: str) -> None:
         """The watch saw another rank's failure: outside a step nothing else will tell
         this rank's state (in a step, the step's own failure does)."""
-        if self._step is None:
-            self.report.tell(self._state(None))
+        if not self._in_step:
+            self.report.tell(self.failure.state(None, self.steps_run))
 
     def wait(self, timeout: float) -> None:
         """Wait up to ``timeout`` for an arrival or a completion; meanwhile look, every
@@ -324,55 +245,12 @@ class PipelineRuntime:
             if left <= 0 or self.wakeup.wait(min(left, FAILURE_POLL_S)):
                 return
 
-    def _usable_after_failure(self, operations: int, coordinator: Coordinator | None,
-                              custom: CustomFunctions, computing: bool) -> bool:
-        """After this rank's step failed and its device closed (``computing``: its thread
-        still runs): whether nothing it launched still runs and it
-        had issued no receive, send or coordination round (its transport had issued
-        ``operations`` at the start). Then its channels and peers are as before the step
-        and the runtime stays usable, as torch's schedules do after an error raised before
-        their first send or receive: what the step left goes, and no failure is told to
-        the peers (they wait, as for a rank that has not stepped yet)."""
-        if computing or self.transport.operations != operations or (
-                coordinator is not None and coordinator.rounds):
-            return False
-        self._let_go_of_the_step(custom)
-        return True
-
-    def _abandon(self, error: BaseException, custom: CustomFunctions,
-                 computing: bool | None) -> None:
-        """After a failed step (its failure already published, or a peer's seen): abort
-        the groups a replica may be blocked in with this rank, then the channels, so that
-        pending collectives and receives fail (on gloo the peers' too); stop the device;
-        free the unfinished microbatches' activations (unless the device's thread, which
-        may read them, still runs: ``computing``, where the device was closed already);
-        refuse further steps."""
-        self._failure = f"a step failed with {type(error).__name__} on pipeline rank {self.rank}"
-        self.job_groups.abort()
-        if computing is None:
-            computing = bool(self.device.close(self.stall_timeout))
-        try:
-            self.close(failed=True)
-        except RuntimeError as e:  # e.g. a send gloo left pending: it holds no stage state
-            logger.warning("pipeline rank %d: %s", self.rank, e)
-        if not computing:
-            self._let_go_of_the_step(custom)
-
-    def _let_go_of_the_step(self, custom: CustomFunctions) -> None:
-        """After a failed step: unbind its receive buffers, drop its losses and what it left
-        in the stages (their graphs, and what those saved, go now rather than at the
-        stages' next step)."""
-        self.receives.finish()
-        custom.forget_step()
-        for stage in self.stages.values():
-            clear_after_failure(stage)
-
     def close(self, failed: bool = False, timeout: float = 10.0) -> None:
         """Stop the threads and close the channels (see ``ScheduleRRFP.close``)."""
         atexit.unregister(self._close_at_exit)
         if self.self_driving is not None:
             self.self_driving.close()
-        self._failure = self._failure or "the schedule was closed"
+        self.failure.closed()
         try:
             alive = self.transport.close(timeout, failed=failed,
                                          send_timeout=self.stall_timeout)
@@ -417,20 +295,6 @@ def _closing_at_exit(runtime: PipelineRuntime) -> Callable[[], None]:
 
     atexit.register(close)
     return close
-
-
-def _with_causes(error: BaseException, most: int = 4) -> str:
-    """``error`` and what caused it (torch wraps a stage's error in one that names the
-    stage), each as its type and first line, the full text of the first."""
-    text = f"{type(error).__name__}: {' '.join(str(error).split())}"
-    cause = error.__cause__ or error.__context__
-    for _ in range(most - 1):
-        if cause is None:
-            break
-        line = next((line.strip() for line in str(cause).splitlines() if line.strip()), "")
-        text += f" <- caused by {type(cause).__name__}: {line}"
-        cause = cause.__cause__ or cause.__context__
-    return text
 
 
 class ClosedOnLeaving:

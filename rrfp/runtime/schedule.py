@@ -192,7 +192,7 @@ class ScheduleRRFP(TorchRuntimeInterface, RuntimeReadout, ClosedOnLeaving):
                            return_outputs: bool = True,
                            loss_kwargs: dict[str, Any] | None = None,
                            sizes: list[MicrobatchSize | None] | None = None):
-        self._runtime.refuse_if_failed()
+        self._runtime.failure.refuse_if_failed()
         arg_mbs, kwarg_mbs = self._check_inputs(arg_mbs, kwarg_mbs, target_mbs, losses)
         self._set_up_stages(arg_mbs[0], kwarg_mbs[0],
                             target_mbs[0] if target_mbs is not None else None, loss_kwargs)
