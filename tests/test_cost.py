@@ -73,7 +73,7 @@ def test_a_prediction_waits_until_it_fits_the_share_and_the_hints_setting_runs_m
 
     started = []
 
-    def child(run, limits):
+    def child(run, limits, hints):
         started.append(run.actions)
         return [Predicted(Candidate("hint+1"), 1.2)], 2.0
 
@@ -84,13 +84,10 @@ def test_a_prediction_waits_until_it_fits_the_share_and_the_hints_setting_runs_m
     driving = self_driving.SelfDriving(
         parse_buffer_limit("hint+1"), hint, 0, JobScope("t", torch.distributed.HashStore(),
                                                         (0, 1)), (0,), 5.0, cpu_budget=budget)
-    limits = LimitPlan("hint", hint, 0, None)
-
     def run_steps(steps: range) -> list:
-        nonlocal limits
         ran = []
         for step in steps:
-            run, limits = driving.before_step(step, limits)
+            run, _ = driving.before_step(step)
             ran.append(run)
             driving.after_step(step, WholeStep(hint, step))
         return ran

@@ -6,7 +6,8 @@ import pytest
 from torch.distributed.pipelining.schedules import _Action, ScheduleInterleaved1F1B
 
 from rrfp.core.actions import B, Edge, F, I, REDUCE_GRAD, W
-from rrfp.core.hints import build_hint, HINT_NAMES, _torch_1f1b_order
+from rrfp.core.hints import (build_hint, HINT_NAMES, interchangeable, interchangeable_hints,
+                             _torch_1f1b_order)
 
 FITTING = {  # hint -> (stages per rank, placement) it needs
     "1F1B": (1, "loop"), "GPipe": (1, "loop"), "Interleaved1F1B": (2, "loop"),
@@ -116,3 +117,27 @@ def test_forward_only_hint_keeps_forwards_in_order():
     for r in range(2):
         assert list(fwd.orders[r]) == [a for a in hint.orders[r] if a.computation_type == F]
     assert _Action(0, F, 0) in fwd.orders[0]
+
+
+def test_interchangeable_hints_keep_the_placement_and_every_streams_order():
+    def built(name: str, ranks: int, stages: int, layout: str = "loop"):
+        return build_hint(name, num_ranks=ranks, num_stages=stages, n_microbatches=8,
+                          layout=layout)
+
+    # Full backwards, one stage per rank: every stage runs F and B in microbatch order.
+    assert set(interchangeable_hints(built("1F1B", 4, 4))) == {"GPipe", "Interleaved1F1B", "BF"}
+    # Split backward on a V: the BFW rule takes ZBV's streams; DualPipeV orders them
+    # differently.
+    assert set(interchangeable_hints(built("ZBVZeroBubble", 4, 8, "v"))) == {"BFW"}
+    assert not interchangeable(built("ZBVZeroBubble", 4, 8, "v"), built("DualPipeV", 4, 8, "v"))
+    # Split backward is never interchangeable with whole backwards, nor two placements.
+    assert not interchangeable(built("InterleavedZeroBubble", 4, 8), built("Interleaved1F1B", 4, 8))
+    assert not interchangeable(built("ZBVZeroBubble", 4, 8, "v"), built("BFW", 4, 8))
+    # One stream's order changed (stage 0's last two backwards swapped): not interchangeable.
+    one_f_one_b = built("1F1B", 2, 2)
+    orders = {r: list(acts) for r, acts in one_f_one_b.orders.items()}
+    last = [i for i, a in enumerate(orders[0]) if a.computation_type == B][-2:]
+    orders[0][last[0]], orders[0][last[1]] = orders[0][last[1]], orders[0][last[0]]
+    swapped = build_hint(orders, num_ranks=2, num_stages=2, n_microbatches=8)
+    assert not interchangeable(one_f_one_b, swapped)
+    assert interchangeable(one_f_one_b, built("GPipe", 2, 2))

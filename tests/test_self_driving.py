@@ -94,6 +94,35 @@ def test_a_setting_without_sizes_keeps_them_from_the_policy_of_every_step_it_run
         assert all(error is None for error in r["size_error"][FIRST:]), r["size_error"]
 
 
+def test_with_tune_hints_every_rank_switches_to_an_interchangeable_hint_and_stays_bitwise():
+    # 1F1B's interchangeable hints (GPipe first) rank at the budget's limits, counted on
+    # 1F1B; the first, at the top limit, predicted fastest (forced).
+    ranks = run_local_world(2, self_driving_world, "gains", STEPS, "12KiB", 0, 0.002,
+                            "other hint", CPU_SHARE, False, True, timeout=240)
+    for rank, r in enumerate(ranks):
+        assert r["decisions"] == [
+            f"from step {FIRST}: hint='GPipe', buffer_limit='hint+2', the default policy "
+            "(switch; predicted 1.500x the fixed schedule)"], r["decisions"]
+        # Ranked by GPipe from the switch on, except the A/B's fixed steps (1F1B's order).
+        assert r["ranked_by"][:FIRST] == [None] * FIRST
+        ranked = {(by, policy == "fixed") for by, policy in zip(r["ranked_by"][FIRST:],
+                                                                r["policy"][FIRST:])}
+        assert ranked == {("GPipe", False), (None, True)}, ranked
+        assert r["limits"][FIRST] == r["limits"][0] + 2
+        assert all(r["bitwise"]), rank
+        assert max(r["bytes"]) <= 12 * 1024, r["bytes"]
+    # Rank 0 holds two microbatches of 2048 B under 1F1B; GPipe's order at 4 runs ahead.
+    assert max(ranks[0]["bytes"][FIRST:]) > 4096
+
+
+def test_without_tune_hints_no_other_hint_is_offered():
+    ranks = run_local_world(2, self_driving_world, "gains", 8, "12KiB", 0, 0.002,
+                            "other hint", timeout=240)
+    for r in ranks:
+        assert "no gain" in r["decisions"][0], r["decisions"]
+        assert set(r["ranked_by"]) == {None}
+
+
 def test_a_budget_the_fixed_schedule_does_not_fit_is_refused_on_every_rank():
     ranks = run_local_world(2, self_driving_world, "gains", STEPS, "3KiB", timeout=240)
     errors = {r.get("error") for r in ranks}
@@ -104,8 +133,10 @@ def test_a_budget_the_fixed_schedule_does_not_fit_is_refused_on_every_rank():
 
 
 def test_a_plan_reads_back_as_it_was_said():
-    plan = BlockPlan((("hint+2", None, True, False), ("hint+1", "critical", False, False),
-                      ("hint", "fixed", True, True)), True,
+    plan = BlockPlan((("hint+2", None, True, None, False),
+                      ("hint+1", "critical", False, None, False),
+                      ("hint+1", None, True, "GPipe", False), ("hint", "fixed", True, None, True)),
+                     True,
                      ("from step 8: ...",), None, "predicting from steps 0-3 waits ...")
     assert BlockPlan.decode(plan.encode()) == plan
 
@@ -120,11 +151,49 @@ def test_the_child_process_predicts_what_the_advisor_predicts(tmp_path, monkeypa
 
     write_run(tmp_path / "run", steps=4, ranks=2)
     run, _ = read_run(str(tmp_path / "run"))
-    inline = predict_candidates(run, ["hint", "hint+1"])
-    predicted, cpu_seconds = predicted_in_a_child(run, ["hint", "hint+1"])
+    inline = predict_candidates(run, ["hint", "hint+1"], ["GPipe"])
+    assert any(p.setting.hint == "GPipe" for p in inline)
+    predicted, cpu_seconds = predicted_in_a_child(run, ["hint", "hint+1"], ["GPipe"])
     assert predicted == inline
     assert 0 < cpu_seconds < 120  # the child's own, its start-up included
     assert pickle.loads(pickle.dumps(inline)) == inline
+
+
+def test_an_interchangeable_hint_is_predicted_at_the_runs_own_limits(tmp_path):
+    from rrfp.advise import read_run
+    from rrfp.advise.predict import predictions, Setting
+    from tests.test_advise import write_run
+
+    write_run(tmp_path / "run", steps=3, ranks=2)
+    run, _ = read_run(str(tmp_path / "run"))
+    assert run.hint.name == "1F1B"
+    own_limits = resolve_buffer_limits("hint", run.hint)
+    _, [kept] = predictions(run, [Setting("GPipe", "hint", limits_on_run_hint=True)])
+    _, [its_own] = predictions(run, [Setting("GPipe", "hint")])
+    assert kept.limits == own_limits
+    assert its_own.limits.per_rank[0] > own_limits.per_rank[0]  # GPipe holds every microbatch
+    assert kept.speedups != its_own.speedups
+
+
+def test_steps_ranked_by_an_interchangeable_hint_replay_ranked_by_it_against_the_runs_fixed_order():
+    from rrfp.advise import run_from_trace_events
+    from rrfp.advise.predict import replay
+    from rrfp.core.hints import build_hint
+    from rrfp.sim.workloads import make_timing
+    from tests.test_advise import simulated_step_stats
+
+    hint = build_hint("1F1B", num_ranks=2, num_stages=2, n_microbatches=8)
+    steps = [[event for stats in simulated_step_stats(hint, make_timing("bursty", 2, 8, k), k,
+                                                      buffer_limit="hint+2")
+              for event in dataclasses.replace(stats, ranked_by="GPipe").chrome_trace_events()]
+             for k in range(4)]
+    run = run_from_trace_events(steps, "ranked by GPipe")
+    assert (run.hint.name, run.ranked_by.name) == ("1F1B", "GPipe")
+    as_own = dataclasses.replace(run, ranked_by=None)
+    assert replay(run).fixed == replay(as_own).fixed
+    # Ranked by GPipe, the replay's ranks count other actions as out of (ranking) order.
+    assert ([r.out_of_order for r in replay(run).own_results]
+            != [r.out_of_order for r in replay(as_own).own_results])
 
 
 def test_a_policy_reading_sizes_is_a_candidate_told_them_and_not_where_they_tell_apart(

@@ -50,6 +50,21 @@ def test_candidates_stay_within_the_budget_and_run_alike_only_once():
         selfdriving.candidates(HINT, "12GiB")
 
 
+def test_interchangeable_hints_are_candidates_only_where_asked_and_within_the_budget():
+    found = selfdriving.candidates(HINT, "hint+1", hints=True)
+    ranked = {c.hint for c in found}
+    assert ranked == {None, "GPipe", "Interleaved1F1B", "BF"}
+    assert {c.buffer_limit for c in found if c.hint} == {"hint", "hint+1"}
+    assert all(c.hint is None for c in selfdriving.candidates(HINT, "hint+1"))
+    # Ranked by GPipe at 1F1B's own limits: its order, held to 1F1B's peaks.
+    gpipe = next(c for c in found if c.hint == "GPipe" and c.buffer_limit == "hint")
+    timings = steps("bursty", 6)
+    [predicted] = selfdriving.predict(HINT, timings, [gpipe])
+    assert predicted.speedup > 0.9
+    assert selfdriving.setting_times(HINT, timings, gpipe) != selfdriving.setting_times(
+        build_hint("GPipe", num_ranks=2, num_stages=2, n_microbatches=8), timings, OWN)
+
+
 def test_the_families_build_the_steps_they_name():
     assert len(FAMILIES) >= 8
     bottleneck = encoder(2, 8, balanced=False)(0, 3)

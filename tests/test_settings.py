@@ -49,7 +49,8 @@ BAD = {"buffer_limit": ("hint-1", "is not understood"),
        "stall_timeout": (0, "a number of seconds > 0"),
        "fixed_every": (1, "fixed_every must be 0 (no A/B) or an int >= 2"),
        "report_folder": (3, "a folder's path or None"),
-       "tune_within": ("hint-2", "is not understood")}
+       "tune_within": ("hint-2", "is not understood"),
+       "tune_hints": ("yes", "must be true or false")}
 
 
 def test_every_field_has_a_refusal_that_names_it():
@@ -81,7 +82,8 @@ def test_settings_that_only_fail_together_or_over_the_hint_are_refused():
               "leave fixed_every at the default"),
              (Settings(tune_within="busiest", meter_activations=False), "tune_within: ",
               "leave meter_activations on"),
-             (Settings(tune_within="auto"), "tune_within: ", "give the bytes RRFP may use")]
+             (Settings(tune_within="auto"), "tune_within: ", "give the bytes RRFP may use"),
+             (Settings(tune_hints=True), "tune_hints: ", "set tune_within to a memory budget")]
     for given, field, says in cases:
         with pytest.raises(ValueError) as refused:
             check_settings(given, one_stage, free_memory_known=False, device="cpu")

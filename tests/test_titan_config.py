@@ -161,7 +161,8 @@ def test_every_rrfp_setting_is_checked_before_anything_is_built():
                 "meter_activations": "true or false", "meter_every": "an int >= 1",
                 "stall_timeout": "a number of seconds > 0", "log_stats": "true or false",
                 "trace_folder": "a folder", "advise": "true or false",
-                "fixed_every": "an int >= 2", "tune_within": "use 'hint'"}
+                "fixed_every": "an int >= 2", "tune_within": "use 'hint'",
+                "tune_hints": "true or false"}
     assert set(accepted) == {f.name for f in dataclasses.fields(RRFPConfig)}
     for name, says in accepted.items():
         with pytest.raises(ValueError) as refused:
@@ -197,7 +198,7 @@ def test_unknown_setting_names_are_named_with_the_nearest_setting(tmp_path):
         "unknown option --rrfp.bufer_limit (did you mean --rrfp.buffer_limit?); the rrfp "
         "settings are buffer_limit, policy, coordination, launch_depth, variable_shapes, "
         "meter_activations, meter_every, stall_timeout, log_stats, trace_folder, advise, "
-        "fixed_every, tune_within")
+        "fixed_every, tune_within, tune_hints")
     assert unknown_options(["--rrfp.no-meter-activation", "--rrfp.xyz=1"]).startswith(
         "unknown options --rrfp.no-meter-activation (did you mean "
         "--rrfp.no-meter-activations?), --rrfp.xyz;")
@@ -207,7 +208,7 @@ def test_unknown_setting_names_are_named_with_the_nearest_setting(tmp_path):
         f"unknown setting 'bufer_limit' (did you mean 'buffer_limit'?) in the [rrfp] table "
         f"of {config_file}; the settings are buffer_limit, policy, coordination, "
         "launch_depth, variable_shapes, meter_activations, meter_every, stall_timeout, "
-        "log_stats, trace_folder, advise, fixed_every, tune_within")
+        "log_stats, trace_folder, advise, fixed_every, tune_within, tune_hints")
     assert unknown_toml_keys([f"--job.config-file={os.path.join(ROOT, JOBS['main'][0])}"]) is None
 
 
@@ -454,7 +455,7 @@ def test_bad_config_stops_before_training_with_a_clear_message(module, tmp_path)
 
 SETTINGS_LIST = ("buffer_limit, policy, coordination, launch_depth, variable_shapes, "
                  "meter_activations, meter_every, stall_timeout, log_stats, trace_folder, advise, "
-        "fixed_every, tune_within")
+        "fixed_every, tune_within, tune_hints")
 
 
 @titan_integration

@@ -120,6 +120,7 @@ def test_a_self_driving_job_trains_and_says_what_it_ran(tmp_path):
                      out), failure_excerpt(out)
     values = tensorboard_values(tmp_path)
     assert values["rrfp/self_driving/fixed_order"] == [0.0] * 8
+    assert values["rrfp/self_driving/other_hint"] == [0.0] * 8
     # Interleaved1F1B, 2 ranks x 2 stages, 8 microbatches: the hint's own limits ran.
     assert values["rrfp/self_driving/rank_buffer_limit/pp0"] == [5.0] * 8
     assert values["rrfp/self_driving/rank_buffer_limit/pp1"] == [3.0] * 8
@@ -179,7 +180,7 @@ def stats_exchange(rank: int, world_size: int, self_driving: bool = False) -> di
         schedule.last_step_stats = made_up_stats(
             rank, peak_activation_bytes=None if step == 2 else 64,
             out_of_hint_order=10 * step + rank, policy="fixed" if step == 2 else "lookahead",
-            rank_buffer_limit=5 + step + rank)
+            rank_buffer_limit=5 + step + rank, ranked_by="GPipe" if step == 3 else None)
         scalars[step] = log.log(step)
         dist.barrier()  # what the next training step's pipeline does
     store = stats_store(list(range(world_size)), 0)
@@ -210,11 +211,13 @@ def test_step_stats_are_gathered_through_the_store():
 
 def test_a_self_driving_run_logs_the_setting_each_step_ran():
     """With ``rrfp.tune_within``, the reading rank's scalars say per step whether it ran
-    the hint's fixed order and each rank's microbatch limit (what the tuner chose)."""
+    the hint's fixed order, whether another hint ranked it (``rrfp.tune_hints``) and each
+    rank's microbatch limit (what the tuner chose)."""
     ranks = run_local_world(2, stats_exchange, True, timeout=120, store="tcp")
     for step, scalars in ranks[1]["scalars"].items():
         assert {k: v for k, v in scalars.items() if "self_driving" in k} == {
             "rrfp/self_driving/fixed_order": float(step == 2),
+            "rrfp/self_driving/other_hint": float(step == 3),
             "rrfp/self_driving/rank_buffer_limit/pp0": 5 + step,
             "rrfp/self_driving/rank_buffer_limit/pp1": 6 + step}, step
 

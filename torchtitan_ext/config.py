@@ -97,6 +97,13 @@ class RRFPConfig:
     logged as ``rrfp self-driving: ...`` and listed in the end-of-run summary
     (docs/guide/self-driving.md)."""
 
+    tune_hints: bool = False
+    """With ``tune_within``: the self-driving candidates also rank ready actions by each
+    named hint interchangeable with the schedule's (the same stages on the same ranks and
+    the same order within each stage's streams: the same gradients to the bit), at the
+    limits the budget gives on the schedule's hint (``--rrfp.tune_hints``; for 1F1B:
+    GPipe, Interleaved1F1B and BF; docs/guide/self-driving.md)."""
+
 
 @dataclass(kw_only=True, slots=True)
 class JobConfig:

@@ -64,6 +64,11 @@ class MeasuredStep:
         return self.ranks[0]["policy"]
 
     @property
+    def ranked_by(self) -> str | None:
+        """The interchangeable hint that ranked the step (None: the run's own hint)."""
+        return self.ranks[0].get("ranked_by")
+
+    @property
     def fixed_order(self) -> bool:
         """Whether the step ran the hint's fixed order (the in-run A/B's baseline)."""
         return self.policy == "fixed"
@@ -109,6 +114,9 @@ class MeasuredRun:
     """Its training steps after the first (warm-up), in order."""
     left_out: int
     """Steps read but left out: the first (warm-up) and forward-only ones."""
+    ranked_by: Hint | None = None
+    """The interchangeable hint its own steps' last ranked by (a self-driving setting's);
+    None: ``hint`` itself."""
 
     @property
     def actions(self) -> int:
@@ -259,7 +267,7 @@ def run_of(steps: Sequence[MeasuredStep], source: str) -> MeasuredRun:
         dispatch_cost=statistics.median(per_action) if per_action else 0.0,
         limits=_limits_of(used[-1]), bytes_per_microbatch=_bytes_per_microbatch(steps),
         steps=used,
-        left_out=len(steps) - len(used))
+        left_out=len(steps) - len(used), ranked_by=_ranked_by(own[-1]))
 
 
 def _shape(metadata: Mapping) -> str:
@@ -280,6 +288,16 @@ def _hint_of(step: MeasuredStep) -> Hint:
         return build_hint(source, **shape, layout=meta["placement"])
     except ValueError as e:
         raise AdviceError(f"{step.source}: its hint {meta['hint']!r} cannot be rebuilt: {e}") from None
+
+
+def _ranked_by(step: MeasuredStep) -> Hint | None:
+    """The interchangeable hint that ranked ``step``, built again by its name."""
+    if step.ranked_by is None:
+        return None
+    meta = step.ranks[0]
+    return build_hint(step.ranked_by, num_ranks=len(step.ranks),
+                      num_stages=meta["num_stages"], n_microbatches=meta["n_microbatches"],
+                      layout=meta["placement"])
 
 
 def _limits_of(step: MeasuredStep) -> MemoryLimits:

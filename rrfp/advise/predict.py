@@ -24,8 +24,9 @@ from dataclasses import dataclass, field
 
 from rrfp.advise.measured import MeasuredRun
 from rrfp.core.hints import build_hint, Hint, HINT_NAMES
-from rrfp.core.limits import (byte_budgets, fixed_peak_bytes, limits_within_bytes, MemoryLimits,
-                              most_bytes_allowed, peak_bytes_held, resolve_buffer_limits)
+from rrfp.core.limits import (byte_budgets, check_limits, fixed_peak_bytes, limits_within_bytes,
+                              MemoryLimits, most_bytes_allowed, peak_bytes_held,
+                              resolve_buffer_limits)
 from rrfp.core.policy import policy_for, SIZE_READING_POLICIES
 from rrfp.core.settings import parse_buffer_limit
 from rrfp.core.sizes import StepSizes, tell_apart
@@ -49,6 +50,9 @@ class Setting:
     use_sizes: bool = True
     """Whether the policy is told each step's microbatch sizes, where the run's steps
     recorded them (``step(mb_sizes=...)``; the self-driving mode may run without)."""
+    limits_on_run_hint: bool = False
+    """``buffer_limit`` counted on the run's hint, not on ``hint`` (the self-driving
+    mode's candidates ranked by an interchangeable hint keep the run's limits)."""
 
     def describe(self, run_hint: str) -> str:
         """The setting as ScheduleRRFP's arguments (the hint where it is not the run's)."""
@@ -167,16 +171,26 @@ def replay(run: MeasuredRun) -> Replay:
     """The measured steps at the run's own setting and in the fixed order."""
     fixed = tuple(_simulate(run, run.hint, step, "fixed", None, None, None).makespan
                   for step in range(len(run.steps)))
-    own = _simulated_steps(run, run.hint, run.policy, run.limits,
+    own = _simulated_steps(run, run.ranked_by or run.hint, run.policy, run.limits,
                            [step.timing.sizes if step.sizes_used else None for step in run.steps])
     return Replay(fixed, tuple(r.makespan for r in own), tuple(own))
+
+
+def _hint_and_limits(run: MeasuredRun, setting: Setting) -> tuple[Hint, MemoryLimits]:
+    """The hint ``setting`` ranks by and the limits it runs at; ``ValueError`` where
+    ScheduleRRFP would refuse them."""
+    hint = _built(run.hint, setting.hint)
+    if not setting.limits_on_run_hint:
+        return hint, limits_of(setting, hint, run.bytes_per_microbatch)
+    limits = limits_of(setting, run.hint, run.bytes_per_microbatch)
+    check_limits(limits, hint, setting.buffer_limit, fixed_order=setting.policy == "fixed")
+    return hint, limits
 
 
 def predict(run: MeasuredRun, setting: Setting, baseline: Replay) -> Prediction:
     """``setting`` over the run's measured steps; ``ValueError`` where ScheduleRRFP would
     refuse it."""
-    hint = _built(run.hint, setting.hint)
-    limits = limits_of(setting, hint, run.bytes_per_microbatch)
+    hint, limits = _hint_and_limits(run, setting)
     policy = policy_for(setting.policy, hint, limits)
     results = _simulated_steps(run, hint, policy, limits, _told(run, setting))
     own_steps = run.own_steps
@@ -209,8 +223,7 @@ def predictions(run: MeasuredRun, settings: Sequence[Setting] | None = None
     rows, seen = [], set()
     for setting in candidates(run) if settings is None else settings:
         try:
-            hint = _built(run.hint, setting.hint)
-            limits = limits_of(setting, hint, run.bytes_per_microbatch)
+            hint, limits = _hint_and_limits(run, setting)
         except ValueError:
             continue
         policy = policy_for(setting.policy, hint, limits)

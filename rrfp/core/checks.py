@@ -31,6 +31,8 @@ class CheckedSettings:
     fixed_every: int
     tune_within: BufferLimit | None = None
     """The self-driving budget (None: the setting runs as given)."""
+    tune_hints: bool = False
+    """Self-driving's candidates also rank by the interchangeable hints."""
 
 
 def check_settings(settings: Settings, hint: Hint, *, free_memory_known: bool,
@@ -61,9 +63,10 @@ def check_settings(settings: Settings, hint: Hint, *, free_memory_known: bool,
     check("fixed_every", _fixed_every, hint, parsed["buffer_limit"])
     check("report_folder", _a_folder)
     check("tune_within", _budget, settings, parsed["policy"], free_memory_known, device)
+    check("tune_hints", _with_budget, parsed["tune_within"])
     return CheckedSettings(settings, parsed["buffer_limit"], parsed["policy"],
                            parsed["launch_depth"], parsed["stall_timeout"],
-                           parsed["fixed_every"], parsed["tune_within"])
+                           parsed["fixed_every"], parsed["tune_within"], parsed["tune_hints"])
 
 
 def _limit_over(spec: object, hint: Hint, fixed_order: bool) -> BufferLimit:
@@ -123,6 +126,15 @@ def _budget(spec: object, settings: Settings, policy: str | None, free_memory_kn
     check_limit_can_be_measured(spec, meter_activations=settings.meter_activations,
                                 free_memory_known=free_memory_known, device=device)
     return budget
+
+
+def _with_budget(value: object, budget: BufferLimit | None) -> bool:
+    """``tune_hints``: a flag, set only beside a ``tune_within`` budget."""
+    hints = a_flag(value, "tune_hints")
+    if hints and budget is None:
+        raise ValueError("tune_hints=True widens the self-driving mode's candidates: set "
+                         "tune_within to a memory budget (e.g. 'hint+2') with it, or drop it")
+    return hints
 
 
 def a_flag(value: object, name: str) -> bool:

@@ -205,6 +205,35 @@ def build_hint(
     return _validated(given_name or name, policy, orders, **shape)
 
 
+def interchangeable(hint: Hint, other: Hint) -> bool:
+    """Whether ``other`` may rank a step of a run built for ``hint``: the same stages on the
+    same ranks (the channels were built for them), the same microbatches, and the same
+    actions in the same order in every stream (each stage computes, sends and accumulates
+    its gradients in the same order, so the gradients are the same to the bit)."""
+    return (dict(hint.stage_to_rank) == dict(other.stage_to_rank)
+            and hint.n_microbatches == other.n_microbatches
+            and hint.plan.stream_orders == other.plan.stream_orders)
+
+
+def interchangeable_hints(hint: Hint) -> dict[str, Hint]:
+    """The named hints (``HINT_NAMES``), built for ``hint``'s ranks, stages and
+    microbatches, that are ``interchangeable`` with it and rank differently from it and
+    from each other (the first name of each ranking), by name."""
+    found: dict[str, Hint] = {}
+    rankings = {(hint.policy, tuple(sorted(hint.orders.items())))}
+    for name in HINT_NAMES:
+        try:
+            other = build_hint(name, num_ranks=hint.num_ranks, num_stages=hint.num_stages,
+                               n_microbatches=hint.n_microbatches, layout=hint.layout)
+        except ValueError:  # a schedule that does not fit this shape
+            continue
+        ranking = (other.policy, tuple(sorted(other.orders.items())))
+        if ranking not in rankings and interchangeable(hint, other):
+            rankings.add(ranking)
+            found[other.name] = other
+    return found
+
+
 SPLIT_BACKWARD_SCHEDULES = (ScheduleInterleavedZeroBubble, ScheduleZBVZeroBubble,
                             ScheduleDualPipeV)
 """torch's schedules with split backward (I and W), which refuse compiled stages first."""

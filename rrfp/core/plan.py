@@ -180,6 +180,13 @@ class StepPlan:
         return {(edge, n.microbatch): n.action for plan in self.ranks.values()
                 for n in plan.nodes for edge in n.sends}
 
+    @cached_property
+    def stream_orders(self) -> dict[tuple[int, StreamKey], tuple[_Action, ...]]:
+        """Per rank and stream: its actions in hint order (what fixes the order in which
+        each stage computes, sends and accumulates its gradients)."""
+        return {(r, key): tuple(plan.nodes[i].action for i in plan.streams[sid])
+                for r, plan in self.ranks.items() for key, sid in plan.stream_ids.items()}
+
     def streams_share_one_order(self) -> bool:
         """Whether every stage's F and B/I streams list microbatches in one common order.
 

@@ -106,6 +106,13 @@ class Settings:
     ``buffer_limit``, ``policy`` and ``fixed_every`` at their defaults with it. None (or
     ``""``): the setting those fields give."""
 
+    tune_hints: bool = False
+    """Self-driving (with ``tune_within``): the candidates also rank ready actions by each
+    named hint interchangeable with ``hint`` (``rrfp.core.hints.interchangeable_hints``:
+    the same stages on the same ranks and the same order within each stage's streams, so
+    the same gradients to the bit), at the limits the budget gives on ``hint``. For a
+    1F1B hint: GPipe, Interleaved1F1B and the BF rule; for ZBVZeroBubble: the BFW rule."""
+
     report_folder: str | None = None
     """Where the job's hang report goes when a step stalls (None: the current working
     directory); docs/guide/failures.md."""

@@ -68,8 +68,10 @@ class StepStats:
     backpressure_entries: dict[int, int]
     """Times each stage reached its limit with forwards still to run."""
     out_of_hint_order: int
-    """Actions dispatched while an action ranked before them in the hint had not run."""
+    """Actions dispatched while an action ranked before them in the hint that ranked
+    (``ranked_by`` where set) had not run."""
     hint_order: list[str]
+    """The rank's actions in ``hint``'s order."""
     realized_order: list[str]
     step_time: float
     """Seconds from the start of the step's schedule loop to its end (sends completed)."""
@@ -132,6 +134,10 @@ class StepStats:
     sizes_used: bool = False
     """Whether the step's policy was told ``sizes`` (a self-driving setting may run
     without them)."""
+    ranked_by: str | None = None
+    """The interchangeable hint that ranked the step's ready actions in place of ``hint``
+    (a self-driving setting's, ``Settings.tune_hints``); None: ``hint`` itself. The
+    step's limits and the ``hint_*`` peaks are ``hint``'s either way."""
     spans: list[Span] = field(default_factory=list)
     arrivals: list[tuple[int, int, int, float]] = field(default_factory=list)
     """(source stage, destination stage, microbatch, seconds after start) of each

@@ -47,20 +47,26 @@ __all__ = ["ab_speedups", "Candidate", "Decision", "FIXED_ORDER", "OWN", "Predic
 
 @dataclass(frozen=True)
 class Candidate:
-    """A setting the tuner may run: a ``buffer_limit`` within the budget and a policy."""
+    """A setting the tuner may run: a ``buffer_limit`` within the budget, a policy, and the
+    hint that ranks ready actions."""
 
     buffer_limit: str
+    """Counted on the run's own hint (its peaks, ``"hint+k"``), whichever hint ranks."""
     policy: str | None = None
     """None: ScheduleRRFP's default at that limit."""
     use_sizes: bool = True
     """Whether the policy is told the microbatches' sizes (where the caller gives them)."""
+    hint: str | None = None
+    """The name of an interchangeable hint that ranks ready actions instead of the run's
+    own (``rrfp.core.hints.interchangeable_hints``); None: the run's own."""
 
     def describe(self) -> str:
         if self == FIXED_ORDER:
             return "the hint's fixed order"
+        ranked = "" if self.hint is None else f"hint={self.hint!r}, "
         policy = "the default policy" if self.policy is None else f"policy={self.policy!r}"
         sizes = "" if self.use_sizes else ", sizes not used"
-        return f"buffer_limit={self.buffer_limit!r}, {policy}{sizes}"
+        return f"{ranked}buffer_limit={self.buffer_limit!r}, {policy}{sizes}"
 
 
 OWN = Candidate("hint")

@@ -37,14 +37,24 @@ class LimitPlan:
     """One rank's memory limits over a run.
 
     ``policy``: the user's (parsed), or None for the default at each limit; the fixed
-    order's limits are checked as such.
+    order's limits are checked as such. ``ranked_by``: a hint ``interchangeable`` with
+    ``hint`` that ranks the steps' ready actions at the limits counted on ``hint``
+    (self-driving's candidates); None: ``hint`` itself.
     """
 
-    def __init__(self, spec: object, hint: Hint, rank: int, policy: str | None):
+    def __init__(self, spec: object, hint: Hint, rank: int, policy: str | None,
+                 ranked_by: Hint | None = None):
         self.setting: BufferLimit = parse_buffer_limit(spec)
-        self._hint, self._rank, self._policy_given = hint, rank, policy
+        self.hint, self.ranked_by = hint, ranked_by
+        self._rank, self._policy_given = rank, policy
         self.limits: MemoryLimits = first_step_limits(self.setting, hint,
                                                       fixed_order=policy == "fixed")
+        if ranked_by is not None:
+            if self.setting.in_bytes:
+                raise ValueError(f"buffer_limit={self.setting.spec!r}: a hint other than the "
+                                 "run's ranks at limits counted in microbatches only")
+            check_limits(self.limits, ranked_by, self.setting.spec,
+                         fixed_order=policy == "fixed")
         """The limits of the next step."""
         self.byte_limits: ByteLimits | None = None
         """Where the setting is in bytes: the microbatch limits derived from the first
@@ -60,7 +70,7 @@ class LimitPlan:
     @property
     def policy(self) -> str:
         """The policy of a step at these limits (``rrfp.core.policy.policy_for``)."""
-        return policy_for(self._policy_given, self._hint, self.limits)
+        return policy_for(self._policy_given, self.ranked_by or self.hint, self.limits)
 
     @property
     def waiting_for_bytes(self) -> bool:
@@ -73,7 +83,7 @@ class LimitPlan:
         microbatch, exchanged over the pipeline ``group`` (the busiest rank may be
         another): the same limits on every rank, or the same ``ValueError``.
         ``free_bytes``: the device's free bytes (``buffer_limit="auto"``)."""
-        hint, setting, rank = self._hint, self.setting, self._rank
+        hint, setting, rank = self.hint, self.setting, self._rank
         stages, ranks = hint.num_stages, hint.num_ranks
         exchanged = torch.zeros(stages + ranks, dtype=torch.int64, device=device)
         for s, nbytes in bytes_per_microbatch.items():

@@ -140,9 +140,9 @@ class PipelineRuntime:
         def clock() -> float:
             return time.perf_counter() - origin
 
-        hint = self.hint if training else self._forward_only
-        tuned, self.limits = (self.self_driving.before_step(self.training_steps_run, self.limits)
+        tuned, self.limits = (self.self_driving.before_step(self.training_steps_run)
                               if training and self.self_driving else (None, self.limits))
+        hint = (self.limits.ranked_by or self.hint) if training else self._forward_only
         told = told_sizes(sizes if training else None, tuned)
         self._expect_sizes(told)
         meter = self.metering.for_step(

@@ -39,7 +39,7 @@ from rrfp.comm.transport import Transport
 from rrfp.core.arbiter import check_deadlock_free
 from rrfp.core.checks import check_settings, CheckedSettings
 from rrfp.core.hints import (build_hint, declares_split_backward, Hint, HintSource, infer_layout,
-                             Layout)
+                             interchangeable_hints, Layout)
 from rrfp.core.loop import Device
 from rrfp.core.settings import Settings
 from rrfp.core.sizes import MicrobatchSize, step_sizes
@@ -382,7 +382,7 @@ def _joined_job(hint: Hint, n_microbatches: int, checked: CheckedSettings) -> Jo
     agreed = {"buffer_limit": given.buffer_limit, "policy": checked.policy,
               "coordination": given.coordination, "launch_depth": checked.launch_depth,
               "variable_shapes": given.variable_shapes, "fixed_every": checked.fixed_every,
-              "tune_within": given.tune_within}
+              "tune_within": given.tune_within, "tune_hints": checked.tune_hints}
     job = JobScope.new()
     agree_on_settings(job, {
         "hint": f"{hint.name} (orders {digest})", "n_microbatches": str(n_microbatches),
@@ -421,7 +421,8 @@ def _wired_runtime(hint: Hint, rank: int, stages: list[_PipelineStageBase], plat
     self_driving = (SelfDriving(checked.tune_within, hint, rank, job,
                                 transport.channels.global_ranks, stall_timeout,
                                 predict_inline=wiring.predict_inline,
-                                cpu_budget=CpuBudget(wiring.prediction_cpu_share))
+                                cpu_budget=CpuBudget(wiring.prediction_cpu_share),
+                                hints=tuned_hints(hint, rank) if checked.tune_hints else None)
                     if checked.tune_within is not None else None)
     return PipelineRuntime(
         hint, rank, {stage.stage_index: stage for stage in stages}, platform=platform,
@@ -435,6 +436,16 @@ def _wired_runtime(hint: Hint, rank: int, stages: list[_PipelineStageBase], plat
                               coordination.twin.group if coordination.twin else None]),
         board=board, report=HangReport(board, job.name, given.report_folder,
                           min(HANG_REPORT_WAIT_S, stall_timeout)))
+
+
+def tuned_hints(hint: Hint, rank: int) -> dict[str, Hint]:
+    """The hints self-driving may rank by beside ``hint`` (``Settings.tune_hints``), said
+    in the log."""
+    hints = interchangeable_hints(hint)
+    logger.info("ScheduleRRFP on pipeline rank %d: tune_hints: the self-driving candidates "
+                "also rank by %s", rank, ", ".join(hints) if hints else
+                f"nothing else: no named hint runs {hint.name}'s streams in its orders")
+    return hints
 
 
 @dataclass(frozen=True)

@@ -57,8 +57,9 @@ from rrfp.runtime.limit_plan import LimitPlan
 
 logger = logging.getLogger(__name__)
 
-Predictor = Callable[[MeasuredRun, Sequence[str]], list[Predicted]]
-"""Each candidate's predicted speedup from a run's measured steps, at these limits."""
+Predictor = Callable[[MeasuredRun, Sequence[str], Sequence[str]], list[Predicted]]
+"""Each candidate's predicted speedup from a run's measured steps, at these limits, with
+these interchangeable hints (``predict_candidates``' arguments)."""
 PLAN = "tune/plan"
 TRACE = "tune/trace"
 
@@ -67,9 +68,9 @@ TRACE = "tune/trace"
 class BlockPlan:
     """What the deciding rank tells every rank for one block of steps."""
 
-    runs: tuple[tuple[str, str | None, bool, bool], ...]
-    """Per step: (buffer_limit, policy, whether the policy is told the step's sizes, an A/B
-    fixed-order step)."""
+    runs: tuple[tuple[str, str | None, bool, str | None, bool], ...]
+    """Per step: (buffer_limit, policy, whether the policy is told the step's sizes, the
+    interchangeable hint that ranks (None: the run's own), an A/B fixed-order step)."""
     share: bool
     """The ranks of the deciding rank's pipeline share each step's trace."""
     decisions: tuple[str, ...] = ()
@@ -126,7 +127,7 @@ def candidate_limits(budget: BufferLimit, hint: Hint,
     return limits
 
 
-def predicted_in_a_child(run: MeasuredRun, limits: Sequence[str]
+def predicted_in_a_child(run: MeasuredRun, limits: Sequence[str], hints: Sequence[str]
                          ) -> tuple[list[Predicted], float]:
     """``rrfp.advise.tuning.predict_candidates`` in a fresh interpreter at ``nice 19``
     (where every core trains it gets a small share of one, so a decision comes late but
@@ -139,7 +140,7 @@ def predicted_in_a_child(run: MeasuredRun, limits: Sequence[str]
         lower_priority(child.pid, idle=False)
     except OSError:  # it ends before it could be lowered, or the OS refuses: it still runs
         pass
-    out, err = child.communicate(pickle.dumps((run, list(limits))))
+    out, err = child.communicate(pickle.dumps((run, list(limits), list(hints))))
     if child.returncode:
         raise RuntimeError(f"the self-driving prediction failed: {err.decode()[-2000:]}")
     predicted, cpu_seconds = pickle.loads(out)
@@ -152,8 +153,11 @@ class SelfDriving:
     def __init__(self, budget: BufferLimit, hint: Hint, rank: int, job: JobScope,
                  pipeline_ranks: Sequence[int], timeout: float,
                  rules: TuningRules = TuningRules(), predict_inline: Predictor | None = None,
-                 cpu_budget: CpuBudget | None = None):
+                 cpu_budget: CpuBudget | None = None, hints: Mapping[str, Hint] | None = None):
         self.budget, self.hint, self.rank = budget, hint, rank
+        self.hints = dict(hints or {})
+        """The interchangeable hints that may rank instead of ``hint``, by name
+        (``Settings.tune_hints``; empty: none)."""
         self.timeout, self.rules = timeout, rules
         self.board = FailureBoard(None, job.me, job_store=job.store, job_ranks=job.ranks)
         self._alone = job.store is None or len(job.ranks) < 2
@@ -173,8 +177,10 @@ class SelfDriving:
         self._plan: BlockPlan | None = None
         self._told = 1
         """Decisions told to the ranks so far (the first, measuring, goes unsaid)."""
-        self._limit_plans: dict[tuple[str, str | None], LimitPlan] = {}
-        """Per (buffer_limit, policy): the limits a setting runs at."""
+        self._limit_plans: dict[tuple[str, str | None, str | None], LimitPlan] = {}
+        """Per (buffer_limit, policy, ranking hint): the limits a setting runs at."""
+        self._running: LimitPlan | None = None
+        """The limits of the setting of now (the A/B's steps aside)."""
         self._setting_since = 0
         """The training step from which the setting of now ran."""
         self._traces: dict[int, list[dict]] = {}
@@ -192,9 +198,9 @@ class SelfDriving:
         self._waiting_for: range | None = None
         """The measured steps whose prediction waits for the CPU share (said once)."""
 
-    def before_step(self, step: int, limits: LimitPlan) -> tuple[StepRun, LimitPlan]:
+    def before_step(self, step: int) -> tuple[StepRun, LimitPlan]:
         """What training step ``step`` runs (read at a block's first step), and the limits
-        it runs at (``limits``, the last step's, where it runs the fixed order)."""
+        it runs at (the hint's own, where it runs the fixed order)."""
         self._budget.start()
         block = self.rules.block
         if step % block == 0:
@@ -208,17 +214,23 @@ class SelfDriving:
                 self.waiting = self._plan.waiting
                 logger.info("rrfp self-driving: %s", self.waiting)
         assert self._plan is not None
-        limit, policy, use_sizes, ab_fixed = self._plan.runs[step % block]
-        run = StepRun(Candidate(limit, policy, use_sizes), ab_fixed)
+        limit, policy, use_sizes, ranked_by, ab_fixed = self._plan.runs[step % block]
+        run = StepRun(Candidate(limit, policy, use_sizes, ranked_by), ab_fixed)
         if run.setting == FIXED_ORDER or ab_fixed:
-            return run, limits
-        plan = self._limit_plans.get((limit, policy))  # the same with sizes or without
-        if plan is None:
-            plan = LimitPlan(limit, self.hint, self.rank, policy)
-            self._limit_plans[limit, policy] = plan
-        if plan is not limits:
-            self._setting_since = step
+            return run, self._limit_plan("hint", None, None)
+        plan = self._limit_plan(limit, policy, ranked_by)
+        if plan is not self._running:
+            self._running, self._setting_since = plan, step
         return run, plan
+
+    def _limit_plan(self, limit: str, policy: str | None, ranked_by: str | None) -> LimitPlan:
+        """The limits of a setting (the same told the sizes or not), made once."""
+        plan = self._limit_plans.get((limit, policy, ranked_by))
+        if plan is None:
+            plan = LimitPlan(limit, self.hint, self.rank, policy,
+                             None if ranked_by is None else self.hints[ranked_by])
+            self._limit_plans[limit, policy, ranked_by] = plan
+        return plan
 
     def meters(self, step: int) -> bool:
         """Whether training step ``step`` is the first of a new setting (metered: the meter
@@ -262,7 +274,7 @@ class SelfDriving:
         except ValueError as e:
             error = str(e)
         runs = tuple((run.setting.buffer_limit, run.setting.policy, run.setting.use_sizes,
-                      run.ab_fixed) for run in tuner.plan_block())
+                      run.setting.hint, run.ab_fixed) for run in tuner.plan_block())
         told, self._told = self._told, len(tuner.decisions)
         waiting, self._waiting_note = self._waiting_note, None
         return BlockPlan(runs, tuner.measuring,
@@ -294,11 +306,13 @@ class SelfDriving:
         run = run_from_trace_events(steps, "self-driving")
         if self._limits is None:
             self._limits = candidate_limits(self.budget, self.hint, run.bytes_per_microbatch)
+        hints = list(self.hints)
         if self._predict_inline is not None:
-            tuner.choose(self._predict_inline(run, self._limits))
+            tuner.choose(self._predict_inline(run, self._limits, hints))
         elif self._budget.allows(run.actions):
             self._predicting_actions = run.actions
-            self._prediction = self._executor().submit(predicted_in_a_child, run, self._limits)
+            self._prediction = self._executor().submit(predicted_in_a_child, run, self._limits,
+                                                       hints)
         elif self._waiting_for != wanted:
             self._waiting_for = wanted
             budget = self._budget

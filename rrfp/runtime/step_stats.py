@@ -30,7 +30,9 @@ def step_stats(loop: StepLoop, executor: StageExecutor, coordinator: Coordinator
     ``sizes``: the step's microbatch sizes as given, ``sizes_used``: whether its policy
     was told them."""
     arbiter = loop.arbiter
-    hint = arbiter.hint
+    # A step ranked by an interchangeable hint is told against the run's own hint.
+    ranked_by = limits.ranked_by if arbiter.hint is limits.ranked_by else None
+    hint = arbiter.hint if ranked_by is None else limits.hint
     local = hint.stages_on(rank)
     stage_peaks, rank_peaks = hint.plan.stage_peaks, hint.plan.rank_peaks()
     byte_limits = limits.byte_limits
@@ -42,6 +44,7 @@ def step_stats(loop: StepLoop, executor: StageExecutor, coordinator: Coordinator
         pp_rank=rank,
         global_rank=dist.get_rank(),
         hint=hint.name,
+        ranked_by=None if ranked_by is None else ranked_by.name,
         policy=arbiter.policy.name,
         device=type(device).__name__,
         launch_depth=loop.launch_depth,
@@ -67,7 +70,7 @@ def step_stats(loop: StepLoop, executor: StageExecutor, coordinator: Coordinator
         bytes_sent=sent[1],
         backpressure_entries=dict(arbiter.backpressure_entries),
         out_of_hint_order=arbiter.out_of_order,
-        hint_order=[str(n.action) for n in arbiter.nodes],
+        hint_order=[str(n.action) for n in hint.plan.ranks[rank].nodes],
         realized_order=[str(a) for a in arbiter.realized],
         step_time=end,
         device_busy_time=loop.busy_time,

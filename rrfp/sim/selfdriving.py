@@ -19,9 +19,9 @@ import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-from rrfp.core.hints import Hint
+from rrfp.core.hints import Hint, interchangeable_hints
 from rrfp.core.history import History
-from rrfp.core.limits import resolve_buffer_limits
+from rrfp.core.limits import check_limits, resolve_buffer_limits
 from rrfp.core.policy import policy_for, SIZE_READING_POLICIES
 from rrfp.core.settings import DEFAULT_LAUNCH_DEPTH, parse_buffer_limit
 from rrfp.core.tuning import Candidate, Decision, FIXED_ORDER, Predicted, Tuner, TuningRules
@@ -32,11 +32,14 @@ POLICIES = ("hint", "lookahead", "critical", "drain")
 """The policies a candidate may run, beside the default at its limit."""
 
 
-def candidates(hint: Hint, budget: str, *, sizes: bool = False) -> list[Candidate]:
+def candidates(hint: Hint, budget: str, *, sizes: bool = False,
+               hints: bool = False) -> list[Candidate]:
     """Every setting within ``budget`` (``"hint+k"``, ``"Nx hint"`` or an int, in
     microbatches): each limit from the hint's own up to the budget, under the default
-    policy and each of ``POLICIES``, told the sizes and not where the steps have them
-    (``sizes``) and the policy reads them; settings that run alike are one."""
+    policy and each of ``POLICIES``, and (``hints``, as ``Settings.tune_hints``) each
+    interchangeable hint ranking at that limit under its default policy where the limit
+    suits it; told the sizes and not where the steps have them (``sizes``) and the policy
+    reads them; settings that run alike are one."""
     limit = parse_buffer_limit(budget)
     if limit.in_bytes:
         raise ValueError(f"budget={budget!r}: the simulator's candidates are in microbatches "
@@ -44,16 +47,22 @@ def candidates(hint: Hint, budget: str, *, sizes: bool = False) -> list[Candidat
     top = resolve_buffer_limits(limit, hint)
     own = resolve_buffer_limits("hint", hint)
     extra = max(top.per_rank[r] - own.per_rank[r] for r in own.per_rank)
+    ranking = {None: hint, **(interchangeable_hints(hint) if hints else {})}
     found, seen = [], set()
     for spec in ("hint", *(f"hint+{k}" for k in range(1, extra + 1))):
         limits = resolve_buffer_limits(spec, hint)
-        for policy in (None, *POLICIES):
-            runs = policy_for(policy, hint, limits)
-            for use in (True, False) if sizes and runs in SIZE_READING_POLICIES else (True,):
-                key = (spec, runs, use)
-                if key not in seen:
-                    seen.add(key)
-                    found.append(Candidate(spec, policy, use))
+        for name, ranked in ranking.items():
+            try:
+                check_limits(limits, ranked, spec)
+            except ValueError:  # below the peaks its streams need
+                continue
+            for policy in (None, *POLICIES) if name is None else (None,):
+                runs = policy_for(policy, ranked, limits)
+                for use in (True, False) if sizes and runs in SIZE_READING_POLICIES else (True,):
+                    key = (name, spec, runs, use)
+                    if key not in seen:
+                        seen.add(key)
+                        found.append(Candidate(spec, policy, use, name))
     return found
 
 
@@ -85,6 +94,15 @@ class _Runner:
 
     def __init__(self, hint: Hint, launch_depth: float, launch_cost: float):
         self.hint, self.launch_depth, self.launch_cost = hint, launch_depth, launch_cost
+        self._hints: dict[str, Hint] | None = None
+        """The interchangeable hints, built at the first setting ranked by one."""
+
+    def ranked_by(self, setting: Candidate) -> Hint:
+        if setting.hint is None:
+            return self.hint
+        if self._hints is None:
+            self._hints = interchangeable_hints(self.hint)
+        return self._hints[setting.hint]
 
     def fixed(self, timing: Timing) -> float:
         return simulate(self.hint, timing.duration, latency=timing.latency, policy="fixed",
@@ -96,8 +114,9 @@ class _Runner:
         if setting == FIXED_ORDER:
             return self.fixed(timing), dict(histories or {})
         limits = resolve_buffer_limits(setting.buffer_limit, self.hint)
-        result = simulate(self.hint, timing.duration, latency=timing.latency,
-                          policy=policy_for(setting.policy, self.hint, limits),
+        ranked = self.ranked_by(setting)
+        result = simulate(ranked, timing.duration, latency=timing.latency,
+                          policy=policy_for(setting.policy, ranked, limits),
                           limits=limits, histories=histories,
                           launch_depth=self.launch_depth, launch_cost=self.launch_cost,
                           sizes=timing.sizes if setting.use_sizes else None)

@@ -34,22 +34,25 @@ microbatch's images, the bottleneck; ``regime-change``: uniform until half the s
 ``gains``."""
 
 
-def predicts_no_gain(run: MeasuredRun, limits: Sequence[str]) -> list[Predicted]:
+def predicts_no_gain(run: MeasuredRun, limits: Sequence[str],
+                     hints: Sequence[str]) -> list[Predicted]:
     """Every candidate as fast as the fixed schedule: forces the "no gain" path."""
     return [Predicted(Candidate(limit), 1.0) for limit in limits]
 
 
-def predicts_without_sizes(run: MeasuredRun, limits: Sequence[str]) -> list[Predicted]:
+def predicts_without_sizes(run: MeasuredRun, limits: Sequence[str],
+                           hints: Sequence[str]) -> list[Predicted]:
     """Where every measured step's trace carried its microbatch sizes: the critical policy
     at the budget's top limit, not told the sizes, predicted fastest (forces a switch to a
     setting without sizes); else no gain."""
     if any(step.timing.sizes is None for step in run.steps):
-        return predicts_no_gain(run, limits)
+        return predicts_no_gain(run, limits, hints)
     return [Predicted(Candidate("hint"), 1.0),
             Predicted(Candidate(limits[-1], "critical", use_sizes=False), 1.5)]
 
 
-def predicts_top_limit(run: MeasuredRun, limits: Sequence[str]) -> list[Predicted]:
+def predicts_top_limit(run: MeasuredRun, limits: Sequence[str],
+                       hints: Sequence[str]) -> list[Predicted]:
     """The budget's top limit under the default policy predicted well above the switch
     margin, every other limit as fast as the fixed schedule: forces a switch (the advisor's
     own predictions from a few emulated steps spread too widely around this world's small
@@ -58,8 +61,19 @@ def predicts_top_limit(run: MeasuredRun, limits: Sequence[str]) -> list[Predicte
             for limit in limits]
 
 
+def predicts_other_hint(run: MeasuredRun, limits: Sequence[str],
+                        hints: Sequence[str]) -> list[Predicted]:
+    """The first interchangeable hint ranking at the budget's top limit predicted fastest
+    (forces a switch to another hint); no gain where no hint is offered."""
+    if not hints:
+        return predicts_no_gain(run, limits, hints)
+    return [Predicted(Candidate("hint"), 1.0),
+            Predicted(Candidate(limits[-1], hint=hints[0]), 1.5)]
+
+
 PREDICTORS = {"advisor": predict_candidates, "no gain": predicts_no_gain,
-              "without sizes": predicts_without_sizes, "top limit": predicts_top_limit}
+              "without sizes": predicts_without_sizes, "top limit": predicts_top_limit,
+              "other hint": predicts_other_hint}
 
 
 class FamilyClock:
@@ -99,7 +113,7 @@ class FamilyClock:
 
 RECORDED = {"policy": "policy", "limits": "rank_buffer_limit",
             "bytes": "peak_activation_bytes", "sizes": "sizes", "sizes_used": "sizes_used",
-            "size_error": "size_prediction_error"}
+            "size_error": "size_prediction_error", "ranked_by": "ranked_by"}
 """Per key the world records each step under: the ``StepStats`` field it reads."""
 
 
@@ -115,7 +129,7 @@ def _record(out: dict, stats: StepStats | None, meter: ActivationMeter | None) -
 def self_driving_world(rank: int, world_size: int, family: str, steps: int,
                        budget: str = "hint+2", seed: int = 0, base_s: float = 0.002,
                        predictor: str | None = "advisor", cpu_share: float = CPU_SHARE,
-                       sizes: bool = False) -> dict:
+                       sizes: bool = False, tune_hints: bool = False) -> dict:
     """1F1B on ``world_size`` ranks, one stage each, 4 microbatches per rank: torch's
     Schedule1F1B (metered), then ScheduleRRFP with ``tune_within=budget`` (metered every
     step), ``steps`` steps each; ``predictor``: one of ``PREDICTORS``, run at once in the
@@ -125,7 +139,8 @@ def self_driving_world(rank: int, world_size: int, family: str, steps: int,
     are bitwise torch's in every step, the decisions it logged, and how many keys the
     store held more after it; ``sizes``: its steps are given their microbatch sizes
     (``FamilyClock.sizes``), and it returns per step the sizes its stats recorded, whether
-    its policy was told them, and its ``size_prediction_error``."""
+    its policy was told them, and its ``size_prediction_error``; ``tune_hints``:
+    ``Settings.tune_hints`` (each step records the hint that ranked it, ``ranked_by``)."""
     num_stages, M = world_size, 4 * world_size
     torch.manual_seed(0)
     chain = [Widened(WIDENING[s % len(WIDENING)]) for s in range(num_stages)]
@@ -164,7 +179,7 @@ def self_driving_world(rank: int, world_size: int, family: str, steps: int,
         return out
 
     fixed = run(lambda stages: torch_schedule("1F1B", stages, M), meter=ActivationMeter())
-    settings = Settings(tune_within=budget, stall_timeout=60, meter_every=1)
+    settings = Settings(tune_within=budget, tune_hints=tune_hints, stall_timeout=60, meter_every=1)
     predict = None if predictor is None else PREDICTORS[predictor]
     # The job's store is a prefix of the default one, which counts the keys of both.
     store = torch.distributed.distributed_c10d._get_default_store()
@@ -187,6 +202,7 @@ def self_driving_world(rank: int, world_size: int, family: str, steps: int,
         "times": tuned["times"], "policy": tuned["policy"], "limits": tuned["limits"],
         "bytes": tuned["bytes"], "decisions": decisions, "sizes": tuned["sizes"],
         "sizes_used": tuned["sizes_used"], "size_error": tuned["size_error"],
+        "ranked_by": tuned["ranked_by"],
         "bitwise": [all(torch.equal(a, b) for a, b in zip(ga, gb))
                     for ga, gb in zip(tuned["grads"], fixed["grads"])],
     }

@@ -326,7 +326,8 @@ def build_schedule(schedule_name: str, settings: RRFPConfig, stages, n_microbatc
 
     tuned = ("" if settings.tune_within in (None, "") else
              f", self-driving within {settings.tune_within!r} (rrfp.tune_within: it chooses "
-             "the limit and policy from the run's first steps on)")
+             "the limit" + (", policy and interchangeable hint" if settings.tune_hints
+                            else " and policy") + " from the run's first steps on)")
     logger.info(
         f"Using pipeline schedule {schedule_name}: ScheduleRRFP with hint {schedule.hint.name} "
         f"({schedule.hint.layout} placement), policy {schedule.policy}, buffer limit "

@@ -69,9 +69,12 @@ def self_driving_scalars(gathered: list[StepStats],
                          label: Callable[[StepStats], str]) -> dict[str, float]:
     """What a self-driving step ran (``rrfp.tune_within``), as TensorBoard scalars:
     ``rrfp/self_driving/fixed_order`` (1: the hint's fixed order, the in-run A/B's step or
-    the fixed schedule chosen; else 0) and, per rank, the microbatches of activations its
-    stages might hold together, ``rrfp/self_driving/rank_buffer_limit/<rank label>``."""
-    scalars = {"rrfp/self_driving/fixed_order": float(gathered[0].policy == "fixed")}
+    the fixed schedule chosen; else 0), ``rrfp/self_driving/other_hint`` (1: an
+    interchangeable hint ranked the step, ``rrfp.tune_hints``; else 0) and, per rank, the
+    microbatches of activations its stages might hold together,
+    ``rrfp/self_driving/rank_buffer_limit/<rank label>``."""
+    scalars = {"rrfp/self_driving/fixed_order": float(gathered[0].policy == "fixed"),
+               "rrfp/self_driving/other_hint": float(gathered[0].ranked_by is not None)}
     for stats in gathered:
         if stats.rank_buffer_limit is not None:
             scalars[f"rrfp/self_driving/rank_buffer_limit/{label(stats)}"] = float(
