@@ -2,6 +2,7 @@
 
     python -m benchmarks.selfdriving_bench              # writes results/selfdriving.md
     python -m benchmarks.selfdriving_bench --seeds 2 --families documents,uniform --out x.md
+    python -m benchmarks.selfdriving_bench --tune-hints --out selfdriving_hints.md
 
 Each family of ``rrfp.sim.families`` runs ``--steps`` steps per seed under the tuner
 (``rrfp.sim.selfdriving.run``, budget the family's), every step counted (the measuring
@@ -10,6 +11,9 @@ the fixed schedule's (mean and lowest seed), the best single setting within the 
 chosen with hindsight (``hindsight``), the share of its gain the mode captures, the step at
 which the mode's last decision took effect, and the decisions taken. A plot per family
 shows one seed's step times over the run: fixed, the best single setting, the mode.
+``--tune-hints``: the candidates (the mode's and the best single setting's) include the
+interchangeable hints (``Settings.tune_hints``), and the page counts the seeds whose best
+single setting, and whose mode's decisions, rank by another hint.
 Every figure is simulated (time unit: one mean forward).
 """
 
@@ -42,16 +46,18 @@ def hint_of(family: Family) -> Hint:
                       layout="v" if family.num_stages > family.num_ranks else "loop")
 
 
-def _job(args: tuple[str, int, int]) -> dict:
-    name, seed, steps = args
+def _job(args: tuple[str, int, int, bool]) -> dict:
+    name, seed, steps, hints = args
     family = FAMILIES[name]
     hint, timings = hint_of(family), family.timings(seed, steps)
-    settings = selfdriving.candidates(hint, family.budget,
+    settings = selfdriving.candidates(hint, family.budget, hints=hints,
                                       sizes=any(t.sizes is not None for t in timings))
     run = selfdriving.run(hint, timings, budget=family.budget, settings=settings)
     best = selfdriving.hindsight(hint, timings, settings)
     return {"family": name, "seed": seed, "mode": run.speedup, "best": best.speedup,
-            "best_setting": best.setting.describe(), "settled": run.settled_at,
+            "best_setting": best.setting.describe(), "best_hint": best.setting.hint,
+            "settled": run.settled_at,
+            "other_hints": [d.setting.hint for d in run.decisions if d.setting.hint],
             "decisions": [d.line() for d in run.decisions],
             "reasons": [d.reason for d in run.decisions],
             "step_times": run.step_times, "fixed_times": run.fixed_times,
@@ -63,7 +69,7 @@ def capture(row: dict) -> float | None:
     return (row["mode"] - 1) / gain if gain >= NOTABLE_GAIN else None
 
 
-def family_lines(name: str, rows: list[dict]) -> list[str]:
+def family_lines(name: str, rows: list[dict], hints: bool) -> list[str]:
     family = FAMILIES[name]
     modes = [r["mode"] for r in rows]
     captures = [c for c in map(capture, rows) if c is not None]
@@ -79,10 +85,24 @@ def family_lines(name: str, rows: list[dict]) -> list[str]:
             + (f"{share:.0%} ({min(captures):.0%}-{max(captures):.0%})" if share is not None
                and captures else "-")
             + f" | {statistics.median(r['settled'] for r in rows):.0f} | "
-            + ", ".join(f"{n} {reason}" for reason, n in counted.items()) + " |"]
+            + ", ".join(f"{n} {reason}" for reason, n in counted.items()) + " |"
+            + (f" {hint_counts(rows)} |" if hints else "")]
 
 
-def plot(name: str, row: dict, folder: str) -> str:
+def hint_counts(rows: list[dict]) -> str:
+    """Seeds whose best single setting ranks by another hint, and whose mode decided one
+    (with the hints named)."""
+    best = [r["best_hint"] for r in rows if r["best_hint"]]
+    chosen = [hint for r in rows for hint in r["other_hints"]]
+
+    def named(hints: list[str]) -> str:
+        return f" ({', '.join(sorted(set(hints)))})" if hints else ""
+
+    return (f"best: {len(best)} of {len(rows)}{named(best)}; mode: "
+            f"{sum(1 for r in rows if r['other_hints'])}{named(chosen)}")
+
+
+def plot(name: str, row: dict, path: str) -> str:
     from rrfp.sim.plot import pyplot
 
     plt = pyplot()
@@ -98,7 +118,6 @@ def plot(name: str, row: dict, folder: str) -> str:
                  f"{row['best']:.3f}x the fixed schedule (simulated)")
     ax.legend(fontsize=7, loc="upper right")
     fig.tight_layout()
-    path = os.path.join(folder, f"selfdriving_{name}.png")
     fig.savefig(path, dpi=90)
     plt.close(fig)
     return path
@@ -112,13 +131,15 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--families", default=",".join(FAMILIES))
     parser.add_argument("--processes", type=int, default=2)
     parser.add_argument("--out", default="selfdriving.md")
+    parser.add_argument("--tune-hints", action="store_true",
+                        help="offer the interchangeable hints as candidates too")
     args = parser.parse_args(argv)
     names = args.families.split(",")
     unknown = [n for n in names if n not in FAMILIES]
     if unknown:
         parser.error(f"unknown families {unknown}: use some of {list(FAMILIES)}")
     start = time.time()
-    jobs = [(n, seed, args.steps) for n in names
+    jobs = [(n, seed, args.steps, args.tune_hints) for n in names
             for seed in range(args.first_seed, args.first_seed + args.seeds)]
     with Pool(args.processes) as pool:
         rows = pool.map(_job, jobs, chunksize=1)
@@ -144,17 +165,20 @@ def main(argv: list[str] | None = None) -> None:
         "*captured*: the mode's mean gain over the best single setting's (in brackets: the "
         "lowest and highest seed), where that gain is at least "
         f"{NOTABLE_GAIN:.0%}; *settled*: the median step from which the last decision ran; "
-        "*decisions*: what the tuner did after its first choice's measuring, over all seeds.",
-        "",
+        "*decisions*: what the tuner did after its first choice's measuring, over all seeds"
+        + ("; *other hint*: the seeds whose best single setting ranks by an interchangeable "
+           "hint, and those whose mode chose one (`--tune-hints`: both choose among them)."
+           if args.tune_hints else "."), "",
         f"**The mode's lowest run anywhere: {lowest:.3f}x the fixed schedule** "
         f"({'at or above' if lowest >= FLOOR else 'BELOW'} {FLOOR}x).", "",
         "| family | kind | hint, budget | mode | best single | captured | settled | "
-        "decisions |", "|---|---|---|---|---|---|---|---|"]
+        "decisions |" + (" other hint |" if args.tune_hints else ""),
+        "|---|---|---|---|---|---|---|---|" + ("---|" if args.tune_hints else "")]
     for name in names:
-        lines += family_lines(name, by_family[name])
+        lines += family_lines(name, by_family[name], args.tune_hints)
     lines += ["", "Step time over one run (the first seed) per family:", ""]
     for name in names:
-        path = plot(name, by_family[name][0], os.path.dirname(result_path(args.out)))
+        path = plot(name, by_family[name][0], result_path(f"{stem}_{name}.png"))
         lines.append(f"![{name}]({os.path.basename(path)})")
     print("wrote", write_page(args.out, lines))
 
