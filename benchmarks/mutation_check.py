@@ -234,6 +234,13 @@ MUTATIONS = [
         ("tests/test_sizes.py::test_without_sizes_that_tell_microbatches_apart_decisions_are_"
          "as_without_sizes",)),
     Mutation(
+        "other_hint_not_ranking", "a self-driving setting of another hint ranks by that hint "
+        "(tune_hints)", "rrfp/runtime/pipeline.py",
+        "hint = (self.limits.ranked_by or self.hint) if training else self._forward_only",
+        "hint = self.hint if training else self._forward_only",
+        ("tests/test_self_driving.py::test_with_tune_hints_every_rank_switches_to_an_"
+         "interchangeable_hint_and_stays_bitwise",)),
+    Mutation(
         "runtime_fits_not_shared", "every rank costs every stage from the fits the ranks "
         "share through the store (runtime)", "rrfp/runtime/pipeline.py",
         "            self.history.models.adopt(self.fit_sharing.latest())", "            pass",
@@ -272,8 +279,8 @@ MUTATIONS = [
     Mutation(
         "self_driving_plan_ignored", "every rank runs the setting the deciding rank chose",
         "rrfp/runtime/self_driving.py",
-        "limit, policy, use_sizes, ab_fixed = self._plan.runs[step % block]",
-        "limit, policy, use_sizes, ab_fixed = self._plan.runs[step % block]\n"
+        "limit, policy, use_sizes, ranked_by, ab_fixed = self._plan.runs[step % block]",
+        "limit, policy, use_sizes, ranked_by, ab_fixed = self._plan.runs[step % block]\n"
         "        limit = limit if self.deciding else \"hint\"",
         ("tests/test_self_driving.py::test_every_rank_switches_at_the_same_step_within_a_byte_"
          "budget_and_stays_bitwise",)),

@@ -24,7 +24,11 @@ at the first step's measured bytes per microbatch, fits every rank's budget), ea
 the default policy and the advisor's named ones; where the measured steps were given
 microbatch sizes that tell microbatches apart, a policy that reads sizes is a candidate
 told them and one not told them (``Candidate.use_sizes``: the steps of a setting without
-them do not tell the policy the sizes they are given). A budget below what the fixed
+them do not tell the policy the sizes they are given). With ``Settings.tune_hints``, each
+interchangeable hint (``rrfp.core.hints.interchangeable_hints``) ranking at each of those
+limits, counted on the run's hint, under its default policy is a candidate too
+(``Candidate.hint``; a step of it builds a ``LimitPlan`` ``ranked_by`` that hint; the A/B's
+steps run the run's own hint's fixed order). A budget below what the fixed
 schedule itself holds raises one ``ValueError`` on every rank at the first block's end,
 before any setting but the hint's own ran.
 """
