@@ -100,19 +100,22 @@ def test_main_job_trains_on_cpu_and_logs_rrfp_stats(tmp_path):
 
 
 def test_a_self_driving_job_trains_and_says_what_it_ran(tmp_path):
-    """``--rrfp.tune_within hint+2`` on the main job (its A/B reset): the schedule is built
-    self-driving (said in its line), each step's setting goes to TensorBoard, and the
-    summary says no decision took effect yet and why there is no verdict. In 8 steps none
+    """``--rrfp.tune_within hint+2 --rrfp.tune_hints`` on the main job (its A/B reset): the
+    schedule is built self-driving (said in its line, with the hints it may rank by), each
+    step's setting goes to TensorBoard, and the summary says no decision took effect yet and why there is no verdict. In 8 steps none
     can: the tuner measures the first block, and its prediction, wanted at the second,
     waits for the CPU share it may take (it would take seconds, and 8 steps grant a small
     part of one); the A/B starts with the first decision."""
     from torchtitan_ext.common.run_advice import SELF_DRIVING_NO_VERDICT
 
     code, out = run_titan(2, "--training.steps", "8", "--rrfp.tune_within", "hint+2",
-                          "--rrfp.fixed_every", "0", dump=str(tmp_path))
+                          "--rrfp.tune_hints", "--rrfp.fixed_every", "0", dump=str(tmp_path))
     assert code == 0, failure_excerpt(out)
     assert ("buffer limit 'hint' (rrfp.buffer_limit), self-driving within 'hint+2' "
-            "(rrfp.tune_within: ") in out
+            "(rrfp.tune_within: it chooses the limit, policy and interchangeable hint") in out
+    # Interleaved1F1B, 2 ranks x 2 stages: the BF rule runs its streams in its orders.
+    assert "tune_hints: the self-driving candidates also rank by BF" in out, \
+        failure_excerpt(out)
     # Metered in the first step (the first of the hint's own setting), not in the others.
     assert re.search(STATS_LINE.format(step=1, fixed="", label="", activations=METERED),
                      out), failure_excerpt(out)
