@@ -307,3 +307,16 @@ def test_the_prediction_child_gets_a_share_of_a_busy_core_not_only_idle_time():
     finally:
         child.kill()
         child.wait()
+
+
+def test_a_limit_plan_ranked_by_another_hint_keeps_the_runs_limits():
+    from rrfp.core.hints import build_hint
+    from rrfp.runtime.limit_plan import LimitPlan
+
+    shape = dict(num_ranks=2, num_stages=2, n_microbatches=8)
+    own, gpipe = build_hint("1F1B", **shape), build_hint("GPipe", **shape)
+    ranked = LimitPlan("hint+1", own, 0, None, ranked_by=gpipe)
+    assert ranked.limits == LimitPlan("hint+1", own, 0, None).limits
+    assert (ranked.hint, ranked.ranked_by) == (own, gpipe)
+    with pytest.raises(ValueError, match="counted in microbatches only"):
+        LimitPlan("busiest", own, 0, None, ranked_by=gpipe)

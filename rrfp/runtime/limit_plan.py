@@ -49,13 +49,13 @@ class LimitPlan:
         self._rank, self._policy_given = rank, policy
         self.limits: MemoryLimits = first_step_limits(self.setting, hint,
                                                       fixed_order=policy == "fixed")
+        """The limits of the next step."""
         if ranked_by is not None:
             if self.setting.in_bytes:
                 raise ValueError(f"buffer_limit={self.setting.spec!r}: a hint other than the "
                                  "run's ranks at limits counted in microbatches only")
             check_limits(self.limits, ranked_by, self.setting.spec,
                          fixed_order=policy == "fixed")
-        """The limits of the next step."""
         self.byte_limits: ByteLimits | None = None
         """Where the setting is in bytes: the microbatch limits derived from the first
         step's bytes (from the second step on), with the budgets they keep."""
