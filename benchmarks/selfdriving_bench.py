@@ -53,9 +53,12 @@ def _job(args: tuple[str, int, int, bool]) -> dict:
     settings = selfdriving.candidates(hint, family.budget, hints=hints,
                                       sizes=any(t.sizes is not None for t in timings))
     run = selfdriving.run(hint, timings, budget=family.budget, settings=settings)
-    best = selfdriving.hindsight(hint, timings, settings)
+    predicted = selfdriving.predict(hint, timings, settings)  # each setting alone
+    best = max(predicted, key=lambda p: p.speedup)
+    own_best = max(p.speedup for p in predicted if p.setting.hint is None)
     return {"family": name, "seed": seed, "mode": run.speedup, "best": best.speedup,
             "best_setting": best.setting.describe(), "best_hint": best.setting.hint,
+            "own_hint_best": own_best,
             "settled": run.settled_at,
             "other_hints": [d.setting.hint for d in run.decisions if d.setting.hint],
             "decisions": [d.line() for d in run.decisions],
@@ -90,16 +93,18 @@ def family_lines(name: str, rows: list[dict], hints: bool) -> list[str]:
 
 
 def hint_counts(rows: list[dict]) -> str:
-    """Seeds whose best single setting ranks by another hint, and whose mode decided one
-    (with the hints named)."""
+    """Seeds whose best single setting ranks by another hint (and what the best gains
+    over the best of the run's own hint's settings), and whose mode decided one (with the
+    hints named)."""
     best = [r["best_hint"] for r in rows if r["best_hint"]]
     chosen = [hint for r in rows for hint in r["other_hints"]]
 
     def named(hints: list[str]) -> str:
         return f" ({', '.join(sorted(set(hints)))})" if hints else ""
 
-    return (f"best: {len(best)} of {len(rows)}{named(best)}; mode: "
-            f"{sum(1 for r in rows if r['other_hints'])}{named(chosen)}")
+    over_own = statistics.mean(r["best"] / r["own_hint_best"] for r in rows)
+    return (f"best: {len(best)} of {len(rows)}{named(best)}, {over_own:.4f}x the own hint's "
+            f"best; mode: {sum(1 for r in rows if r['other_hints'])}{named(chosen)}")
 
 
 def plot(name: str, row: dict, path: str) -> str:
@@ -167,7 +172,9 @@ def main(argv: list[str] | None = None) -> None:
         f"{NOTABLE_GAIN:.0%}; *settled*: the median step from which the last decision ran; "
         "*decisions*: what the tuner did after its first choice's measuring, over all seeds"
         + ("; *other hint*: the seeds whose best single setting ranks by an interchangeable "
-           "hint, and those whose mode chose one (`--tune-hints`: both choose among them)."
+           "hint, the best single setting's throughput over the best of the run's own "
+           "hint's settings (mean over seeds), and the seeds whose mode chose another hint "
+           "(`--tune-hints`: both choose among them)."
            if args.tune_hints else "."), "",
         f"**The mode's lowest run anywhere: {lowest:.3f}x the fixed schedule** "
         f"({'at or above' if lowest >= FLOOR else 'BELOW'} {FLOOR}x).", "",
