@@ -300,7 +300,21 @@ MUTATIONS = [
     Mutation(
         "self_driving_ignores_cpu_share", "a prediction starts only where it fits the CPU "
         "share predictions may take beside training", "rrfp/advise/cost.py",
-        "return self.spent + self.expected(actions) <= self.granted", "return True",
+        "return self.spent + self.expected(actions, starting=starting) <= self.granted",
+        "return True",
+        ("tests/test_cost.py::test_a_prediction_waits_until_it_fits_the_share_and_the_hints_"
+         "setting_runs_meanwhile",)),
+    Mutation(
+        "prediction_process_not_kept", "the self-driving predictions after the first reuse "
+        "the process the first started (only it imports torch)", "rrfp/advise/tuning.py",
+        "if self._child is None:", "if True:",
+        ("tests/test_self_driving.py::test_the_prediction_process_predicts_what_the_advisor_"
+         "predicts_and_is_kept",)),
+    Mutation(
+        "kept_process_budgeted_as_new", "a prediction in the kept process is expected to "
+        "take its replay's CPU, not a new process's start-up", "rrfp/runtime/self_driving.py",
+        "elif self._budget.allows(run.actions, starting=not self._process.started):",
+        "elif self._budget.allows(run.actions):",
         ("tests/test_cost.py::test_a_prediction_waits_until_it_fits_the_share_and_the_hints_"
          "setting_runs_meanwhile",)),
 ]

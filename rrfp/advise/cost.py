@@ -19,10 +19,11 @@ PREDICT_CPU_S_PER_ACTION = 3.5e-3
 schedule replayed (as measured on the torchtitan main job, rounded up)."""
 
 
-def prediction_cpu_seconds(actions: int) -> float:
-    """About what a prediction process takes, in CPU seconds, to predict from steps
-    holding ``actions`` actions (on every rank)."""
-    return ADVISOR_START_CPU_S + PREDICT_CPU_S_PER_ACTION * actions
+def prediction_cpu_seconds(actions: int, *, starting: bool = True) -> float:
+    """About what a prediction takes, in CPU seconds, from steps holding ``actions``
+    actions (on every rank); ``starting``: in a process that starts for it (a process
+    kept from an earlier prediction has imported torch already)."""
+    return ADVISOR_START_CPU_S * starting + PREDICT_CPU_S_PER_ACTION * actions
 
 
 def available_cores() -> int:
@@ -35,7 +36,8 @@ def available_cores() -> int:
 class CpuBudget:
     """Predictions beside training within ``share`` of the CPU time since ``start()`` (its
     wall time x ``cores``). A prediction's expected cost is ``prediction_cpu_seconds``,
-    scaled by what the last one took over that estimate (the host's speed)."""
+    scaled by what the last one took over that estimate (the host's speed); ``starting``:
+    whether it starts the process it runs in."""
 
     def __init__(self, share: float = CPU_SHARE, *, cores: int | None = None,
                  clock: Callable[[], float] = time.monotonic):
@@ -63,15 +65,15 @@ class CpuBudget:
             return 0.0
         return self.share * self.cores * (self._clock() - self._since)
 
-    def expected(self, actions: int) -> float:
+    def expected(self, actions: int, *, starting: bool = True) -> float:
         """CPU seconds a prediction from ``actions`` actions is expected to take."""
-        return self._scale * prediction_cpu_seconds(actions)
+        return self._scale * prediction_cpu_seconds(actions, starting=starting)
 
-    def allows(self, actions: int) -> bool:
+    def allows(self, actions: int, *, starting: bool = True) -> bool:
         """Whether a prediction from ``actions`` actions fits what is left of the share."""
-        return self.spent + self.expected(actions) <= self.granted
+        return self.spent + self.expected(actions, starting=starting) <= self.granted
 
-    def spend(self, seconds: float, actions: int) -> None:
+    def spend(self, seconds: float, actions: int, *, starting: bool = True) -> None:
         """A prediction from ``actions`` actions took ``seconds`` of CPU."""
         self.spent += seconds
-        self._scale = max(seconds, 1e-3) / prediction_cpu_seconds(actions)
+        self._scale = max(seconds, 1e-3) / prediction_cpu_seconds(actions, starting=starting)

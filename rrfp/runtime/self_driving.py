@@ -8,8 +8,9 @@ and every rank reads it there (one wait on one key per rank and block: the contr
 stays constant per rank). A plan says, for each step of the block, the setting and whether
 it is the in-run A/B's fixed-order step, and whether the ranks of the deciding rank's
 pipeline share the steps' traces (while the tuner measures). The deciding rank collects
-those traces at the next block, predicts every candidate from them in a child process at
-``nice 19`` (``rrfp.advise``: the advisor's own replay), and hands the predictions to
+those traces at the next block, predicts every candidate from them in a process of its own
+at ``nice 19``, started once and kept (``rrfp.advise.tuning.PredictionProcess``: the
+advisor's own replay), and hands the predictions to
 the tuner when they are ready; training never waits on a prediction. A prediction starts
 only where its expected CPU fits, with every earlier one's, in the share of the host's CPU
 since the first step that predictions may take (``rrfp.advise.cost.CpuBudget``); until
@@ -38,15 +39,13 @@ from __future__ import annotations
 import concurrent.futures
 import json
 import logging
-import pickle
-import subprocess
-import sys
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass
 
-from rrfp.advise import child_environment, lower_priority, run_from_trace_events
+from rrfp.advise import run_from_trace_events
 from rrfp.advise.cost import CpuBudget
 from rrfp.advise.measured import MeasuredRun
+from rrfp.advise.tuning import PredictionProcess
 from rrfp.comm.board import FailureBoard, JobScope
 from rrfp.core.errors import PipelineStallError
 from rrfp.core.hints import Hint
@@ -131,33 +130,14 @@ def candidate_limits(budget: BufferLimit, hint: Hint,
     return limits
 
 
-def predicted_in_a_child(run: MeasuredRun, limits: Sequence[str], hints: Sequence[str]
-                         ) -> tuple[list[Predicted], float]:
-    """``rrfp.advise.tuning.predict_candidates`` in a fresh interpreter at ``nice 19``
-    (where every core trains it gets a small share of one, so a decision comes late but
-    comes; ``SCHED_IDLE``, the advisor's verdict's priority, could starve it), and the CPU
-    seconds the child took."""
-    child = subprocess.Popen([sys.executable, "-m", "rrfp.advise.tuning"],
-                             stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                             stderr=subprocess.PIPE, env=child_environment())
-    try:
-        lower_priority(child.pid, idle=False)
-    except OSError:  # it ends before it could be lowered, or the OS refuses: it still runs
-        pass
-    out, err = child.communicate(pickle.dumps((run, list(limits), list(hints))))
-    if child.returncode:
-        raise RuntimeError(f"the self-driving prediction failed: {err.decode()[-2000:]}")
-    predicted, cpu_seconds = pickle.loads(out)
-    return predicted, cpu_seconds
-
-
 class SelfDriving:
     """One rank's part in a self-driving job (see the module docstring)."""
 
     def __init__(self, budget: BufferLimit, hint: Hint, rank: int, job: JobScope,
                  pipeline_ranks: Sequence[int], timeout: float,
                  rules: TuningRules = TuningRules(), predict_inline: Predictor | None = None,
-                 cpu_budget: CpuBudget | None = None, hints: Mapping[str, Hint] | None = None):
+                 cpu_budget: CpuBudget | None = None, hints: Mapping[str, Hint] | None = None,
+                 process: PredictionProcess | None = None):
         self.budget, self.hint, self.rank = budget, hint, rank
         self.hints = dict(hints or {})
         """The interchangeable hints that may rank instead of ``hint``, by name
@@ -193,12 +173,14 @@ class SelfDriving:
         self._prediction: concurrent.futures.Future | None = None
         self._pool: concurrent.futures.ThreadPoolExecutor | None = None
         self._predict_inline = predict_inline
-        """Studies: predict in this process, at once (None: in a child, off the critical
-        path)."""
+        """Studies: predict in this process, at once (None: in ``process``, off the
+        critical path)."""
+        self._process = process if process is not None else PredictionProcess()
         self._budget = cpu_budget if cpu_budget is not None else CpuBudget()
-        """The children's CPU, within a share of the host's since the first step."""
-        self._predicting_actions = 0
-        """The actions the prediction in flight predicts from."""
+        """The predictions' CPU, within a share of the host's since the first step."""
+        self._predicting: tuple[int, bool] = (0, True)
+        """The prediction in flight: the actions it predicts from, whether it starts the
+        process."""
         self._waiting_for: range | None = None
         """The measured steps whose prediction waits for the CPU share (said once)."""
 
@@ -313,10 +295,10 @@ class SelfDriving:
         hints = list(self.hints)
         if self._predict_inline is not None:
             tuner.choose(self._predict_inline(run, self._limits, hints))
-        elif self._budget.allows(run.actions):
-            self._predicting_actions = run.actions
-            self._prediction = self._executor().submit(predicted_in_a_child, run, self._limits,
-                                                       hints)
+        elif self._budget.allows(run.actions, starting=not self._process.started):
+            self._predicting = (run.actions, not self._process.started)
+            self._prediction = self._executor().submit(self._process.predict, run,
+                                                       self._limits, hints)
         elif self._waiting_for != wanted:
             self._waiting_for = wanted
             budget = self._budget
@@ -324,7 +306,8 @@ class SelfDriving:
                 f"predicting from steps {wanted.start}-{wanted.stop - 1} waits for the CPU it "
                 f"may take beside training ({budget.share:.0%} of the time of "
                 f"{counted(budget.cores, 'core')} since the first step): it is expected to "
-                f"take {budget.expected(run.actions):.1f} s, and {budget.spent:.1f} s of the "
+                f"take {budget.expected(run.actions, starting=not self._process.started):.1f}"
+                f" s, and {budget.spent:.1f} s of the "
                 f"{budget.granted:.1f} s granted so far are taken; the hint's own setting "
                 "runs meanwhile")
 
@@ -332,19 +315,19 @@ class SelfDriving:
         """The deciding rank: give the tuner a finished prediction; a failed one chooses
         nothing over the hint's own setting (the job goes on), said in a warning."""
         assert self.tuner is not None
-        actions = self._predicting_actions
+        actions, starting = self._predicting
         try:
             predicted, cpu_seconds = done.result()
         except Exception as e:
             logger.warning("rrfp self-driving: the prediction failed, so nothing is chosen "
                            "over the hint's own setting: %s", e)
-            predicted, cpu_seconds = [], self._budget.expected(actions)
-        self._budget.spend(cpu_seconds, actions)
+            predicted, cpu_seconds = [], self._budget.expected(actions, starting=starting)
+        self._budget.spend(cpu_seconds, actions, starting=starting)
         if self.tuner.wants_predictions is not None:
             self.tuner.choose(predicted)
 
     def _executor(self) -> concurrent.futures.ThreadPoolExecutor:
-        if self._pool is None:  # a thread that waits on the child (the GIL is released)
+        if self._pool is None:  # a thread that waits on the process (the GIL is released)
             self._pool = concurrent.futures.ThreadPoolExecutor(
                 1, thread_name_prefix="rrfp-self-driving")
         return self._pool
@@ -358,6 +341,7 @@ class SelfDriving:
         if self._pool is not None:
             self._pool.shutdown(wait=False, cancel_futures=True)
             self._pool = None
+        self._process.close()
 
     @property
     def last_decision(self) -> Decision | None:
