@@ -313,7 +313,7 @@ MUTATIONS = [
     Mutation(
         "kept_process_budgeted_as_new", "a prediction in the kept process is expected to "
         "take its replay's CPU, not a new process's start-up", "rrfp/runtime/self_driving.py",
-        "elif self._budget.allows(run.actions, starting=not self._process.started):",
+        "elif self._budget.allows(run.actions, starting=starting):",
         "elif self._budget.allows(run.actions):",
         ("tests/test_cost.py::test_a_prediction_waits_until_it_fits_the_share_and_the_hints_"
          "setting_runs_meanwhile",)),

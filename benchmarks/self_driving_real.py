@@ -116,19 +116,20 @@ def main(argv: list[str] | None = None) -> None:
         loads.append(load_before)
     command = " ".join(["python -m benchmarks.self_driving_real",
                         *(sys.argv[1:] if argv is None else argv)])
-    lines = page(rounds, loads, decisions, args.steps, budget,
-                 f"`{command}` ({(time.time() - started) / 60:.0f} min")
+    lines = page(rounds, loads, decisions, args.steps, budget, command,
+                 (time.time() - started) / 60)
     print("wrote", write_page("self_driving_real.md", lines))
 
 
 def page(rounds: list[dict[str, dict[int, float]]], loads: list[dict[str, float]],
-         decisions: list[list[str]], steps: int, budget: str, command: str) -> list[str]:
+         decisions: list[list[str]], steps: int, budget: str, command: str,
+         minutes: float) -> list[str]:
     """The results page's lines."""
     decided = [first_decided(said) for said in decisions]
     lines = [
         "# Self-driving RRFP on real compute: the torchtitan documents job (CPU)", "",
-        f"Regenerate with {command}; the method: `benchmarks/self_driving_real.py`'s "
-        f"docstring). Budget `--rrfp.tune_within {budget}` (the fixed schedule's peak plus "
+        f"Regenerate with `{command}` ({minutes:.0f} min; the method: "
+        "`benchmarks/self_driving_real.py`'s docstring). Budget `--rrfp.tune_within {budget}` (the fixed schedule's peak plus "
         f"half). Seconds: the schedule's step times summed over steps 2-{steps}; in "
         "parentheses the 1-minute load average before the run; ratio: fixed / the run "
         "(above 1: faster); *decided*: the step from which the mode's first decision ran, "

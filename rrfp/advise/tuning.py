@@ -1,9 +1,9 @@
 """The self-driving tuner's predictions (``rrfp.core.tuning``): each candidate replayed on
 the job's measured steps by the advisor, in a process of its own.
 
-``main`` (``python -m rrfp.advise.tuning``) reads pickled ``(MeasuredRun, limits, hints)`` requests
-on its standard input, one after another, and answers each on its standard output with
-the pickled ``(list[Predicted], CPU seconds it took)``, until its input closes.
+``main`` (``python -m rrfp.advise.tuning``) reads pickled ``(MeasuredRun, limits,
+hints)`` requests on its standard input, one after another, and answers each on its
+standard output with the pickled ``(list[Predicted], CPU seconds it took)``, until its input closes.
 ``PredictionProcess`` starts it at ``nice 19`` at the job's first prediction, so that
 predicting takes little of a core training uses (and, as a fresh interpreter, it imports
 nothing of the training script), and keeps it for the later ones: importing torch, most
@@ -92,11 +92,16 @@ class PredictionProcess:
             raise RuntimeError(f"the self-driving prediction failed: {said or repr(e)}") from e
 
     def _start(self) -> None:
-        self._errors = tempfile.TemporaryFile()
-        # Not ``-m``: importing rrfp imports this module, which ``-m`` would then run anew.
-        self._child = subprocess.Popen([sys.executable, "-c", ENTRY],
-                                       stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                       stderr=self._errors, env=child_environment())
+        errors = tempfile.TemporaryFile()
+        try:
+            # Not ``-m``: importing rrfp imports this module, which ``-m`` would run anew.
+            self._child = subprocess.Popen([sys.executable, "-c", ENTRY],
+                                           stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                           stderr=errors, env=child_environment())
+        except BaseException:
+            errors.close()
+            raise
+        self._errors = errors
         try:
             lower_priority(self._child.pid, idle=False)
         except OSError:  # it ended before it could be lowered, or the OS refuses: it runs

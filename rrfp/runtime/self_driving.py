@@ -8,10 +8,9 @@ and every rank reads it there (one wait on one key per rank and block: the contr
 stays constant per rank). A plan says, for each step of the block, the setting and whether
 it is the in-run A/B's fixed-order step, and whether the ranks of the deciding rank's
 pipeline share the steps' traces (while the tuner measures). The deciding rank collects
-those traces at the next block, predicts every candidate from them in a process of its own
-at ``nice 19``, started once and kept (``rrfp.advise.tuning.PredictionProcess``: the
-advisor's own replay), and hands the predictions to
-the tuner when they are ready; training never waits on a prediction. A prediction starts
+those traces at the next block, predicts every candidate from them in a process of its
+own at ``nice 19``, started once and kept (``rrfp.advise.tuning.PredictionProcess``: the
+advisor's own replay), and hands the predictions to the tuner when they are ready; training never waits on a prediction. A prediction starts
 only where its expected CPU fits, with every earlier one's, in the share of the host's CPU
 since the first step that predictions may take (``rrfp.advise.cost.CpuBudget``); until
 then the hint's own setting keeps running, as without the mode. The deciding rank
@@ -293,10 +292,11 @@ class SelfDriving:
         if self._limits is None:
             self._limits = candidate_limits(self.budget, self.hint, run.bytes_per_microbatch)
         hints = list(self.hints)
+        starting = not self._process.started
         if self._predict_inline is not None:
             tuner.choose(self._predict_inline(run, self._limits, hints))
-        elif self._budget.allows(run.actions, starting=not self._process.started):
-            self._predicting = (run.actions, not self._process.started)
+        elif self._budget.allows(run.actions, starting=starting):
+            self._predicting = (run.actions, starting)
             self._prediction = self._executor().submit(self._process.predict, run,
                                                        self._limits, hints)
         elif self._waiting_for != wanted:
@@ -306,10 +306,9 @@ class SelfDriving:
                 f"predicting from steps {wanted.start}-{wanted.stop - 1} waits for the CPU it "
                 f"may take beside training ({budget.share:.0%} of the time of "
                 f"{counted(budget.cores, 'core')} since the first step): it is expected to "
-                f"take {budget.expected(run.actions, starting=not self._process.started):.1f}"
-                f" s, and {budget.spent:.1f} s of the "
-                f"{budget.granted:.1f} s granted so far are taken; the hint's own setting "
-                "runs meanwhile")
+                f"take {budget.expected(run.actions, starting=starting):.1f} s, and "
+                f"{budget.spent:.1f} s of the {budget.granted:.1f} s granted so far are "
+                "taken; the hint's own setting runs meanwhile")
 
     def hand_over(self, done: concurrent.futures.Future) -> None:
         """The deciding rank: give the tuner a finished prediction; a failed one chooses
