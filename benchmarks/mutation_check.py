@@ -311,6 +311,13 @@ MUTATIONS = [
         ("tests/test_self_driving.py::test_the_prediction_process_predicts_what_the_advisor_"
          "predicts_and_is_kept",)),
     Mutation(
+        "a_b_settles_unmeasured", "the in-run A/B verifies rarely only once its pairs "
+        "measured the setting faster", "rrfp/core/tuning.py",
+        "return len(logs) >= self.rules.settle_pairs and statistics.mean(logs) > 0",
+        "return len(logs) >= self.rules.settle_pairs",
+        ("tests/test_tuning.py::test_a_setting_measured_slower_keeps_its_a_b_frequent_until_"
+         "it_falls_back",)),
+    Mutation(
         "kept_process_budgeted_as_new", "a prediction in the kept process is expected to "
         "take its replay's CPU, not a new process's start-up", "rrfp/runtime/self_driving.py",
         "elif self._budget.allows(run.actions, starting=starting):",

@@ -117,6 +117,44 @@ def test_falls_back_when_the_a_b_says_the_setting_is_slower():
     assert tuner.setting == NEXT  # ... and the next candidate, faster, stays
 
 
+def test_a_setting_measured_slower_keeps_its_a_b_frequent_until_it_falls_back():
+    # 6% slower than the fixed order, under noise that often needs well over settle_pairs
+    # pairs for the fall-back's bound: they keep coming every ab_every steps meanwhile,
+    # where one in ab_every_settled would leave it running to the end.
+    rules = TuningRules()
+    pairs_needed = []
+    for seed in range(8):
+        tuner = Tuner(rules)
+        runs = []
+
+        def seconds(step: int, run, table=times_by_setting(
+                {OWN: 1.0, FIXED_ORDER: 1.0, FAST: 1.064}, noise=0.15, seed=seed)) -> float:
+            runs.append(run)
+            return table(step, run)
+        drive(tuner, 400, seconds, [Predicted(FAST, 1.1)])
+        fall_back = next(d for d in tuner.decisions if d.reason == "fall back")
+        assert fall_back.step <= 400 - rules.ab_every_settled, seed
+        pairs_needed.append(sum(run.ab_fixed for run in runs[:fall_back.step]))
+    assert sum(n > rules.settle_pairs + 2 for n in pairs_needed) >= 4, pairs_needed
+
+
+def test_a_setting_measured_faster_verifies_rarely_after_settle_pairs():
+    rules = TuningRules()
+    tuner = Tuner(rules)
+    runs = []
+
+    def seconds(step: int, run, table=times_by_setting(
+            {OWN: 1.0, FIXED_ORDER: 1.0, FAST: 0.9}, noise=0.05)) -> float:
+        runs.append(run)
+        return table(step, run)
+    drive(tuner, 300, seconds, [Predicted(FAST, 1.1)])
+    at_fast = [i for i, run in enumerate(runs) if run.ab_fixed]
+    gaps = [later - earlier for earlier, later in zip(at_fast, at_fast[1:])]
+    assert gaps[:rules.settle_pairs - 1] == [rules.ab_every] * (rules.settle_pairs - 1)
+    assert set(gaps[rules.settle_pairs:]) == {rules.ab_every_settled}
+    assert [d.reason for d in tuner.decisions] == ["measure", "switch"]
+
+
 def test_falls_back_to_the_hints_own_setting_when_no_candidate_is_left():
     tuner = Tuner()
     drive(tuner, 120, times_by_setting({OWN: 1.0, FIXED_ORDER: 1.0, FAST: 1.25}),

@@ -20,9 +20,10 @@ measured steps, the caller predicts every candidate from them and hands the resu
    (``FIXED_ORDER``). **Refine** on the first
    ``refine_at`` steps since measuring began (each entry once): a candidate predicted
    faster than the running one by ``refine_margin`` takes over.
-3. **Verify.** Every ``ab_every``-th step runs the fixed order (the in-run A/B; after
-   ``settle_pairs`` pairs, every ``ab_every_settled``-th). Each such step paired with its
-   neighbours gives a measured speedup (``ab_speedups``). **Fall back** when the upper
+3. **Verify.** Every ``ab_every``-th step runs the fixed order (the in-run A/B). Each
+   such step paired with its neighbours gives a measured speedup (``ab_speedups``); once
+   ``settle_pairs`` pairs measured the setting faster on average, every
+   ``ab_every_settled``-th step (back to ``ab_every`` while their mean says slower). **Fall back** when the upper
    one-sided ``confidence`` bound of the mean log speedup, over every pair since the
    decision (at least ``min_pairs``), is below 0: the setting is slower than the fixed
    order, beyond what the pairs' own spread explains. The next candidate that cleared the
@@ -248,10 +249,20 @@ class Tuner:
         if self.setting == FIXED_ORDER or len(self.decisions) == 1:
             # Before the first decision no pair is kept: each decision starts its own.
             return StepRun(self.setting, False)
-        pairs = len(ab_speedups(self._since.runs))
-        every = (self.rules.ab_every if pairs < self.rules.settle_pairs
-                 else self.rules.ab_every_settled)
+        every = self.rules.ab_every_settled if self._settled() else self.rules.ab_every
         return StepRun(self.setting, (step - self._since.step) % every == every - 1)
+
+    def _settled(self) -> bool:
+        """Whether the A/B may verify rarely: ``settle_pairs`` pairs since the decision
+        measured the setting faster than the fixed order on average. A setting measured
+        slower keeps its fixed-order steps coming (they run the faster order) until the
+        fall-back's bound decides."""
+        logs = self._pair_logs()
+        return len(logs) >= self.rules.settle_pairs and statistics.mean(logs) > 0
+
+    def _pair_logs(self) -> list[float]:
+        """The log of each A/B pair's measured speedup since the decision."""
+        return [math.log(r) for r in ab_speedups(self._since.runs) if r > 0]
 
     def observe(self, run: StepRun, seconds: float) -> None:
         """The step that ran ``run`` (``next_run()``'s answer) took ``seconds``."""
@@ -331,7 +342,7 @@ class Tuner:
 
     def _falls_back(self) -> bool:
         """Fall back where the pairs since the decision say the setting is slower."""
-        logs = [math.log(r) for r in ab_speedups(self._since.runs) if r > 0]
+        logs = self._pair_logs()
         if len(logs) < max(2, self.rules.min_pairs):
             return False
         if upper_bound(logs, self.rules.confidence) >= 0:
