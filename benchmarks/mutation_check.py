@@ -291,12 +291,22 @@ MUTATIONS = [
         ("tests/test_self_driving.py::test_every_rank_switches_at_the_same_step_within_a_byte_"
          "budget_and_stays_bitwise",)),
     Mutation(
-        "tuner_ab_while_measuring", "no A/B step runs before the first decision (its pair "
-        "would be dropped)", "rrfp/core/tuning.py",
-        "if self.setting == FIXED_ORDER or len(self.decisions) == 1:",
+        "tuner_unchecked_before_decision", "the in-run A/B checks the hint's own setting while "
+        "the first decision waits", "rrfp/core/tuning.py",
         "if self.setting == FIXED_ORDER:",
-        ("tests/test_tuning.py::test_no_a_b_step_runs_before_the_first_decision_however_late_"
-         "it_comes",)),
+        "if self.setting == FIXED_ORDER or len(self.decisions) == 1:",
+        ("tests/test_tuning.py::test_the_a_b_checks_the_hints_own_setting_while_the_first_"
+         "decision_waits",
+         "tests/test_tuning.py::test_the_hints_own_setting_found_slower_before_any_prediction_"
+         "falls_back")),
+    Mutation(
+        "tuner_forgets_rejected_on_first_choice", "what the A/B found slower before the first "
+        "prediction stays rejected by it", "rrfp/core/tuning.py",
+        "        best = self._next_candidate()\n        if best is None:",
+        "        if first:\n            self._rejected.clear()\n        best = "
+        "self._next_candidate()\n        if best is None:",
+        ("tests/test_tuning.py::test_the_hints_own_setting_found_slower_before_any_prediction_"
+         "falls_back",)),
     Mutation(
         "self_driving_ignores_cpu_share", "a prediction starts only where it fits the CPU "
         "share predictions may take beside training", "rrfp/advise/cost.py",

@@ -102,10 +102,11 @@ def test_main_job_trains_on_cpu_and_logs_rrfp_stats(tmp_path):
 def test_a_self_driving_job_trains_and_says_what_it_ran(tmp_path):
     """``--rrfp.tune_within hint+2 --rrfp.tune_hints`` on the main job (its A/B reset): the
     schedule is built self-driving (said in its line, with the hints it may rank by), each
-    step's setting goes to TensorBoard, and the summary says no decision took effect yet and why there is no verdict. In 8 steps none
-    can: the tuner measures the first block, and its prediction, wanted at the second,
-    waits for the CPU share it may take (it would take seconds, and 8 steps grant a small
-    part of one); the A/B starts with the first decision."""
+    step's setting goes to TensorBoard, and the summary says no decision took effect yet
+    and why there is no verdict. In 8 steps none can: the tuner measures the first block,
+    and its prediction, wanted at the second, waits for the CPU share it may take (it would
+    take seconds, and 8 steps grant a small part of one); the A/B's first fixed-order step,
+    the 8th, checks the hint's own setting meanwhile."""
     from torchtitan_ext.common.run_advice import SELF_DRIVING_NO_VERDICT
 
     code, out = run_titan(2, "--training.steps", "8", "--rrfp.tune_within", "hint+2",
@@ -119,10 +120,13 @@ def test_a_self_driving_job_trains_and_says_what_it_ran(tmp_path):
     # Metered in the first step (the first of the hint's own setting), not in the others.
     assert re.search(STATS_LINE.format(step=1, fixed="", label="", activations=METERED),
                      out), failure_excerpt(out)
-    assert re.search(STATS_LINE.format(step=8, fixed="", label="", activations=UNMETERED),
+    assert re.search(STATS_LINE.format(step=7, fixed="", label="", activations=UNMETERED),
                      out), failure_excerpt(out)
+    # The in-run A/B checks the hint's own setting while the prediction waits.
+    assert re.search(STATS_LINE.format(step=8, fixed=" \\(fixed order\\)", label="",
+                                       activations=UNMETERED), out), failure_excerpt(out)
     values = tensorboard_values(tmp_path)
-    assert values["rrfp/self_driving/fixed_order"] == [0.0] * 8
+    assert values["rrfp/self_driving/fixed_order"] == [0.0] * 7 + [1.0]
     assert values["rrfp/self_driving/other_hint"] == [0.0] * 8
     # Interleaved1F1B, 2 ranks x 2 stages, 8 microbatches: the hint's own limits ran.
     assert values["rrfp/self_driving/rank_buffer_limit/pp0"] == [5.0] * 8
@@ -132,7 +136,8 @@ def test_a_self_driving_job_trains_and_says_what_it_ran(tmp_path):
         "  self-driving within tune_within='hint+2': no decision took effect; the latest "
         "predicting from steps 0-3 waits for the CPU it may take beside training (1% of the "
         "time of "), summary[1]
-    assert summary[1].endswith("the hint's own setting runs meanwhile"), summary[1]
+    assert summary[1].endswith(
+        "the running setting goes on meanwhile, checked by the in-run A/B"), summary[1]
     assert out.count("rrfp self-driving: predicting from steps 0-3 waits") == 1, \
         failure_excerpt(out)  # every rank keeps it; the rank that logs says it
     assert f"  {SELF_DRIVING_NO_VERDICT}" in summary[:12], summary

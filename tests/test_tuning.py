@@ -51,21 +51,40 @@ def test_measures_at_the_hints_own_setting_then_switches_to_the_best_prediction(
     assert "predicted 1.150x" in decision.line()
 
 
-def test_no_a_b_step_runs_before_the_first_decision_however_late_it_comes():
-    # A pair is kept only since the decision it checks: one before the first is lost.
+def test_the_a_b_checks_the_hints_own_setting_while_the_first_decision_waits():
+    # A first prediction that waits for its CPU share: the hint's own setting runs, one
+    # step in ab_every runs the fixed order; the decision starts pairs of its own.
     tuner = Tuner()
-    late = 3 * tuner.rules.ab_every
+    every = tuner.rules.ab_every
+    late = 3 * every
     runs = []
     for _ in range(late):
         runs.append(tuner.next_run())
         tuner.observe(runs[-1], 1.0)
-    assert {run.setting for run in runs} == {OWN} and not any(run.ab_fixed for run in runs)
+    assert {run.setting for run in runs} == {OWN}
+    assert [i for i, run in enumerate(runs) if run.ab_fixed] == [every - 1, 2 * every - 1,
+                                                                3 * every - 1]
     decision = tuner.choose([Predicted(FAST, 1.15)])
     assert decision.step == late
-    for _ in range(tuner.rules.ab_every):
+    for _ in range(every):
         runs.append(tuner.next_run())
         tuner.observe(runs[-1], 1.0)
-    assert [run.ab_fixed for run in runs[late:]].count(True) == 1
+    assert [i for i, run in enumerate(runs) if run.ab_fixed][3:] == [late + every - 1]
+
+
+def test_the_hints_own_setting_found_slower_before_any_prediction_falls_back():
+    # No prediction ever comes (its CPU share not granted): the A/B alone finds the hint's
+    # own setting slower, the fixed order runs, and a prediction coming later does not
+    # bring the rejected setting back.
+    tuner = Tuner()
+    table = times_by_setting({OWN: 1.25, FIXED_ORDER: 1.0}, noise=0.05)
+    for _ in range(80):
+        run = tuner.next_run()
+        tuner.observe(run, table(tuner.steps, run))
+    assert [d.reason for d in tuner.decisions] == ["measure", "fall back"]
+    assert tuner.setting == FIXED_ORDER and tuner.decisions[-1].measured < 0.9
+    tuner.choose([Predicted(OWN, 1.004), Predicted(FAST, 1.015)])
+    assert (tuner.setting, tuner.decisions[-1].reason) == (FIXED_ORDER, "no gain")
 
 
 def test_the_steps_are_measured_only_until_the_last_prediction_has_all_it_reads():

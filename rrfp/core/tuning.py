@@ -12,7 +12,7 @@ measured steps, the caller predicts every candidate from them and hands the resu
    one rank that decides, and switch at the same step.
 
 1. **Measure.** The first ``measure_steps`` steps run the hint's own setting (``OWN``),
-   without the A/B's fixed-order steps until the first decision takes effect.
+   which keeps running, verified by the A/B (rule 3), until the first decision.
 2. **Choose.** The candidate with the best predicted speedup over the fixed schedule runs
    from then on if that speedup is at least ``switch_margin`` and ``refine_margin`` times
    the hint's own setting's; otherwise the hint's own setting keeps running (what the run
@@ -20,14 +20,17 @@ measured steps, the caller predicts every candidate from them and hands the resu
    (``FIXED_ORDER``). **Refine** on the first
    ``refine_at`` steps since measuring began (each entry once): a candidate predicted
    faster than the running one by ``refine_margin`` takes over.
-3. **Verify.** Every ``ab_every``-th step runs the fixed order (the in-run A/B). Each
-   such step paired with its neighbours gives a measured speedup (``ab_speedups``); once
-   ``settle_pairs`` pairs measured the setting faster on average, every
-   ``ab_every_settled``-th step (back to ``ab_every`` while their mean says slower). **Fall back** when the upper
-   one-sided ``confidence`` bound of the mean log speedup, over every pair since the
-   decision (at least ``min_pairs``), is below 0: the setting is slower than the fixed
-   order, beyond what the pairs' own spread explains. The next candidate that cleared the
-   margins runs, else the hint's own setting, else (it too found slower) the fixed order.
+3. **Verify.** Every ``ab_every``-th step runs the fixed order (the in-run A/B), from the
+   first step on: while a first prediction waits for its CPU share, the hint's own
+   setting runs checked. Each such step paired with its neighbours gives a measured
+   speedup (``ab_speedups``); each decision starts its own pairs. Once ``settle_pairs``
+   pairs measured the setting faster on average, every ``ab_every_settled``-th step runs
+   the fixed order instead (back to ``ab_every`` while their mean says slower).
+   **Fall back** when the upper one-sided ``confidence`` bound of the mean log speedup,
+   over every pair since the decision (at least ``min_pairs``), is below 0: the setting is
+   slower than the fixed order, beyond what the pairs' own spread explains. The next
+   candidate that cleared the margins runs, else the hint's own setting, else (it too
+   found slower) the fixed order. A drift (rule 4) forgets what was found slower.
 4. **Re-tune.** The median of the last ``window`` steps at the setting against the median
    of the steps at it before them: when it moved by more than ``drift_fraction`` and by more than
    ``drift_errors`` standard errors, on ``drift_hold`` steps in a row, then (once at least
@@ -246,8 +249,7 @@ class Tuner:
         return [self._run_at(self.steps + k) for k in range(self.rules.block)]
 
     def _run_at(self, step: int) -> StepRun:
-        if self.setting == FIXED_ORDER or len(self.decisions) == 1:
-            # Before the first decision no pair is kept: each decision starts its own.
+        if self.setting == FIXED_ORDER:
             return StepRun(self.setting, False)
         every = self.rules.ab_every_settled if self._settled() else self.rules.ab_every
         return StepRun(self.setting, (step - self._since.step) % every == every - 1)
@@ -288,8 +290,6 @@ class Tuner:
             self._measuring_from = None
         self._ranked = sorted((p for p in predictions if p.setting != FIXED_ORDER),
                               key=lambda p: -p.speedup)
-        if first:
-            self._rejected.clear()
         best = self._next_candidate()
         if best is None:
             plain = self._plain()
@@ -375,6 +375,7 @@ class Tuner:
             measured = (math.exp(statistics.mean(math.log(r) for r in pairs))
                         if pairs else None)
             decision = self._decide(self.setting, "drift", measured=measured)
+            self._rejected.clear()  # what the A/B found slower was found on other timings
             # From the next block: where a job's ranks are told to share their traces.
             self._measuring_from = decision.step
             self._rounds = self._prediction_rounds()

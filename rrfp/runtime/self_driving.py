@@ -308,7 +308,7 @@ class SelfDriving:
                 f"{counted(budget.cores, 'core')} since the first step): it is expected to "
                 f"take {budget.expected(run.actions, starting=starting):.1f} s, and "
                 f"{budget.spent:.1f} s of the {budget.granted:.1f} s granted so far are "
-                "taken; the hint's own setting runs meanwhile")
+                "taken; the running setting goes on meanwhile, checked by the in-run A/B")
 
     def hand_over(self, done: concurrent.futures.Future) -> None:
         """The deciding rank: give the tuner a finished prediction; a failed one chooses
