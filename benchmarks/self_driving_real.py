@@ -130,7 +130,8 @@ def page(rounds: list[dict[str, dict[int, float]]], loads: list[dict[str, float]
         "# Self-driving RRFP on real compute: the torchtitan documents job (CPU)", "",
         f"Regenerate with `{command}` ({minutes:.0f} min; the method: "
         "`benchmarks/self_driving_real.py`'s docstring). Budget "
-        f"`--rrfp.tune_within {budget}` (the fixed schedule's peak plus half). Seconds: the schedule's step times summed over steps 2-{steps}; in "
+        f"`--rrfp.tune_within {budget}` (the fixed schedule's peak plus half). Seconds: "
+        f"the schedule's step times summed over steps 2-{steps}; in "
         "parentheses the 1-minute load average before the run; ratio: fixed / the run "
         "(above 1: faster); *decided*: the step from which the mode's first decision ran, "
         f"and the ratios over the steps from there to {steps} (the same steps of each "

@@ -192,6 +192,8 @@ class _Since:
     step: int
     runs: list[tuple[bool, float]] = field(default_factory=list)
     """(an A/B fixed-order step, seconds) per step."""
+    pair_logs: list[float] = field(default_factory=list)
+    """The log of each A/B pair's measured speedup in ``runs`` (read once per step)."""
     drifting: int = 0
     """Steps in a row whose recent median strayed."""
     drifted: bool = False
@@ -259,18 +261,16 @@ class Tuner:
         measured the setting faster than the fixed order on average. A setting measured
         slower keeps its fixed-order steps coming (they run the faster order) until the
         fall-back's bound decides."""
-        logs = self._pair_logs()
+        logs = self._since.pair_logs
         return len(logs) >= self.rules.settle_pairs and statistics.mean(logs) > 0
-
-    def _pair_logs(self) -> list[float]:
-        """The log of each A/B pair's measured speedup since the decision."""
-        return [math.log(r) for r in ab_speedups(self._since.runs) if r > 0]
 
     def observe(self, run: StepRun, seconds: float) -> None:
         """The step that ran ``run`` (``next_run()``'s answer) took ``seconds``."""
         if not seconds >= 0:
             raise ValueError(f"a step's time must be a number of seconds >= 0, got {seconds!r}")
-        self._since.runs.append((run.ab_fixed, seconds))
+        since = self._since
+        since.runs.append((run.ab_fixed, seconds))
+        since.pair_logs = [math.log(r) for r in ab_speedups(since.runs) if r > 0]
         self.steps += 1
         if self._pending is not None:
             self._apply_pending()
@@ -342,7 +342,7 @@ class Tuner:
 
     def _falls_back(self) -> bool:
         """Fall back where the pairs since the decision say the setting is slower."""
-        logs = self._pair_logs()
+        logs = self._since.pair_logs
         if len(logs) < max(2, self.rules.min_pairs):
             return False
         if upper_bound(logs, self.rules.confidence) >= 0:
@@ -371,9 +371,7 @@ class Tuner:
         since.drifting = since.drifting + 1 if strays else 0
         since.drifted = since.drifted or since.drifting >= rules.drift_hold
         if since.drifted and self.steps - since.step >= rules.dwell:
-            pairs = ab_speedups(since.runs)
-            measured = (math.exp(statistics.mean(math.log(r) for r in pairs))
-                        if pairs else None)
+            measured = math.exp(statistics.mean(since.pair_logs)) if since.pair_logs else None
             decision = self._decide(self.setting, "drift", measured=measured)
             self._rejected.clear()  # what the A/B found slower was found on other timings
             # From the next block: where a job's ranks are told to share their traces.

@@ -10,10 +10,11 @@ it is the in-run A/B's fixed-order step, and whether the ranks of the deciding r
 pipeline share the steps' traces (while the tuner measures). The deciding rank collects
 those traces at the next block, predicts every candidate from them in a process of its
 own at ``nice 19``, started once and kept (``rrfp.advise.tuning.PredictionProcess``: the
-advisor's own replay), and hands the predictions to the tuner when they are ready; training never waits on a prediction. A prediction starts
-only where its expected CPU fits, with every earlier one's, in the share of the host's CPU
-since the first step that predictions may take (``rrfp.advise.cost.CpuBudget``); until
-then the hint's own setting keeps running, as without the mode. The deciding rank
+advisor's own replay), and hands the predictions to the tuner when they are ready;
+training never waits on a prediction. A prediction starts only where its expected CPU
+fits, with every earlier one's, in the share of the host's CPU since the first step that
+predictions may take (``rrfp.advise.cost.CpuBudget``); until then the running setting
+goes on, checked by the in-run A/B. The deciding rank
 deletes each trace once it read it, and each block's plan two blocks later (every rank
 read it by then: the job's ranks meet in each step's collectives), so the keys the mode
 leaves in the store do not grow with the steps.
