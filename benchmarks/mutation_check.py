@@ -328,6 +328,22 @@ MUTATIONS = [
         ("tests/test_tuning.py::test_a_setting_measured_slower_keeps_its_a_b_frequent_until_"
          "it_falls_back",)),
     Mutation(
+        "fall_back_cascades", "a fall-back runs the plain setting, not the next candidate "
+        "of the prediction that over-predicted the rejected one", "rrfp/core/tuning.py",
+        'self._decide(self._plain(), "fall back", measured=measured)',
+        'self._decide(next((p.setting for p in self._ranked if p.setting not in '
+        'self._rejected and p.setting != OWN), self._plain()), "fall back", '
+        'measured=measured)',
+        ("tests/test_tuning.py::test_a_fall_back_does_not_cascade_through_the_candidates_of_"
+         "the_same_prediction",)),
+    Mutation(
+        "predictions_uncalibrated_after_fall_back", "after a fall-back, predictions count at "
+        "the replay's error the A/B measured", "rrfp/core/tuning.py",
+        "return min([1.0, *(self._rejected[p.setting] / p.speedup for p in self._ranked",
+        "return min([1.0, *(1.0 for p in self._ranked",
+        ("tests/test_tuning.py::test_later_predictions_count_at_the_replays_error_measured_by_"
+         "a_fall_back",)),
+    Mutation(
         "kept_process_budgeted_as_new", "a prediction in the kept process is expected to "
         "take its replay's CPU, not a new process's start-up", "rrfp/runtime/self_driving.py",
         "elif self._budget.allows(run.actions, starting=starting):",

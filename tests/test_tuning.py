@@ -124,16 +124,48 @@ def test_the_hints_own_setting_found_slower_falls_back_to_the_fixed_order():
 
 def test_falls_back_when_the_a_b_says_the_setting_is_slower():
     tuner = Tuner()
-    drive(tuner, 200, times_by_setting({OWN: 1.0, FIXED_ORDER: 1.0, FAST: 1.25, NEXT: 0.9},
+    drive(tuner, 200, times_by_setting({OWN: 0.95, FIXED_ORDER: 1.0, FAST: 1.25, NEXT: 0.9},
                                        noise=0.05),
           [Predicted(FAST, 1.2), Predicted(NEXT, 1.1)])
-    reasons = [(d.reason, d.setting) for d in tuner.decisions]
-    assert ("switch", FAST) in reasons and ("fall back", NEXT) in reasons
-    fall_back = next(d for d in tuner.decisions if d.reason == "fall back")
+    assert [(d.reason, d.setting) for d in tuner.decisions] == [
+        ("measure", OWN), ("switch", FAST), ("fall back", OWN)]
+    fall_back = tuner.decisions[-1]
     assert fall_back.measured is not None and fall_back.measured < 0.9
     # It fell back within a few A/B pairs (one every 8 steps, at least 4 of them).
     assert fall_back.step <= 8 + 8 * 6
-    assert tuner.setting == NEXT  # ... and the next candidate, faster, stays
+
+
+def test_a_fall_back_does_not_cascade_through_the_candidates_of_the_same_prediction():
+    # The real CPU job's case: the replay over-predicts every candidate alike (each runs
+    # 0.88x of its prediction). Rejecting the first, the tuner does not run the next ones,
+    # predicted no faster by the same replay: the hint's own setting runs from then on.
+    table = {OWN: 0.95, FIXED_ORDER: 1.0, FAST: 1 / (1.06 * 0.88),
+             NEXT: 1 / (1.05 * 0.88), FASTER_ON_PAPER: 1 / (1.04 * 0.88)}
+    predictions = [Predicted(OWN, 1.0), Predicted(FAST, 1.06), Predicted(NEXT, 1.05),
+                   Predicted(FASTER_ON_PAPER, 1.04)]
+    for seed in range(4):
+        tuner = Tuner()
+        drive(tuner, 400, times_by_setting(table, noise=0.05, seed=seed), predictions)
+        assert [(d.reason, d.setting) for d in tuner.decisions] == [
+            ("measure", OWN), ("switch", FAST), ("fall back", OWN)], seed
+
+
+def test_later_predictions_count_at_the_replays_error_measured_by_a_fall_back():
+    # The hint's own setting, predicted 1.0x, measured 0.9x before the first prediction
+    # came: each candidate then counts at 0.9 of its prediction.
+    def run(predictions: list) -> Tuner:
+        tuner = Tuner()
+        table = times_by_setting({OWN: 1 / 0.9, FIXED_ORDER: 1.0, FAST: 0.95, NEXT: 0.95},
+                                 noise=0.02)
+        for _ in range(80):
+            step_run = tuner.next_run()
+            tuner.observe(step_run, table(tuner.steps, step_run))
+        assert tuner.setting == FIXED_ORDER
+        drive(tuner, 40, table, [Predicted(OWN, 1.0), *predictions])
+        return tuner
+    assert run([Predicted(FAST, 1.2)]).setting == FAST  # 1.08 calibrated
+    assert run([Predicted(NEXT, 1.1)]).setting == FIXED_ORDER  # 0.99 calibrated
+    assert run([Predicted(NEXT, 1.1)]).decisions[-1].reason == "no gain"
 
 
 def test_a_setting_measured_slower_keeps_its_a_b_frequent_until_it_falls_back():

@@ -28,9 +28,13 @@ measured steps, the caller predicts every candidate from them and hands the resu
    the fixed order instead (back to ``ab_every`` while their mean says slower).
    **Fall back** when the upper one-sided ``confidence`` bound of the mean log speedup,
    over every pair since the decision (at least ``min_pairs``), is below 0: the setting is
-   slower than the fixed order, beyond what the pairs' own spread explains. The next
-   candidate that cleared the margins runs, else the hint's own setting, else (it too
-   found slower) the fixed order. A drift (rule 4) forgets what was found slower.
+   slower than the fixed order, beyond what the pairs' own spread explains. The hint's own
+   setting runs, else (it too found slower) the fixed order: not the next candidate, which
+   the replay that over-predicted the rejected setting predicted no faster. From then on
+   each prediction (a refine round's) counts at its value times the replay's measured
+   error on this job: the lowest ratio, over the settings found slower, of the A/B's
+   measured speedup to its latest prediction. A drift (rule 4) forgets what was found
+   slower, and so the error.
 4. **Re-tune.** The median of the last ``window`` steps at the setting against the median
    of the steps at it before them: when it moved by more than ``drift_fraction`` and by more than
    ``drift_errors`` standard errors, on ``drift_hold`` steps in a row, then (once at least
@@ -217,7 +221,8 @@ class Tuner:
         self._pending: Decision | None = None
         """A decision made, to take effect at its step (the next block's first)."""
         self._ranked: list[Predicted] = []
-        self._rejected: set[Candidate] = set()
+        self._rejected: dict[Candidate, float] = {}
+        """The settings the A/B found slower, with their measured speedups."""
 
     @property
     def wants_predictions(self) -> range | None:
@@ -309,13 +314,20 @@ class Tuner:
         return self._pending or self.decisions[-1]
 
     def _next_candidate(self) -> Predicted | None:
-        """The best candidate not rejected that clears the margins: over the fixed schedule,
-        and over the hint's own setting's prediction (what the run would do without
-        choosing)."""
+        """The best candidate not rejected that clears the margins, its prediction times the
+        replay's measured error: over the fixed schedule, and over the hint's own setting's
+        prediction (what the run would do without choosing)."""
         own = next((p.speedup for p in self._ranked if p.setting == OWN), 1.0)
-        floor = max(self.rules.switch_margin, own * self.rules.refine_margin)
+        floor = max(self.rules.switch_margin / self._replay_error(),
+                    own * self.rules.refine_margin)
         return next((p for p in self._ranked if p.setting not in self._rejected
                      and p.setting != OWN and p.speedup >= floor), None)
+
+    def _replay_error(self) -> float:
+        """The lowest measured over predicted speedup of a setting the A/B found slower
+        (1: none, or none of them predicted)."""
+        return min([1.0, *(self._rejected[p.setting] / p.speedup for p in self._ranked
+                           if p.setting in self._rejected and p.speedup > 0)])
 
     def _plain(self) -> Candidate:
         """Where no candidate clears the margins: the hint's own setting, unless the A/B
@@ -348,12 +360,8 @@ class Tuner:
         if upper_bound(logs, self.rules.confidence) >= 0:
             return False
         measured = math.exp(statistics.mean(logs))
-        self._rejected.add(self.setting)
-        following = self._next_candidate()
-        if following is None:
-            self._decide(self._plain(), "fall back", measured=measured)
-        else:
-            self._decide(following.setting, "fall back", following.speedup, measured)
+        self._rejected[self.setting] = measured
+        self._decide(self._plain(), "fall back", measured=measured)
         return True
 
     def _watch_drift(self) -> None:
