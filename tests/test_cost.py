@@ -104,9 +104,13 @@ def test_a_prediction_waits_until_it_fits_the_share_and_the_hints_setting_runs_m
             driving.after_step(step, WholeStep(hint, step))
         return ran
 
+    built = []  # the measured run, built inside a timed step: once, not at every block
+    monkeypatch.setattr(self_driving, "run_from_trace_events",
+                        lambda steps, source: built.append(len(steps))
+                        or run_from_trace_events(steps, source))
     with caplog.at_level("INFO"):
         ran = run_steps(range(40))  # the clock stands still: nothing is granted
-    assert process.predicted == []
+    assert process.predicted == [] and built == [4]
     assert {r.setting.buffer_limit for r in ran} == {"hint"}
     assert [step for step, r in enumerate(ran) if r.ab_fixed] == list(range(7, 40, 8))
     assert caplog.text.count("waits for the CPU it may take") == 1, caplog.text

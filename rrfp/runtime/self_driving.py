@@ -168,6 +168,8 @@ class SelfDriving:
         self._setting_since = 0
         """The training step from which the setting of now ran."""
         self._traces: dict[int, list[dict]] = {}
+        self._built: tuple[tuple[int, ...], MeasuredRun] | None = None
+        """The measured steps of the latest wanted prediction, and their run."""
         self._shared: list[int] = []
         self._limits: list[str] | None = None
         self._prediction: concurrent.futures.Future | None = None
@@ -286,10 +288,10 @@ class SelfDriving:
             return
         for old in [s for s in self._traces if s < wanted.start]:
             del self._traces[old]  # measured for an earlier prediction
-        steps = [self._traces[s] for s in wanted if s in self._traces]
+        steps = tuple(s for s in wanted if s in self._traces)
         if len(steps) < 2:
             return
-        run = run_from_trace_events(steps, "self-driving")
+        run = self._measured_run(steps)
         if self._limits is None:
             self._limits = candidate_limits(self.budget, self.hint, run.bytes_per_microbatch)
         hints = list(self.hints)
@@ -310,6 +312,14 @@ class SelfDriving:
                 f"take {budget.expected(run.actions, starting=starting):.1f} s, and "
                 f"{budget.spent:.1f} s of the {budget.granted:.1f} s granted so far are "
                 "taken; the running setting goes on meanwhile, checked by the in-run A/B")
+
+    def _measured_run(self, steps: tuple[int, ...]) -> MeasuredRun:
+        """The run of ``steps``' traces, built once: a prediction that waits for its CPU
+        share reads it again at each block, inside a timed step."""
+        if self._built is None or self._built[0] != steps:
+            self._built = (steps, run_from_trace_events([self._traces[s] for s in steps],
+                                                        "self-driving"))
+        return self._built[1]
 
     def hand_over(self, done: concurrent.futures.Future) -> None:
         """The deciding rank: give the tuner a finished prediction; a failed one chooses
