@@ -268,9 +268,14 @@ MUTATIONS = [
     Mutation(
         "tuner_never_falls_back", "self-driving falls back when the in-run A/B says its "
         "setting is slower", "rrfp/core/tuning.py",
-        "if upper_bound(logs, self.rules.confidence) >= 0:", "if True:",
+        "if pairs.upper_bound(self.rules.confidence) >= 0:", "if True:",
         ("tests/test_tuning.py::test_falls_back_when_the_a_b_says_the_setting_is_slower",
          "tests/test_tuning.py::test_falls_back_to_the_hints_own_setting_when_no_candidate_is_left")),
+    Mutation(
+        "drift_reference_unbounded", "the tuner keeps a bounded number of steps for the "
+        "drift's reference, whatever the run's length", "rrfp/core/tuning.py",
+        "if len(self._earlier) > self._reference:", "if False:",
+        ("tests/test_tuning.py::test_the_drift_s_reference_keeps_the_latest_steps_sorted",)),
     Mutation(
         "tuner_ignores_drift", "self-driving measures again when the step times drift",
         "rrfp/core/tuning.py", "since.drifting = since.drifting + 1 if strays else 0",
@@ -323,8 +328,8 @@ MUTATIONS = [
     Mutation(
         "a_b_settles_unmeasured", "the in-run A/B verifies rarely only once its pairs "
         "measured the setting faster", "rrfp/core/tuning.py",
-        "return len(logs) >= self.rules.settle_pairs and statistics.mean(logs) > 0",
-        "return len(logs) >= self.rules.settle_pairs",
+        "return pairs.count >= self.rules.settle_pairs and pairs.mean() > 0",
+        "return pairs.count >= self.rules.settle_pairs",
         ("tests/test_tuning.py::test_a_setting_measured_slower_keeps_its_a_b_frequent_until_"
          "it_falls_back",)),
     Mutation(

@@ -3,12 +3,15 @@
 
 from __future__ import annotations
 
+import math
 import random
+import statistics
+import time
 
 import pytest
 
-from rrfp.core.tuning import (ab_speedups, Candidate, FIXED_ORDER, OWN, Predicted, Tuner,
-                              TuningRules, upper_bound)
+from rrfp.core.tuning import (ab_speedups, Candidate, FIXED_ORDER, OWN, PairLogs, Predicted,
+                              SettingTimes, Tuner, TuningRules, upper_bound)
 
 FAST = Candidate("hint+2")
 FASTER_ON_PAPER = Candidate("hint+2", "critical")
@@ -294,6 +297,54 @@ def test_decisions_take_effect_at_a_blocks_first_step_and_the_plan_says_each_ste
 
 def test_the_a_b_pairs_each_fixed_step_with_its_neighbours():
     assert ab_speedups([(False, 1.0), (True, 1.5), (False, 2.0), (True, 3.0)]) == [1.0, 1.5]
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_the_pairs_taken_step_by_step_are_the_a_b_s_pairs(seed):
+    rng = random.Random(seed)
+    steps, pairs = [], PairLogs()
+    for _ in range(400):
+        # fixed-order steps now and then, twice in a row at times; a step of 0 s at times
+        steps.append((rng.random() < 0.3, rng.choice([0.0, *[rng.uniform(0.5, 2)] * 9])))
+        pairs.add(*steps[-1])
+        logs = [math.log(r) for r in ab_speedups(steps) if r > 0]
+        assert pairs.count == len(logs)
+        if len(logs) >= 1:
+            assert pairs.mean() == pytest.approx(statistics.mean(logs), abs=1e-12)
+        if len(logs) >= 2:
+            assert pairs.upper_bound(0.99) == pytest.approx(upper_bound(logs, 0.99), abs=1e-9)
+
+
+def test_the_drift_s_reference_keeps_the_latest_steps_sorted():
+    times, seen = SettingTimes(window=10, reference=50), []
+    rng = random.Random(0)
+    for _ in range(300):
+        seen.append(rng.uniform(0, 1))
+        times.add(seen[-1])
+        assert list(times.recent) == seen[-10:]
+        assert times.earlier == sorted(seen[:-10][-50:])
+        if times.earlier:
+            assert times.earlier_median() == statistics.median(seen[:-10][-50:])
+
+
+def test_a_step_costs_the_tuner_the_same_however_many_ran_at_the_setting():
+    """A job runs its setting for hundreds of thousands of steps: the tuner's work per
+    step must not grow with them (CPU time of the same 400 steps, early and late)."""
+    tuner = Tuner()
+    seconds = times_by_setting({OWN: 1.0, FAST: 0.8, FIXED_ORDER: 1.0}, noise=0.05)
+    predicted = [Predicted(FAST, 1.25), Predicted(OWN, 1.0)]
+
+    def cpu_of_400_steps() -> float:
+        start = time.process_time()
+        drive(tuner, 400, seconds, predicted)
+        return time.process_time() - start
+
+    drive(tuner, 200, seconds, predicted)
+    early = cpu_of_400_steps()
+    drive(tuner, 6000, seconds, predicted)
+    late = cpu_of_400_steps()
+    assert tuner.decisions[-1].setting == FAST and tuner.decisions[-1].step < 100
+    assert late < 3 * early + 0.05
 
 
 def test_the_upper_bound_is_students():

@@ -36,7 +36,7 @@ measured steps, the caller predicts every candidate from them and hands the resu
    measured speedup to its latest prediction. A drift (rule 4) forgets what was found
    slower, and so the error.
 4. **Re-tune.** The median of the last ``window`` steps at the setting against the median
-   of the steps at it before them: when it moved by more than ``drift_fraction`` and by more than
+   of the steps at it before them (the latest ``reference`` of them): when it moved by more than ``drift_fraction`` and by more than
    ``drift_errors`` standard errors, on ``drift_hold`` steps in a row, then (once at least
    ``dwell`` steps passed since the last decision) the setting keeps running while the
    steps from the next block on are measured again, and the choice is made again on them.
@@ -44,13 +44,15 @@ measured steps, the caller predicts every candidate from them and hands the resu
 
 from __future__ import annotations
 
+import bisect
 import math
 import statistics
+from collections import deque
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
-__all__ = ["ab_speedups", "Candidate", "Decision", "FIXED_ORDER", "OWN", "Predicted",
-           "StepRun", "Tuner", "TuningRules"]
+__all__ = ["ab_speedups", "Candidate", "Decision", "FIXED_ORDER", "OWN", "PairLogs",
+           "Predicted", "SettingTimes", "StepRun", "Tuner", "TuningRules"]
 
 
 @dataclass(frozen=True)
@@ -139,6 +141,7 @@ class TuningRules:
     confidence: float = 0.99
     min_pairs: int = 4
     window: int = 10
+    reference: int = 2000
     drift_fraction: float = 0.10
     drift_errors: float = 3.0
     drift_hold: int = 5
@@ -146,7 +149,7 @@ class TuningRules:
 
     def __post_init__(self) -> None:
         for name in ("measure_steps", "ab_every", "ab_every_settled", "min_pairs", "window",
-                     "drift_hold"):
+                     "drift_hold", "reference"):
             if getattr(self, name) < 1 + (name.startswith("ab_")):
                 raise ValueError(f"TuningRules.{name} must be an int >= "
                                  f"{1 + name.startswith('ab_')}, got {getattr(self, name)}")
@@ -158,6 +161,9 @@ class TuningRules:
         if any(later <= earlier for earlier, later in zip(rounds, rounds[1:])):
             raise ValueError(f"TuningRules.refine_at ({self.refine_at}) must rise, each "
                              f"above measure_steps ({self.measure_steps})")
+        if self.reference < self.window:
+            raise ValueError(f"TuningRules.reference ({self.reference}) must be at least "
+                             f"window ({self.window}): a drift compares the window with them")
         if not 0.5 < self.confidence < 1:
             raise ValueError(f"TuningRules.confidence must be in (0.5, 1), got {self.confidence}")
 
@@ -165,14 +171,15 @@ class TuningRules:
 def ab_speedups(steps: Sequence[tuple[bool, float]]) -> list[float]:
     """The in-run A/B's measured speedups: for each fixed-order step (``(True, seconds)``),
     its time over the mean of the steps at the run's own setting next to it (before and
-    after), so that a drift in the machine's speed falls on both."""
+    after), so that a drift in the machine's speed falls on both (none where they took
+    no time)."""
     ratios = []
     for i, (fixed, seconds) in enumerate(steps):
         if not fixed:
             continue
         neighbours = [steps[j][1] for j in (i - 1, i + 1)
                       if 0 <= j < len(steps) and not steps[j][0]]
-        if neighbours:
+        if neighbours and statistics.mean(neighbours) > 0:
             ratios.append(seconds / statistics.mean(neighbours))
     return ratios
 
@@ -182,11 +189,99 @@ def upper_bound(values: Sequence[float], confidence: float) -> float:
     its quantile by the Cornish-Fisher expansion, a little below the exact one with few
     degrees of freedom: ``tests/test_tuning.py`` bounds the difference)."""
     n = len(values)
+    return (statistics.mean(values)
+            + _t_quantile(confidence, n - 1) * statistics.stdev(values) / math.sqrt(n))
+
+
+def _t_quantile(confidence: float, df: int) -> float:
     z = statistics.NormalDist().inv_cdf(confidence)
-    df = n - 1
-    t = (z + (z**3 + z) / (4 * df) + (5 * z**5 + 16 * z**3 + 3 * z) / (96 * df**2)
-         + (3 * z**7 + 19 * z**5 + 17 * z**3 - 15 * z) / (384 * df**3))
-    return statistics.mean(values) + t * statistics.stdev(values) / math.sqrt(n)
+    return (z + (z**3 + z) / (4 * df) + (5 * z**5 + 16 * z**3 + 3 * z) / (96 * df**2)
+            + (3 * z**7 + 19 * z**5 + 17 * z**3 - 15 * z) / (384 * df**3))
+
+
+class PairLogs:
+    """The logs of the A/B's measured speedups (``ab_speedups``) of the steps since a
+    decision, taken as each step comes, so that a step costs the same however many ran
+    before it (a job runs a setting for hundreds of thousands of steps)."""
+
+    def __init__(self) -> None:
+        self._done = 0
+        self._total = 0.0
+        self._squares = 0.0
+        self._before: float | None = None
+        """The last step's seconds, where it ran the setting."""
+        self._open: tuple[float, float | None] | None = None
+        """The last step, where it ran the fixed order: its seconds, and the step before it
+        at the setting (None: none)."""
+
+    def add(self, fixed: bool, seconds: float) -> None:
+        """The next step: whether it ran the A/B's fixed order, and its seconds."""
+        if self._open is not None:
+            log = self._log(self._open[0], self._open[1], None if fixed else seconds)
+            if log is not None:
+                self._done += 1
+                self._total += log
+                self._squares += log * log
+        self._open = (seconds, self._before) if fixed else None
+        self._before = None if fixed else seconds
+
+    @staticmethod
+    def _log(ab: float, *beside: float | None) -> float | None:
+        neighbours = [s for s in beside if s is not None]
+        ratio = ab / statistics.mean(neighbours) if neighbours and any(neighbours) else 0.0
+        return math.log(ratio) if ratio > 0 else None
+
+    def _all(self) -> tuple[int, float, float]:
+        """Count, sum and sum of squares, the last fixed-order step's pair (against the
+        step before it only, until the one after it runs) included."""
+        tail = self._log(*self._open) if self._open is not None else None
+        if tail is None:
+            return self._done, self._total, self._squares
+        return self._done + 1, self._total + tail, self._squares + tail * tail
+
+    @property
+    def count(self) -> int:
+        return self._all()[0]
+
+    def mean(self) -> float:
+        """The mean log speedup (at least one pair)."""
+        n, total, _ = self._all()
+        return total / n
+
+    def upper_bound(self, confidence: float) -> float:
+        """``upper_bound`` of the logs (at least two pairs)."""
+        n, total, squares = self._all()
+        mean = total / n
+        spread = math.sqrt(max(0.0, (squares - n * mean * mean) / (n - 1)))
+        return mean + _t_quantile(confidence, n - 1) * spread / math.sqrt(n)
+
+
+class SettingTimes:
+    """The times of the steps at the setting since a decision (the A/B's aside): the last
+    ``window`` of them, and up to ``reference`` before those, kept sorted; a step costs
+    the same however many ran before it."""
+
+    def __init__(self, window: int, reference: int):
+        self.recent: deque[float] = deque(maxlen=window)
+        self._earlier: deque[float] = deque()
+        self.earlier: list[float] = []
+        """Sorted."""
+        self._reference = reference
+
+    def add(self, seconds: float) -> None:
+        recent = self.recent
+        if len(recent) == recent.maxlen:
+            moved = recent[0]
+            self._earlier.append(moved)
+            bisect.insort(self.earlier, moved)
+            if len(self._earlier) > self._reference:
+                oldest = self._earlier.popleft()
+                del self.earlier[bisect.bisect_left(self.earlier, oldest)]
+        recent.append(seconds)
+
+    def earlier_median(self) -> float:
+        earlier, n = self.earlier, len(self.earlier)
+        return earlier[n // 2] if n % 2 else (earlier[n // 2 - 1] + earlier[n // 2]) / 2
 
 
 @dataclass
@@ -194,10 +289,8 @@ class _Since:
     """What the tuner saw since its last decision."""
 
     step: int
-    runs: list[tuple[bool, float]] = field(default_factory=list)
-    """(an A/B fixed-order step, seconds) per step."""
-    pair_logs: list[float] = field(default_factory=list)
-    """The log of each A/B pair's measured speedup in ``runs`` (read once per step)."""
+    pairs: PairLogs
+    times: SettingTimes
     drifting: int = 0
     """Steps in a row whose recent median strayed."""
     drifted: bool = False
@@ -217,7 +310,7 @@ class Tuner:
         """The first step of the steps being measured (None: not measuring)."""
         self._rounds = self._prediction_rounds()
         """How many measured steps each prediction still to come is made from."""
-        self._since = _Since(0)
+        self._since = self._new_since(0)
         self._pending: Decision | None = None
         """A decision made, to take effect at its step (the next block's first)."""
         self._ranked: list[Predicted] = []
@@ -266,16 +359,17 @@ class Tuner:
         measured the setting faster than the fixed order on average. A setting measured
         slower keeps its fixed-order steps coming (they run the faster order) until the
         fall-back's bound decides."""
-        logs = self._since.pair_logs
-        return len(logs) >= self.rules.settle_pairs and statistics.mean(logs) > 0
+        pairs = self._since.pairs
+        return pairs.count >= self.rules.settle_pairs and pairs.mean() > 0
 
     def observe(self, run: StepRun, seconds: float) -> None:
         """The step that ran ``run`` (``next_run()``'s answer) took ``seconds``."""
         if not seconds >= 0:
             raise ValueError(f"a step's time must be a number of seconds >= 0, got {seconds!r}")
         since = self._since
-        since.runs.append((run.ab_fixed, seconds))
-        since.pair_logs = [math.log(r) for r in ab_speedups(since.runs) if r > 0]
+        since.pairs.add(run.ab_fixed, seconds)
+        if not run.ab_fixed:
+            since.times.add(seconds)
         self.steps += 1
         if self._pending is not None:
             self._apply_pending()
@@ -350,16 +444,19 @@ class Tuner:
         self._pending = None
         self.decisions.append(decision)
         self.setting = decision.setting
-        self._since = _Since(self.steps)
+        self._since = self._new_since(self.steps)
+
+    def _new_since(self, step: int) -> _Since:
+        return _Since(step, PairLogs(), SettingTimes(self.rules.window, self.rules.reference))
 
     def _falls_back(self) -> bool:
         """Fall back where the pairs since the decision say the setting is slower."""
-        logs = self._since.pair_logs
-        if len(logs) < max(2, self.rules.min_pairs):
+        pairs = self._since.pairs
+        if pairs.count < max(2, self.rules.min_pairs):
             return False
-        if upper_bound(logs, self.rules.confidence) >= 0:
+        if pairs.upper_bound(self.rules.confidence) >= 0:
             return False
-        measured = math.exp(statistics.mean(logs))
+        measured = math.exp(pairs.mean())
         self._rejected[self.setting] = measured
         self._decide(self._plain(), "fall back", measured=measured)
         return True
@@ -367,19 +464,19 @@ class Tuner:
     def _watch_drift(self) -> None:
         """Measure again where the steps at the setting drifted (see the rules)."""
         rules, since = self.rules, self._since
-        times = [seconds for fixed, seconds in since.runs if not fixed]
-        if len(times) < 2 * rules.window:
+        earlier, last = since.times.earlier, since.times.recent
+        if len(earlier) < rules.window:
             return
-        earlier, last = times[:-rules.window], times[-rules.window:]
-        reference, recent = statistics.median(earlier), statistics.median(last)
-        spread = _deviation(earlier)  # the longer stretch estimates it more steadily
-        error = 1.2533 * spread * math.sqrt(1 / len(earlier) + 1 / len(last))
-        strays = (abs(recent - reference) > rules.drift_fraction * reference
-                  and abs(recent - reference) > rules.drift_errors * error)
+        reference = since.times.earlier_median()
+        moved = abs(statistics.median(last) - reference)
+        # the spread costs a pass over the earlier steps: only where the move is large
+        strays = (moved > rules.drift_fraction * reference
+                  and moved > rules.drift_errors * 1.2533 * _deviation(earlier)
+                  * math.sqrt(1 / len(earlier) + 1 / len(last)))
         since.drifting = since.drifting + 1 if strays else 0
         since.drifted = since.drifted or since.drifting >= rules.drift_hold
         if since.drifted and self.steps - since.step >= rules.dwell:
-            measured = math.exp(statistics.mean(since.pair_logs)) if since.pair_logs else None
+            measured = math.exp(since.pairs.mean()) if since.pairs.count else None
             decision = self._decide(self.setting, "drift", measured=measured)
             self._rejected.clear()  # what the A/B found slower was found on other timings
             # From the next block: where a job's ranks are told to share their traces.
