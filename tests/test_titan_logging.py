@@ -230,6 +230,26 @@ def test_a_self_driving_run_logs_the_setting_each_step_ran():
             "rrfp/self_driving/rank_buffer_limit/pp1": 6 + step}, step
 
 
+@pytest.mark.parametrize("seed", range(3))
+def test_the_console_s_a_b_pairs_taken_step_by_step_are_the_a_b_s_pairs(seed):
+    """Each step's A/B note (``RunAdvice._ab_pair``) reads pairs kept as the steps come,
+    not recomputed over the whole run at every step: the same pairs, the same note."""
+    import random
+
+    from rrfp.advise import ab_speedups
+    from torchtitan_ext.common.run_advice import PairsSoFar
+
+    rng, steps, pairs = random.Random(seed), [], PairsSoFar()
+    for _ in range(300):
+        # fixed-order steps now and then, twice in a row at times
+        steps.append((rng.random() < 0.3, rng.uniform(0.5, 2)))
+        before = ab_speedups(steps[:-1])
+        after = ab_speedups(steps)
+        made = pairs.add(*steps[-1])
+        assert made == (after[-1] if len(after) > len(before) else None)
+        assert pairs.ordered == sorted(after)
+
+
 def test_the_summary_names_the_steps_that_held_more_than_the_fixed_schedule():
     from torchtitan_ext.common.run_advice import ab_lines, held_line, StepRecord
 

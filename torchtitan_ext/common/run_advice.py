@@ -25,6 +25,7 @@ The verdict and the summary also go to TensorBoard as text (``rrfp/verdict``,
 
 from __future__ import annotations
 
+import bisect
 import collections
 import json
 import os
@@ -171,6 +172,53 @@ class StepRecord:
     """Per rank, what the hint's fixed order holds at its peak at those same bytes."""
 
 
+class PairsSoFar:
+    """``ab_speedups`` of the steps so far, kept as each step comes, so that a step costs
+    the same however many ran before it (the console notes a pair at each fixed-order
+    step of a run of any length)."""
+
+    def __init__(self) -> None:
+        self.ordered: list[float] = []
+        """The pairs, in ascending order."""
+        self._last: tuple[bool, float] | None = None
+        self._open: tuple[float, float | None, float | None] | None = None
+        """The latest fixed-order step, until the step after it: its seconds, the step's
+        before it (None: none at RRFP's setting) and its pair so far (None: none)."""
+
+    def add(self, fixed: bool, seconds: float) -> float | None:
+        """The next step; the pair it made (None: none; the step after a fixed-order one
+        completes that one's pair, which counts as made there only where the fixed-order
+        step had no step before it)."""
+        made = None
+        if self._open is not None and not fixed:
+            ab, before, pair = self._open
+            completed = _ratio(ab, before, seconds)
+            self._replace(pair, completed)
+            made = completed if pair is None else None
+        self._open = None
+        if fixed:
+            before = self._last[1] if self._last is not None and not self._last[0] else None
+            made = _ratio(seconds, before, None)
+            self._replace(None, made)
+            self._open = (seconds, before, made)
+        self._last = (fixed, seconds)
+        return made
+
+    def _replace(self, old: float | None, new: float | None) -> None:
+        if old is not None:
+            del self.ordered[bisect.bisect_left(self.ordered, old)]
+        if new is not None:
+            bisect.insort(self.ordered, new)
+
+
+def _ratio(ab: float, before: float | None, after: float | None) -> float | None:
+    """``ab_speedups`` of one fixed-order step between the steps beside it (None: no step
+    at RRFP's setting there)."""
+    ratios = ab_speedups([*([(False, before)] if before is not None else []), (True, ab),
+                          *([(False, after)] if after is not None else [])])
+    return ratios[0] if ratios else None
+
+
 class RunAdvice:
     """The verdict, the A/B and the summary of one run (see the module)."""
 
@@ -202,7 +250,8 @@ class RunAdvice:
         bytes)."""
         self.first_verdict: AdvisorProcess | None = None
         """Started once ``FIRST_VERDICT_AFTER`` steps after the first ran, where it fits."""
-        self._pairs_logged = 0
+        self._pairs = PairsSoFar()
+        """The in-run A/B's pairs of the steps after the first."""
         self.ab_note: str | None = None
         """The A/B pair the latest step completed, as its console line says it (None: none)."""
         self.bookkeeping_s = 0.0
@@ -288,15 +337,17 @@ class RunAdvice:
             self.text.add("rrfp/self_driving", line, step)
 
     def _ab_pair(self) -> dict[str, float]:
-        """The in-run A/B's newest pair, once a step after its fixed-order step has run
-        (``ab_note`` says it for the step's console line)."""
-        pairs = ab_speedups([(r.fixed_order, r.step_time) for r in self.records[1:]])
-        if len(pairs) == self._pairs_logged:
+        """The in-run A/B's pair the latest step made (a fixed-order step's against the
+        step before it; ``ab_note`` says it for the step's console line)."""
+        if len(self.records) < 2:
             return {}
-        self._pairs_logged = len(pairs)
-        self.ab_note = (f"A/B fixed order / RRFP step time {pairs[-1]:.3f}x, so far "
-                        f"{spread(pairs)} over {len(pairs)} pairs")
-        return {"rrfp/ab_speedup": pairs[-1]}
+        latest = self.records[-1]
+        pair = self._pairs.add(latest.fixed_order, latest.step_time)
+        if pair is None:
+            return {}
+        self.ab_note = (f"A/B fixed order / RRFP step time {pair:.3f}x, so far "
+                        f"{spread(self._pairs.ordered)} over {len(self._pairs.ordered)} pairs")
+        return {"rrfp/ab_speedup": pair}
 
     def _say_verdict(self, process: AdvisorProcess, step: int, when: str) -> str:
         line = self._verdict_of(process, step)
