@@ -63,7 +63,7 @@ from rrfp.testing.ab import in_alternating_order
 CONFIG = "train_configs/documents_cpu.toml"
 STEP_LINE = re.compile(r"rrfp step\s+(\d+)( \(fixed order\))?: (\d+) ms")
 DECISION = re.compile(r"rrfp self-driving: (from step .*)")
-FROM_STEP = re.compile(r"from step (\d+): (.*?)(?: \((\w[\w ]*)[;)]|$)")
+FROM_STEP = re.compile(r"from step (\d+): (.*?)(?: \((\w[^()]*)\))?$")
 WAITING = re.compile(r"rrfp self-driving: (predicting from steps .*)")
 OUT_OF_HINT = re.compile(r"out-of-hint actions: (.*)")
 NAMES = ("fixed", "default", "self-driving")

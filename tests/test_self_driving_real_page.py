@@ -50,7 +50,8 @@ def test_the_mode_s_paired_estimate_finds_its_true_speedup_through_the_host_s_sw
     truth = (sum(fixed_would[s] for s in runs if s >= 2)
              / sum(seconds for s, (_, seconds) in runs.items() if s >= 2))
     cut = stretches(runs, [DECISION])
-    assert [(s.first, s.reason) for s in cut] == [(2, "measure"), (SWITCH_AT, "switch")]
+    assert [(s.first, s.reason) for s in cut] == [
+        (2, "measure"), (SWITCH_AT, "switch; predicted 1.100x the fixed schedule")]
     value, low, high = paired_mode(runs, cut)
     assert low <= truth <= high
     assert abs(value / truth - 1) < 0.04  # about two standard errors of its pairs
