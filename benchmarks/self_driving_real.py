@@ -255,10 +255,12 @@ def page(rounds: list[dict[str, dict]], saved: dict) -> list[str]:
         "default / fixed | whole runs: self-driving / fixed | loads before fixed / default / "
         "self-driving | default: out-of-hint actions |",
         "|---|---|---|---|---|---|---|"]
+    cuts = [stretches(measured["self-driving"]["steps"], measured["self-driving"]["decisions"])
+            for measured in rounds]
     modes = []
-    for i, measured in enumerate(rounds):
+    for i, (measured, cut) in enumerate(zip(rounds, cuts)):
         fixed, default, mode = (measured[n]["steps"] for n in NAMES)
-        estimate = paired_mode(mode, stretches(mode, measured["self-driving"]["decisions"]))
+        estimate = paired_mode(mode, cut)
         modes.append(estimate)
         loads = " / ".join(f"{measured[n]['load']:.1f}" for n in NAMES)
         lines.append(
@@ -276,9 +278,9 @@ def page(rounds: list[dict[str, dict]], saved: dict) -> list[str]:
               "## The mode's decisions, with each stretch's paired speedup", "",
               "| round | from step | setting | why | steps | paired speedup over the fixed "
               "order |", "|---|---|---|---|---|---|"]
-    for i, measured in enumerate(rounds):
+    for i, (measured, cut) in enumerate(zip(rounds, cuts)):
         mode = measured["self-driving"]
-        for stretch in stretches(mode["steps"], mode["decisions"]):
+        for stretch in cut:
             paired = ("(is the fixed order)" if stretch.fixed_order
                       else str(stretch.speedup or "fewer than 2 pairs: counted at 1"))
             lines.append(f"| {i + 1} | {stretch.first} | {stretch.setting} | "
