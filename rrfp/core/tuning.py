@@ -36,11 +36,10 @@ measured steps, the caller predicts every candidate from them and hands the resu
    measured speedup to its latest prediction. A drift (rule 4) forgets what was found
    slower, and so the error.
 4. **Re-tune.** The median of the last ``window`` steps at the setting against the median
-   of the steps at it before them (the latest ``reference`` of them): when it moved by
-   more than ``drift_fraction`` and by more than ``drift_errors`` standard errors, on
-   ``drift_hold`` steps in a row, then (once at least ``dwell`` steps passed since the
-   last decision) the setting keeps running while the steps from the next block on are
-   measured again, and the choice is made again on them.
+   of the steps at it before them (the latest ``reference`` of them): when it moved by more than ``drift_fraction`` and by more than
+   ``drift_errors`` standard errors, on ``drift_hold`` steps in a row, then (once at least
+   ``dwell`` steps passed since the last decision) the setting keeps running while the
+   steps from the next block on are measured again, and the choice is made again on them.
 """
 
 from __future__ import annotations
@@ -53,7 +52,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 __all__ = ["ab_speedups", "Candidate", "Decision", "FIXED_ORDER", "OWN", "PairLogs",
-           "PairStream", "Predicted", "SettingTimes", "StepRun", "Tuner", "TuningRules"]
+           "Predicted", "SettingTimes", "StepRun", "Tuner", "TuningRules"]
 
 
 @dataclass(frozen=True)
@@ -200,62 +199,42 @@ def _t_quantile(confidence: float, df: int) -> float:
             + (3 * z**7 + 19 * z**5 + 17 * z**3 - 15 * z) / (384 * df**3))
 
 
-class PairStream:
-    """``ab_speedups`` of a run of steps, taken as each step comes: a fixed-order step's
-    pair is ``tail`` (against the step before it only) until the step after it runs and
-    completes it."""
-
-    def __init__(self) -> None:
-        self._before: float | None = None
-        """The last step's seconds, where it ran the setting."""
-        self._open: tuple[float, float | None] | None = None
-        """The last step, where it ran the fixed order: its seconds, and the step before it
-        at the setting (None: none)."""
-        self.tail: float | None = None
-        """The last step's pair, where it ran the fixed order (None: not, or no pair)."""
-
-    def add(self, fixed: bool, seconds: float) -> float | None:
-        """The next step: whether it ran the A/B's fixed order, and its seconds. Returns
-        the pair it completed: the last step's, where that one ran the fixed order (None:
-        it did not, or it has no pair)."""
-        completed = _pair(*self._open, None if fixed else seconds) if self._open else None
-        self._open = (seconds, self._before) if fixed else None
-        self.tail = _pair(seconds, self._before, None) if fixed else None
-        self._before = None if fixed else seconds
-        return completed
-
-
-def _pair(ab: float, before: float | None, after: float | None) -> float | None:
-    """``ab_speedups`` of one fixed-order step between the steps beside it (None: no step
-    at the setting there)."""
-    ratios = ab_speedups([*([(False, before)] if before is not None else []), (True, ab),
-                          *([(False, after)] if after is not None else [])])
-    return ratios[0] if ratios else None
-
-
 class PairLogs:
     """The logs of the A/B's measured speedups (``ab_speedups``) of the steps since a
     decision, taken as each step comes, so that a step costs the same however many ran
     before it (a job runs a setting for hundreds of thousands of steps)."""
 
     def __init__(self) -> None:
-        self._stream = PairStream()
         self._done = 0
         self._total = 0.0
         self._squares = 0.0
+        self._before: float | None = None
+        """The last step's seconds, where it ran the setting."""
+        self._open: tuple[float, float | None] | None = None
+        """The last step, where it ran the fixed order: its seconds, and the step before it
+        at the setting (None: none)."""
 
     def add(self, fixed: bool, seconds: float) -> None:
         """The next step: whether it ran the A/B's fixed order, and its seconds."""
-        log = _log(self._stream.add(fixed, seconds))
-        if log is not None:
-            self._done += 1
-            self._total += log
-            self._squares += log * log
+        if self._open is not None:
+            log = self._log(self._open[0], self._open[1], None if fixed else seconds)
+            if log is not None:
+                self._done += 1
+                self._total += log
+                self._squares += log * log
+        self._open = (seconds, self._before) if fixed else None
+        self._before = None if fixed else seconds
+
+    @staticmethod
+    def _log(ab: float, *beside: float | None) -> float | None:
+        neighbours = [s for s in beside if s is not None]
+        ratio = ab / statistics.mean(neighbours) if neighbours and any(neighbours) else 0.0
+        return math.log(ratio) if ratio > 0 else None
 
     def _all(self) -> tuple[int, float, float]:
         """Count, sum and sum of squares, the last fixed-order step's pair (against the
         step before it only, until the one after it runs) included."""
-        tail = _log(self._stream.tail)
+        tail = self._log(*self._open) if self._open is not None else None
         if tail is None:
             return self._done, self._total, self._squares
         return self._done + 1, self._total + tail, self._squares + tail * tail
@@ -275,10 +254,6 @@ class PairLogs:
         mean = total / n
         spread = math.sqrt(max(0.0, (squares - n * mean * mean) / (n - 1)))
         return mean + _t_quantile(confidence, n - 1) * spread / math.sqrt(n)
-
-
-def _log(ratio: float | None) -> float | None:
-    return math.log(ratio) if ratio is not None and ratio > 0 else None
 
 
 class SettingTimes:
