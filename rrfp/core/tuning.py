@@ -36,10 +36,11 @@ measured steps, the caller predicts every candidate from them and hands the resu
    measured speedup to its latest prediction. A drift (rule 4) forgets what was found
    slower, and so the error.
 4. **Re-tune.** The median of the last ``window`` steps at the setting against the median
-   of the steps at it before them (the latest ``reference`` of them): when it moved by more than ``drift_fraction`` and by more than
-   ``drift_errors`` standard errors, on ``drift_hold`` steps in a row, then (once at least
-   ``dwell`` steps passed since the last decision) the setting keeps running while the
-   steps from the next block on are measured again, and the choice is made again on them.
+   of the steps at it before them (the latest ``reference`` of them): when it moved by
+   more than ``drift_fraction`` and by more than ``drift_errors`` standard errors, on
+   ``drift_hold`` steps in a row, then (once at least ``dwell`` steps passed since the
+   last decision) the setting keeps running while the steps from the next block on are
+   measured again, and the choice is made again on them.
 """
 
 from __future__ import annotations
