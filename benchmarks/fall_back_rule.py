@@ -26,10 +26,10 @@ from rrfp.core.tuning import FIXED_ORDER, Tuner, TuningRules
 
 SOURCE = "self_driving_real.json"
 OFFSETS = 8
-RULES = {"the default (min_pairs 4, confidence 0.99)": TuningRules(),
-         "min_pairs 16, confidence 0.99": TuningRules(min_pairs=16),
-         "min_pairs 4, confidence 0.999": TuningRules(confidence=0.999),
-         "min_pairs 4, confidence 0.9999": TuningRules(confidence=0.9999)}
+RULES = {"the default (min_pairs 4, confidence 0.95 over every look)": TuningRules(),
+         "min_pairs 4, confidence 0.9": TuningRules(confidence=0.9),
+         "min_pairs 4, confidence 0.99": TuningRules(confidence=0.99),
+         "min_pairs 16, confidence 0.95": TuningRules(min_pairs=16)}
 FACTORS = (0.96, 0.92)
 
 

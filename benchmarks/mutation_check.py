@@ -194,9 +194,9 @@ MUTATIONS = [
          "charts",)),
     Mutation(
         "ab_pairs_one_sided", "the A/B compares a fixed step with the RRFP steps on both sides",
-        "rrfp/core/tuning.py", "for j in (i - 1, i + 1)", "for j in (i - 1,)",
+        "rrfp/core/ab_pairs.py", "for j in (i - 1, i + 1)", "for j in (i - 1,)",
         ("tests/test_advise.py::test_the_ab_pairs_each_fixed_step_with_its_neighbours",
-         "tests/test_tuning.py::test_the_a_b_pairs_each_fixed_step_with_its_neighbours")),
+         "tests/test_ab_pairs.py::test_the_a_b_pairs_each_fixed_step_with_its_neighbours")),
     Mutation(
         "fixed_every_ignored", "the in-run A/B runs every k-th step in the fixed order",
         "rrfp/runtime/pipeline.py", "fixed = training and (self.fixed_every > 0 and (",
@@ -268,9 +268,15 @@ MUTATIONS = [
     Mutation(
         "tuner_never_falls_back", "self-driving falls back when the in-run A/B says its "
         "setting is slower", "rrfp/core/tuning.py",
-        "if pairs.upper_bound(self.rules.confidence) >= 0:", "if True:",
+        "if pairs.upper_bound(look_quantile(rules.confidence, count, rules.min_pairs)) >= 0:",
+        "if True:",
         ("tests/test_tuning.py::test_falls_back_when_the_a_b_says_the_setting_is_slower",
          "tests/test_tuning.py::test_falls_back_to_the_hints_own_setting_when_no_candidate_is_left")),
+    Mutation(
+        "fall_back_bound_per_look", "the fall-back's bound holds over every look at the A/B's "
+        "pairs, not at each", "rrfp/core/ab_pairs.py",
+        "    return _t_of_normal(z, pairs - 1)", "    return t_quantile(confidence, pairs - 1)",
+        ("tests/test_ab_pairs.py::test_the_fall_back_s_bound_holds_over_every_look",)),
     Mutation(
         "drift_reference_unbounded", "the tuner keeps a bounded number of steps for the "
         "drift's reference, whatever the run's length", "rrfp/core/tuning.py",

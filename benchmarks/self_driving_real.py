@@ -57,7 +57,8 @@ from dataclasses import dataclass
 
 from benchmarks.pages import result_path, write_page
 from benchmarks.titan_runs import run_job
-from rrfp.core.tuning import ab_speedups, FIXED_ORDER, OWN, upper_bound
+from rrfp.core.ab_pairs import ab_speedups, upper_bound
+from rrfp.core.tuning import FIXED_ORDER, OWN
 from rrfp.testing.ab import in_alternating_order
 
 CONFIG = "train_configs/documents_cpu.toml"

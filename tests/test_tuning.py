@@ -10,8 +10,8 @@ import time
 
 import pytest
 
-from rrfp.core.tuning import (ab_speedups, Candidate, FIXED_ORDER, OWN, PairLogs, Predicted,
-                              SettingTimes, Tuner, TuningRules, upper_bound)
+from rrfp.core.tuning import (Candidate, FIXED_ORDER, OWN, Predicted, SettingTimes, Tuner,
+                              TuningRules)
 
 FAST = Candidate("hint+2")
 FASTER_ON_PAPER = Candidate("hint+2", "critical")
@@ -185,9 +185,9 @@ def test_a_setting_measured_slower_keeps_its_a_b_frequent_until_it_falls_back():
                 {OWN: 1.0, FIXED_ORDER: 1.0, FAST: 1.064}, noise=0.15, seed=seed)) -> float:
             runs.append(run)
             return table(step, run)
-        drive(tuner, 400, seconds, [Predicted(FAST, 1.1)])
+        drive(tuner, 1200, seconds, [Predicted(FAST, 1.1)])
         fall_back = next(d for d in tuner.decisions if d.reason == "fall back")
-        assert fall_back.step <= 400 - rules.ab_every_settled, seed
+        assert fall_back.step <= 1200 - rules.ab_every_settled, seed
         pairs_needed.append(sum(run.ab_fixed for run in runs[:fall_back.step]))
     assert sum(n > rules.settle_pairs + 2 for n in pairs_needed) >= 4, pairs_needed
 
@@ -295,26 +295,6 @@ def test_decisions_take_effect_at_a_blocks_first_step_and_the_plan_says_each_ste
         tuner.plan_block()
 
 
-def test_the_a_b_pairs_each_fixed_step_with_its_neighbours():
-    assert ab_speedups([(False, 1.0), (True, 1.5), (False, 2.0), (True, 3.0)]) == [1.0, 1.5]
-
-
-@pytest.mark.parametrize("seed", range(3))
-def test_the_pairs_taken_step_by_step_are_the_a_b_s_pairs(seed):
-    rng = random.Random(seed)
-    steps, pairs = [], PairLogs()
-    for _ in range(400):
-        # fixed-order steps now and then, twice in a row at times; a step of 0 s at times
-        steps.append((rng.random() < 0.3, rng.choice([0.0, *[rng.uniform(0.5, 2)] * 9])))
-        pairs.add(*steps[-1])
-        logs = [math.log(r) for r in ab_speedups(steps) if r > 0]
-        assert pairs.count == len(logs)
-        if len(logs) >= 1:
-            assert pairs.mean() == pytest.approx(statistics.mean(logs), abs=1e-12)
-        if len(logs) >= 2:
-            assert pairs.upper_bound(0.99) == pytest.approx(upper_bound(logs, 0.99), abs=1e-9)
-
-
 def test_the_drift_s_reference_keeps_the_latest_steps_sorted():
     times, seen = SettingTimes(window=10, reference=50), []
     rng = random.Random(0)
@@ -345,13 +325,6 @@ def test_a_step_costs_the_tuner_the_same_however_many_ran_at_the_setting():
     late = cpu_of_400_steps()
     assert tuner.decisions[-1].setting == FAST and tuner.decisions[-1].step < 100
     assert late < 3 * early + 0.05
-
-
-def test_the_upper_bound_is_students():
-    # Student's t at 0.99, 3 degrees of freedom: 4.541.
-    values = [0.0, 1.0, 2.0, 3.0]
-    exact = 1.5 + 4.541 * (5 / 3) ** 0.5 / 2
-    assert exact * 0.97 < upper_bound(values, 0.99) <= exact
 
 
 def test_the_rules_refuse_what_cannot_work():

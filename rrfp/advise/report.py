@@ -10,7 +10,7 @@ from rrfp.advise.measured import MeasuredRun
 from rrfp.advise.predict import Prediction, predictions, Replay, variability
 from rrfp.core.limits import fixed_peak_bytes
 from rrfp.core.text import counted
-from rrfp.core.tuning import ab_speedups
+from rrfp.core.ab_pairs import ab_speedups
 
 MIN_STEPS = 3
 """Fewer measured training steps than this are too few to predict from."""

@@ -26,9 +26,12 @@ measured steps, the caller predicts every candidate from them and hands the resu
    speedup (``ab_speedups``); each decision starts its own pairs. Once ``settle_pairs``
    pairs measured the setting faster on average, every ``ab_every_settled``-th step runs
    the fixed order instead (back to ``ab_every`` while their mean says slower).
-   **Fall back** when the upper one-sided ``confidence`` bound of the mean log speedup,
-   over every pair since the decision (at least ``min_pairs``), is below 0: the setting is
-   slower than the fixed order, beyond what the pairs' own spread explains. The hint's own
+   **Fall back** when the upper one-sided bound of the mean log speedup over every pair
+   since the decision (at least ``min_pairs``) is below 0: the setting is slower than the
+   fixed order, beyond what the pairs' own spread explains. The bound holds over every
+   look at once (``rrfp.core.ab_pairs.look_quantile``, tightest at its first look): a
+   setting as fast as the fixed order is rejected with a chance of at most
+   1 - ``confidence`` however long it runs, not that chance at each new pair. The hint's own
    setting runs, else (it too found slower) the fixed order: not the next candidate, which
    the replay that over-predicted the rejected setting predicted no faster. From then on
    each prediction (a refine round's) counts at its value times the replay's measured
@@ -52,8 +55,10 @@ from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-__all__ = ["ab_speedups", "Candidate", "Decision", "FIXED_ORDER", "OWN", "PairLogs",
-           "Predicted", "SettingTimes", "StepRun", "Tuner", "TuningRules"]
+from rrfp.core.ab_pairs import look_quantile, PairLogs
+
+__all__ = ["Candidate", "Decision", "FIXED_ORDER", "OWN", "Predicted", "SettingTimes",
+           "StepRun", "Tuner", "TuningRules"]
 
 
 @dataclass(frozen=True)
@@ -139,7 +144,7 @@ class TuningRules:
     ab_every_settled: int = 64
     settle_pairs: int = 4
     switch_margin: float = 1.02
-    confidence: float = 0.99
+    confidence: float = 0.95
     min_pairs: int = 4
     window: int = 10
     reference: int = 2000
@@ -167,94 +172,6 @@ class TuningRules:
                              f"window ({self.window}): a drift compares the window with them")
         if not 0.5 < self.confidence < 1:
             raise ValueError(f"TuningRules.confidence must be in (0.5, 1), got {self.confidence}")
-
-
-def ab_speedups(steps: Sequence[tuple[bool, float]]) -> list[float]:
-    """The in-run A/B's measured speedups: for each fixed-order step (``(True, seconds)``),
-    its time over the mean of the steps at the run's own setting next to it (before and
-    after), so that a drift in the machine's speed falls on both (none where they took
-    no time)."""
-    ratios = []
-    for i, (fixed, seconds) in enumerate(steps):
-        if not fixed:
-            continue
-        neighbours = [steps[j][1] for j in (i - 1, i + 1)
-                      if 0 <= j < len(steps) and not steps[j][0]]
-        if neighbours and statistics.mean(neighbours) > 0:
-            ratios.append(seconds / statistics.mean(neighbours))
-    return ratios
-
-
-def upper_bound(values: Sequence[float], confidence: float) -> float:
-    """The one-sided upper ``confidence`` bound of the mean of ``values`` (Student's t,
-    its quantile by the Cornish-Fisher expansion, a little below the exact one with few
-    degrees of freedom: ``tests/test_tuning.py`` bounds the difference)."""
-    n = len(values)
-    return (statistics.mean(values)
-            + _t_quantile(confidence, n - 1) * statistics.stdev(values) / math.sqrt(n))
-
-
-def _t_quantile(confidence: float, df: int) -> float:
-    z = statistics.NormalDist().inv_cdf(confidence)
-    return (z + (z**3 + z) / (4 * df) + (5 * z**5 + 16 * z**3 + 3 * z) / (96 * df**2)
-            + (3 * z**7 + 19 * z**5 + 17 * z**3 - 15 * z) / (384 * df**3))
-
-
-class PairLogs:
-    """The logs of the A/B's measured speedups (``ab_speedups``) of the steps since a
-    decision, taken as each step comes, so that a step costs the same however many ran
-    before it (a job runs a setting for hundreds of thousands of steps)."""
-
-    def __init__(self) -> None:
-        self._done = 0
-        self._total = 0.0
-        self._squares = 0.0
-        self._before: float | None = None
-        """The last step's seconds, where it ran the setting."""
-        self._open: tuple[float, float | None] | None = None
-        """The last step, where it ran the fixed order: its seconds, and the step before it
-        at the setting (None: none)."""
-
-    def add(self, fixed: bool, seconds: float) -> None:
-        """The next step: whether it ran the A/B's fixed order, and its seconds."""
-        if self._open is not None:
-            log = self._log(self._open[0], self._open[1], None if fixed else seconds)
-            if log is not None:
-                self._done += 1
-                self._total += log
-                self._squares += log * log
-        self._open = (seconds, self._before) if fixed else None
-        self._before = None if fixed else seconds
-
-    @staticmethod
-    def _log(ab: float, *beside: float | None) -> float | None:
-        neighbours = [s for s in beside if s is not None]
-        ratio = ab / statistics.mean(neighbours) if neighbours and any(neighbours) else 0.0
-        return math.log(ratio) if ratio > 0 else None
-
-    def _all(self) -> tuple[int, float, float]:
-        """Count, sum and sum of squares, the last fixed-order step's pair (against the
-        step before it only, until the one after it runs) included."""
-        tail = self._log(*self._open) if self._open is not None else None
-        if tail is None:
-            return self._done, self._total, self._squares
-        return self._done + 1, self._total + tail, self._squares + tail * tail
-
-    @property
-    def count(self) -> int:
-        return self._all()[0]
-
-    def mean(self) -> float:
-        """The mean log speedup (at least one pair)."""
-        n, total, _ = self._all()
-        return total / n
-
-    def upper_bound(self, confidence: float) -> float:
-        """``upper_bound`` of the logs (at least two pairs)."""
-        n, total, squares = self._all()
-        mean = total / n
-        spread = math.sqrt(max(0.0, (squares - n * mean * mean) / (n - 1)))
-        return mean + _t_quantile(confidence, n - 1) * spread / math.sqrt(n)
 
 
 class SettingTimes:
@@ -453,9 +370,10 @@ class Tuner:
     def _falls_back(self) -> bool:
         """Fall back where the pairs since the decision say the setting is slower."""
         pairs = self._since.pairs
-        if pairs.count < max(2, self.rules.min_pairs):
+        count, rules = pairs.count, self.rules
+        if count < max(2, rules.min_pairs):
             return False
-        if pairs.upper_bound(self.rules.confidence) >= 0:
+        if pairs.upper_bound(look_quantile(rules.confidence, count, rules.min_pairs)) >= 0:
             return False
         measured = math.exp(pairs.mean())
         self._rejected[self.setting] = measured

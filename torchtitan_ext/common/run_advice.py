@@ -42,6 +42,7 @@ from rrfp import ScheduleRRFP, StepStats
 from rrfp.advise import ab_speedups, child_environment, lower_priority
 from rrfp.advise.cost import available_cores, CPU_SHARE, prediction_cpu_seconds
 from rrfp.advise.report import MIN_STEPS, size, spread
+from rrfp.core.ab_pairs import PairStream
 from rrfp.core.hints import Hint
 from rrfp.core.limits import fixed_peak_bytes, realized_peak_bytes
 from torchtitan.tools.logging import logger
@@ -179,44 +180,27 @@ class PairsSoFar:
 
     def __init__(self) -> None:
         self.ordered: list[float] = []
-        """The pairs, in ascending order."""
-        self._last: tuple[bool, float] | None = None
-        self._open: tuple[float, float | None, float | None] | None = None
-        """The latest fixed-order step, until the step after it: its seconds, the step's
-        before it (None: none at RRFP's setting) and its pair so far (None: none)."""
+        """The pairs, in ascending order (the last fixed-order step's against the step
+        before it only, until the step after it completes it)."""
+        self._stream = PairStream()
 
     def add(self, fixed: bool, seconds: float) -> float | None:
         """The next step; the pair it made (None: none; the step after a fixed-order one
         completes that one's pair, which counts as made there only where the fixed-order
         step had no step before it)."""
-        made = None
-        if self._open is not None and not fixed:
-            ab, before, pair = self._open
-            completed = _ratio(ab, before, seconds)
-            self._replace(pair, completed)
-            made = completed if pair is None else None
-        self._open = None
-        if fixed:
-            before = self._last[1] if self._last is not None and not self._last[0] else None
-            made = _ratio(seconds, before, None)
-            self._replace(None, made)
-            self._open = (seconds, before, made)
-        self._last = (fixed, seconds)
-        return made
+        provisional = self._stream.tail
+        completed = self._stream.add(fixed, seconds)
+        self._replace(provisional, completed)
+        self._replace(None, self._stream.tail)
+        if self._stream.tail is not None:
+            return self._stream.tail
+        return completed if provisional is None else None
 
     def _replace(self, old: float | None, new: float | None) -> None:
         if old is not None:
             del self.ordered[bisect.bisect_left(self.ordered, old)]
         if new is not None:
             bisect.insort(self.ordered, new)
-
-
-def _ratio(ab: float, before: float | None, after: float | None) -> float | None:
-    """``ab_speedups`` of one fixed-order step between the steps beside it (None: no step
-    at RRFP's setting there)."""
-    ratios = ab_speedups([*([(False, before)] if before is not None else []), (True, ab),
-                          *([(False, after)] if after is not None else [])])
-    return ratios[0] if ratios else None
 
 
 class RunAdvice:
