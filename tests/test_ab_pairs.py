@@ -9,11 +9,8 @@ import statistics
 
 import pytest
 
-from rrfp.core.ab_pairs import ab_speedups, look_quantile, PairLogs, t_quantile, upper_bound
-
-LOOKS = 1500
-"""Pairs per run: a job at the settled A/B rate (every 64th step) for about 100k steps."""
-
+from benchmarks.fall_back_rule import EACH_LOOK, heavy_tailed, looks_below, normal, OVER_LOOKS
+from rrfp.core.ab_pairs import ab_speedups, PairLogs, t_quantile, upper_bound
 
 def test_the_a_b_pairs_each_fixed_step_with_its_neighbours():
     assert ab_speedups([(False, 1.0), (True, 1.5), (False, 2.0), (True, 3.0)]) == [1.0, 1.5]
@@ -43,57 +40,22 @@ def test_the_upper_bound_is_students():
     assert exact * 0.97 < upper_bound(values, 0.99) <= exact
 
 
-def first_look_below(logs, quantiles, first: int) -> int | None:
-    """The first count of pairs (at least ``first``) whose upper bound, at ``quantiles[n]``
-    standard errors, is below 0 (None: none); ``PairLogs.upper_bound``'s sums, kept here
-    without the pairing for speed."""
-    total = squares = 0.0
-    for n, log in enumerate(logs, start=1):
-        total += log
-        squares += log * log
-        if n >= first:
-            mean = total / n
-            spread = math.sqrt(max(0.0, (squares - n * mean * mean) / (n - 1)))
-            if mean + quantiles[n] * spread / math.sqrt(n) < 0:
-                return n
-    return None
-
-
-def runs_below(mean: float, draw, quantiles, runs: int = 300, seed: int = 0) -> list:
-    rng = random.Random(seed)
-    return [first_look_below([mean + 0.12 * draw(rng) for _ in range(LOOKS)], quantiles, 4)
-            for _ in range(runs)]
-
-
-def normal(rng):
-    return rng.gauss(0, 1)
-
-
-def heavy_tailed(rng):
-    """Student's t with 3 degrees of freedom, scaled to variance 1."""
-    return rng.gauss(0, 1) / math.sqrt(sum(rng.gauss(0, 1) ** 2 for _ in range(3)) / 3) / 3**0.5
-
-
-OVER_LOOKS = {n: look_quantile(0.95, n, 4) for n in range(2, LOOKS + 1)}
-EACH_LOOK = {n: t_quantile(0.95, n - 1) for n in range(2, LOOKS + 1)}
-
-
 @pytest.mark.parametrize("draw", [normal, heavy_tailed])
 def test_the_fall_back_s_bound_holds_over_every_look(draw):
     """Pairs of a setting as fast as the fixed order (mean log 0), looked at after every
     pair for 1,500 pairs: the bound over every look falls below 0 in at most 5% of the runs
-    (its confidence, 0.95), where a bound at 0.95 each look does in most of them."""
-    over_looks = runs_below(0.0, draw, OVER_LOOKS)
-    each_look = runs_below(0.0, draw, EACH_LOOK)
+    (its confidence, 0.95), where a bound at 0.95 each look does in a third or more."""
+    over_looks = looks_below(1.0, draw, OVER_LOOKS)
+    each_look = looks_below(1.0, draw, EACH_LOOK)
     assert sum(n is not None for n in over_looks) <= 0.05 * len(over_looks)
     assert sum(n is not None for n in each_look) >= 0.3 * len(each_look)
 
 
 def test_the_bound_over_every_look_finds_a_slower_setting():
-    """0.92x and 0.96x the fixed order at this job's spread (0.12 per pair): every run
+    """0.92x and 0.96x the fixed order at the documents job's spread: every run
     falls back, the 0.92x one within ~100 pairs."""
-    slower = runs_below(math.log(0.92), normal, OVER_LOOKS, runs=100)
-    slightly = runs_below(math.log(0.96), normal, OVER_LOOKS, runs=100)
+    slower = looks_below(0.92, normal, OVER_LOOKS, runs=100)
+    slightly = looks_below(0.96, normal, OVER_LOOKS, runs=100)
     assert all(n is not None for n in slower + slightly)
     assert statistics.median(slower) < 60 and max(slower) < 150
     assert statistics.median(slower) < statistics.median(slightly) < 200
