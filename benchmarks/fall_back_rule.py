@@ -42,9 +42,12 @@ RULES = {"the default (min_pairs 4, confidence 0.95 over every look)": TuningRul
 FACTORS = (0.96, 0.92)
 LOOKS = 1500
 SPREAD = 0.12
-"""The standard deviation of a pair's log on the documents job (0.10-0.14 by round)."""
-OVER_LOOKS = {n: look_quantile(0.95, n, 4) for n in range(2, LOOKS + 1)}
-EACH_LOOK = {n: t_quantile(0.95, n - 1) for n in range(2, LOOKS + 1)}
+"""The standard deviation of a pair's log on the documents job (0.10-0.14 by round over
+its runs so far)."""
+DEFAULT = TuningRules()
+OVER_LOOKS = {n: look_quantile(DEFAULT.confidence, n, DEFAULT.min_pairs)
+              for n in range(2, LOOKS + 1)}
+EACH_LOOK = {n: t_quantile(DEFAULT.confidence, n - 1) for n in range(2, LOOKS + 1)}
 
 
 def runs_of(saved: dict) -> list[list[float]]:
@@ -80,7 +83,7 @@ def row(name: str, rules: TuningRules, runs: list[list[float]]) -> str:
 
 
 def first_look_below(logs: list[float], quantiles: dict[int, float],
-                     first: int = 4) -> int | None:
+                     first: int = DEFAULT.min_pairs) -> int | None:
     """The first count of pairs (at least ``first``) whose upper bound of the mean log, at
     ``quantiles[n]`` standard errors, is below 0 (None: none); the running sums of
     ``PairLogs.upper_bound``, kept here without the pairing for speed."""
