@@ -30,7 +30,7 @@ import random
 import statistics
 
 from benchmarks.pages import result_path, write_page
-from rrfp.core.ab_pairs import look_quantile, t_quantile
+from rrfp.core.ab_pairs import LogSums, look_quantile, t_quantile
 from rrfp.core.tuning import FIXED_ORDER, Tuner, TuningRules
 
 SOURCE = "self_driving_real.json"
@@ -85,17 +85,12 @@ def row(name: str, rules: TuningRules, runs: list[list[float]]) -> str:
 def first_look_below(logs: list[float], quantiles: dict[int, float],
                      first: int = DEFAULT.min_pairs) -> int | None:
     """The first count of pairs (at least ``first``) whose upper bound of the mean log, at
-    ``quantiles[n]`` standard errors, is below 0 (None: none); the running sums of
-    ``PairLogs.upper_bound``, kept here without the pairing for speed."""
-    total = squares = 0.0
-    for n, log in enumerate(logs, start=1):
-        total += log
-        squares += log * log
-        if n >= first:
-            mean = total / n
-            spread = math.sqrt(max(0.0, (squares - n * mean * mean) / (n - 1)))
-            if mean + quantiles[n] * spread / math.sqrt(n) < 0:
-                return n
+    ``quantiles[n]`` standard errors, is below 0 (None: none)."""
+    sums = LogSums()
+    for log in logs:
+        sums = sums.plus(log)
+        if sums.count >= first and sums.upper_bound(quantiles[sums.count]) < 0:
+            return sums.count
     return None
 
 

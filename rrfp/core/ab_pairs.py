@@ -3,7 +3,7 @@
 A fixed-order step of the in-run A/B over the mean of its neighbours at the run's own
 setting is one measured speedup (``ab_speedups``): a drift in the machine's speed falls on
 both. ``PairStream`` takes them as the steps come and ``PairLogs`` keeps running sums of
-their logs, so that a step costs the same however many ran before it (a job runs a setting
+their logs (``LogSums``), so that a step costs the same however many ran before it (a job runs a setting
 for hundreds of thousands of steps).
 
 ``upper_bound`` bounds their mean log at one look (Student's t). The tuner looks after
@@ -22,7 +22,7 @@ import math
 import statistics
 from collections.abc import Sequence
 
-__all__ = ["ab_speedups", "look_quantile", "PairLogs", "PairStream", "t_quantile",
+__all__ = ["ab_speedups", "LogSums", "look_quantile", "PairLogs", "PairStream", "t_quantile",
            "upper_bound"]
 
 
@@ -104,6 +104,30 @@ def _pair(ab: float, before: float | None, after: float | None) -> float | None:
     return ratios[0] if ratios else None
 
 
+class LogSums:
+    """Running count, sum and sum of squares of logs: their mean, and their upper bound at a
+    quantile."""
+
+    __slots__ = ("count", "total", "squares")
+
+    def __init__(self, count: int = 0, total: float = 0.0, squares: float = 0.0) -> None:
+        self.count, self.total, self.squares = count, total, squares
+
+    def plus(self, log: float) -> "LogSums":
+        """These sums with ``log`` added."""
+        return LogSums(self.count + 1, self.total + log, self.squares + log * log)
+
+    def mean(self) -> float:
+        """The mean log (at least one)."""
+        return self.total / self.count
+
+    def upper_bound(self, quantile: float) -> float:
+        """The mean log plus ``quantile`` standard errors (at least two logs)."""
+        n, mean = self.count, self.mean()
+        spread = math.sqrt(max(0.0, (self.squares - n * mean * mean) / (n - 1)))
+        return mean + quantile * spread / math.sqrt(n)
+
+
 class PairLogs:
     """The logs of the A/B's measured speedups of the steps since a decision, as running
     sums: the last fixed-order step's pair counts against the step before it only until
@@ -111,40 +135,19 @@ class PairLogs:
 
     def __init__(self) -> None:
         self._stream = PairStream()
-        self._done = 0
-        self._total = 0.0
-        self._squares = 0.0
+        self._done = LogSums()
+        """The completed pairs'."""
 
     def add(self, fixed: bool, seconds: float) -> None:
         """The next step: whether it ran the A/B's fixed order, and its seconds."""
         log = _log(self._stream.add(fixed, seconds))
         if log is not None:
-            self._done += 1
-            self._total += log
-            self._squares += log * log
+            self._done = self._done.plus(log)
 
-    def _all(self) -> tuple[int, float, float]:
-        """Count, sum and sum of squares, the open pair included."""
+    def sums(self) -> LogSums:
+        """The pairs' sums, the open pair included."""
         tail = _log(self._stream.tail)
-        if tail is None:
-            return self._done, self._total, self._squares
-        return self._done + 1, self._total + tail, self._squares + tail * tail
-
-    @property
-    def count(self) -> int:
-        return self._all()[0]
-
-    def mean(self) -> float:
-        """The mean log speedup (at least one pair)."""
-        n, total, _ = self._all()
-        return total / n
-
-    def upper_bound(self, quantile: float) -> float:
-        """The mean log speedup plus ``quantile`` standard errors (at least two pairs)."""
-        n, total, squares = self._all()
-        mean = total / n
-        spread = math.sqrt(max(0.0, (squares - n * mean * mean) / (n - 1)))
-        return mean + quantile * spread / math.sqrt(n)
+        return self._done if tail is None else self._done.plus(tail)
 
 
 def _log(ratio: float | None) -> float | None:

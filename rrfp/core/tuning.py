@@ -277,7 +277,7 @@ class Tuner:
         measured the setting faster than the fixed order on average. A setting measured
         slower keeps its fixed-order steps coming (they run the faster order) until the
         fall-back's bound decides."""
-        pairs = self._since.pairs
+        pairs = self._since.pairs.sums()
         return pairs.count >= self.rules.settle_pairs and pairs.mean() > 0
 
     def observe(self, run: StepRun, seconds: float) -> None:
@@ -369,7 +369,7 @@ class Tuner:
 
     def _falls_back(self) -> bool:
         """Fall back where the pairs since the decision say the setting is slower."""
-        pairs = self._since.pairs
+        pairs = self._since.pairs.sums()
         count, rules = pairs.count, self.rules
         if count < max(2, rules.min_pairs):
             return False
@@ -395,7 +395,8 @@ class Tuner:
         since.drifting = since.drifting + 1 if strays else 0
         since.drifted = since.drifted or since.drifting >= rules.drift_hold
         if since.drifted and self.steps - since.step >= rules.dwell:
-            measured = math.exp(since.pairs.mean()) if since.pairs.count else None
+            pairs = since.pairs.sums()
+            measured = math.exp(pairs.mean()) if pairs.count else None
             decision = self._decide(self.setting, "drift", measured=measured)
             self._rejected.clear()  # what the A/B found slower was found on other timings
             # From the next block: where a job's ranks are told to share their traces.
